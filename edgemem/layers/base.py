@@ -1,0 +1,37 @@
+"""The stateful protocol every edgemem layer follows (DESIGN: "The stateful protocol").
+
+A layer implements `init_state` and `prefill`; `forward` and `step` follow from them, so
+`forward(x) ≡ prefill(x, init_state)` and `step` is a one-token prefill. Tensors are
+`[B, T, d_model]`; states are flat dicts `kind → tensor` (kinds as in the ONNX names:
+`recurrent_state`, `conv_state`, `key`, `value`, …) and are never modified in place.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+State = dict[str, torch.Tensor]
+
+
+class StatefulLayer(nn.Module):
+    def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> State:
+        """Fixed-size state of a fresh stream (fp32 unless the layer runs in fp64)."""
+        raise NotImplementedError
+
+    def prefill(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
+        """A block of tokens `[B, T, d_model]` continuing from `state`."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.prefill(x, self.init_state(x.shape[0], x.device))[0]
+
+    def step(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
+        """One token `[B, d_model]`."""
+        y, state = self.prefill(x[:, None], state)
+        return y[:, 0], state
+
+    def state_dtype(self, dtype: torch.dtype | None) -> torch.dtype:
+        if dtype is not None:
+            return dtype
+        return torch.float64 if next(self.parameters()).dtype == torch.float64 else torch.float32

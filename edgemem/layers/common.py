@@ -1,0 +1,41 @@
+"""Small building blocks shared by the layers: short causal convolution, RoPE, L2 norm."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class ShortConv(nn.Module):
+    """Depthwise causal conv over time (kernel K) followed by SiLU; state = last K−1 inputs."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.kernel = kernel
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+
+    def init_state(self, batch: int, device: torch.device | None, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(batch, self.weight.shape[0], self.kernel - 1, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x `[B, T, C]`, state `[B, C, K−1]` → (y `[B, T, C]`, new state)."""
+        window = torch.cat([state.to(x.dtype), x.transpose(1, 2)], dim=2)
+        y = F.conv1d(window, self.weight, groups=self.weight.shape[0])
+        return F.silu(y.transpose(1, 2)), window[:, :, window.shape[2] - (self.kernel - 1) :].to(state.dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding (Su et al. 2021), rotate-half form. x `[B, H, T, D]`, positions `[T]`."""
+    half = x.shape[-1] // 2
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    freqs = base ** (-torch.arange(half, device=x.device, dtype=dtype) / half)
+    angles = positions.to(dtype)[:, None] * freqs
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

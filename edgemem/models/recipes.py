@@ -1,0 +1,78 @@
+"""Presets: one TOML recipe per `--arch` in the top-level `export/` folder (shipped in the
+wheel as `edgemem.recipes`), turned into an `LMConfig` with validated overrides."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from importlib import resources
+from typing import Any
+
+from edgemem.errors import ConfigError
+from edgemem.models.lm import MIXERS, LMConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+_MODEL_KEYS = ("d_model", "n_layers", "mlp_hidden", "vocab_size", "norm_eps")
+
+
+def _recipe_files() -> dict[str, Any]:
+    folder = resources.files("edgemem.recipes")
+    return {f.name[: -len(".toml")]: f for f in folder.iterdir() if f.name.endswith(".toml")}
+
+
+def archs() -> list[str]:
+    """Names of the shipped presets, sorted."""
+    return sorted(_recipe_files())
+
+
+def _mixer_options(mixer: str) -> dict[str, inspect.Parameter]:
+    params = inspect.signature(MIXERS[mixer]).parameters
+    return {name: p for name, p in params.items() if name != "d_model"}
+
+
+def _check_type(key: str, value: Any, expected: Any) -> Any:
+    if isinstance(expected, bool) or isinstance(value, bool):
+        ok = isinstance(value, bool) and isinstance(expected, bool)
+    elif isinstance(expected, float):
+        ok = isinstance(value, (int, float))
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, type(expected))
+    if not ok:
+        raise ConfigError(f"{key} must be of type {type(expected).__name__}; got {value!r} ({type(value).__name__})")
+    return value
+
+
+def load_config(arch: str, **overrides: Any) -> LMConfig:
+    """The preset `arch` with `overrides` applied (model keys and the mixer's own options)."""
+    files = _recipe_files()
+    if arch not in files:
+        raise ConfigError(f"unknown arch {arch!r}; known: {', '.join(sorted(files))}")
+    recipe = tomllib.loads(files[arch].read_text())
+    model, mixer = dict(recipe.get("model", {})), dict(recipe.get("mixer", {}))
+    mixer_type = mixer.pop("type", None)
+    if mixer_type not in MIXERS:
+        raise ConfigError(f"recipe {arch}: mixer type {mixer_type!r} is not one of {', '.join(MIXERS)}")
+    options = _mixer_options(mixer_type)
+    defaults = {**{k: p.default for k, p in options.items()}, **mixer}
+    for key, value in overrides.items():
+        if key in _MODEL_KEYS:
+            expected = model.get(key, LMConfig.__dataclass_fields__[key].default)
+            model[key] = _check_type(key, value, expected)
+        elif key in options:
+            expected = defaults[key]
+            mixer[key] = value if expected is inspect.Parameter.empty else _check_type(key, value, expected)
+        else:
+            known = ", ".join([*_MODEL_KEYS, *options])
+            raise ConfigError(f"unknown override {key!r} for arch {arch}; valid keys: {known}")
+    for key, value in model.items():
+        if isinstance(value, int) and not isinstance(value, bool) and key != "norm_eps" and value <= 0:
+            raise ConfigError(f"{key} must be positive; got {value}")
+    try:
+        return LMConfig(arch=arch, mixer=mixer_type, mixer_options=mixer, **model)
+    except TypeError as e:
+        raise ConfigError(f"recipe {arch}: {e}") from None

@@ -1,0 +1,1 @@
+"""Export recipes: one TOML file per `--arch` preset (importable as `edgemem.recipes`)."""

@@ -1,0 +1,75 @@
+"""The `edgemem` command and preset configuration: tables that add up, errors a user can act on."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+import edgemem
+from edgemem.cli import main
+from edgemem.errors import ConfigError
+from edgemem.models import archs, build, load_config
+
+
+def test_version_and_help():
+    runner = CliRunner()
+    assert runner.invoke(main, ["--version"]).output.strip() == f"edgemem, version {edgemem.__version__}"
+    help_text = runner.invoke(main, ["--help"]).output
+    assert "archs" in help_text
+
+
+def test_archs_json_lists_every_preset_with_sizes():
+    result = CliRunner().invoke(main, ["archs", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {r["arch"]: r for r in json.loads(result.output)}
+    assert sorted(rows) == archs() and {"softmax", "linear", "deltanet", "gated-deltanet"} <= set(rows)
+    for name, row in rows.items():
+        model = build(name, seed=0)
+        assert row["params"] == sum(p.numel() for p in model.parameters())
+        assert row["layers"] == model.config.n_layers and row["d_model"] == model.config.d_model
+    gdn = rows["gated-deltanet"]
+    assert gdn["state_bytes"] == gdn["layers"] * (4 * 64 * 64 + 3 * 256 * 3) * 4  # recurrent + conv state
+    assert gdn["state_bytes_per_token"] == 0
+    assert rows["softmax"]["state_bytes"] == 0
+    assert rows["softmax"]["state_bytes_per_token"] == 2 * 2 * 256 * 4
+
+
+def test_archs_table_names_every_preset():
+    result = CliRunner().invoke(main, ["archs"])
+    assert result.exit_code == 0
+    for name in archs():
+        assert name in result.output
+
+
+def test_package_import_does_not_pull_torch():
+    code = "import sys, edgemem, edgemem.cli; assert 'torch' not in sys.modules and 'onnx' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_unknown_arch_names_the_known_ones():
+    with pytest.raises(ConfigError, match=r"unknown arch 'mamba'; known: deltanet, gated-deltanet"):
+        build("mamba")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(window=4), r"unknown override 'window' for arch deltanet; valid keys: d_model, .*conv_size"),
+        (dict(d_model="wide"), r"d_model must be of type int; got 'wide'"),
+        (dict(conv_size=2.5), r"conv_size must be of type int"),
+        (dict(n_layers=0), r"n_layers must be positive"),
+        (dict(num_heads=5), r"d_model \(256\) is not divisible by num_heads \(5\)"),
+    ],
+)
+def test_bad_overrides_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        build("deltanet", **overrides)
+
+
+def test_overrides_reach_the_model():
+    config = load_config("gated-deltanet", d_model=128, num_heads=2, conv_size=0, norm_eps=1)
+    assert (config.d_model, config.mixer_options, config.norm_eps) == (128, {"num_heads": 2, "conv_size": 0}, 1.0)
+    model = build("gated-deltanet", d_model=128, num_heads=2, conv_size=0)
+    assert model.blocks[0].mixer.conv is None and model.blocks[0].mixer.head_dim == 64

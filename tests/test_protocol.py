@@ -1,0 +1,129 @@
+"""The stateful protocol for every preset and layer: forward ≡ prefill + step … at any split."""
+
+import random
+
+import pytest
+import torch
+
+from edgemem.layers import DeltaNet, GatedDeltaNet, LinearAttention, SoftmaxAttention
+from edgemem.models import archs, build, state_bytes
+
+LAYERS = {
+    "softmax": lambda: SoftmaxAttention(32, 4),
+    "linear": lambda: LinearAttention(32, 4),
+    "deltanet": lambda: DeltaNet(32, 4),
+    "deltanet-noconv": lambda: DeltaNet(32, 4, conv_size=0),
+    "gated-deltanet": lambda: GatedDeltaNet(32, 4),
+}
+TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.float64: dict(rtol=1e-9, atol=1e-11)}
+
+
+def split_points(length: int, seed: int) -> list[tuple[str, int, int]]:
+    """Random pieces covering [0, length): prefills of random length and single steps."""
+    rng, pieces, start = random.Random(seed), [], 0
+    while start < length:
+        if rng.random() < 0.4:
+            pieces.append(("step", start, start + 1))
+            start += 1
+        else:
+            end = min(length, start + rng.randint(2, 9))
+            pieces.append(("prefill", start, end))
+            start = end
+    return pieces
+
+
+def run_pieces(module, inputs, state, pieces):
+    outputs = []
+    for kind, start, end in pieces:
+        if kind == "step":
+            y, state = module.step(inputs[:, start], state)
+            outputs.append(y[:, None])
+        else:
+            y, state = module.prefill(inputs[:, start:end], state)
+            outputs.append(y)
+    return torch.cat(outputs, dim=1), state
+
+
+@pytest.mark.parametrize("arch", archs())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_preset_forward_equals_prefill_and_steps(arch, dtype, seed):
+    torch.manual_seed(seed)
+    model = build(arch, seed=seed, d_model=64, mlp_hidden=96).to(dtype)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 29))
+    with torch.no_grad():
+        expected = model(tokens)
+        whole, whole_state = model.prefill(tokens, model.init_state(2))
+        got, state = run_pieces(model, tokens, model.init_state(2), split_points(29, seed))
+    assert got.dtype == dtype
+    torch.testing.assert_close(whole, expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+    assert list(state) == list(whole_state)
+    for name in state:
+        torch.testing.assert_close(state[name], whole_state[name], **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("name", LAYERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_layer_forward_equals_prefill_and_steps(name, dtype):
+    torch.manual_seed(0)
+    layer = LAYERS[name]().to(dtype)
+    x = torch.randn(3, 21, 32, dtype=dtype)
+    with torch.no_grad():
+        expected = layer(x)
+        got, _ = run_pieces(layer, x, layer.init_state(3), split_points(21, seed=7))
+    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("arch", archs())
+def test_state_size_is_constant_for_recurrent_presets_and_grows_for_softmax(arch):
+    model = build(arch, seed=0, d_model=32, mlp_hidden=32)
+    state = model.init_state(1)
+    sizes = [state_bytes(state)]
+    with torch.no_grad():
+        for chunk in (1, 7, 40):
+            _, state = model.prefill(torch.zeros(1, chunk, dtype=torch.long), state)
+            sizes.append(state_bytes(state))
+    if model.config.mixer == "softmax":
+        per_token = 2 * model.config.n_layers * model.config.d_model * 4  # fp32 key + value
+        assert sizes == [0, per_token, 8 * per_token, 48 * per_token]
+    else:
+        assert sizes == [sizes[0]] * 4 and sizes[0] > 0
+        assert all(t.shape == s.shape for t, s in zip(state.values(), model.init_state(1).values()))
+
+
+def test_softmax_attention_matches_dense_reference():
+    torch.manual_seed(0)
+    layer = SoftmaxAttention(32, 4).double()
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    q, k, v = layer.qkv(x).unflatten(2, (3, 4, 8)).permute(2, 0, 3, 1, 4)
+    pos = torch.arange(9, dtype=torch.float64)
+    freqs = 10000.0 ** (-torch.arange(4, dtype=torch.float64) / 4)
+    cos, sin = (pos[:, None] * freqs).cos(), (pos[:, None] * freqs).sin()
+    rot = lambda t: torch.cat([t[..., :4] * cos - t[..., 4:] * sin, t[..., 4:] * cos + t[..., :4] * sin], -1)  # noqa: E731
+    scores = rot(q) @ rot(k).transpose(-1, -2) / 8**0.5
+    scores = scores.masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1), float("-inf"))
+    expected = layer.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 9, 32))
+    torch.testing.assert_close(layer(x), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_linear_attention_layer_matches_normalised_formula():
+    torch.manual_seed(0)
+    layer = LinearAttention(32, 4).double()
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    q, k, v = layer.qkv(x).unflatten(2, (3, 4, 8)).permute(2, 0, 3, 1, 4)
+    phi = lambda t: torch.nn.functional.elu(t) + 1  # noqa: E731
+    weights = (phi(q) @ phi(k).transpose(-1, -2)).tril()
+    o = (weights @ v) / (weights.sum(-1, keepdim=True) + layer.eps)
+    expected = layer.out(o.transpose(1, 2).reshape(2, 9, 32))
+    torch.testing.assert_close(layer(x), expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("arch", archs())
+def test_every_parameter_gets_a_gradient(arch):
+    model = build(arch, seed=0, d_model=32, mlp_hidden=32)
+    tokens = torch.randint(0, 256, (2, 12))
+    loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten())
+    loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not missing

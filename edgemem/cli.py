@@ -57,12 +57,14 @@ def archs(as_json: bool) -> None:
     table = Table(
         title="edgemem presets",
         box=box.SIMPLE_HEAD,
-        caption="state: fp32 bytes per stream at position 0; +/token: its growth per token (a KV cache)",
+        caption="state: fp32 bytes per stream at position 0; +/token: its growth per token\n"
+        "(0: constant memory; n/a: bidirectional, prefill only)",
     )
-    for column in ("arch", "layers", "d_model", "heads", "params", "state", "+/token"):
+    for column in ("arch", "layers", "d_model", "heads", "params", "state", "+/token"):  # fits 80 columns
         table.add_column(column, justify="left" if column == "arch" else "right", no_wrap=True)
     for r in rows:
-        growth = _size(r["state_bytes_per_token"]) if r["state_bytes_per_token"] else "constant"
+        growth = r["state_bytes_per_token"]
+        growth = "n/a" if growth is None else _size(growth) if growth else "0"
         table.add_row(
             r["arch"], str(r["layers"]), str(r["d_model"]), str(r["heads"] or "-"),
             f"{r['params'] / 1e6:.2f} M", _size(r["state_bytes"]), growth,

@@ -49,7 +49,7 @@ def test_package_import_does_not_pull_torch():
 
 
 def test_unknown_arch_names_the_known_ones():
-    with pytest.raises(ConfigError, match=r"unknown arch 'mamba'; known: deltanet, gated-deltanet"):
+    with pytest.raises(ConfigError, match=r"unknown arch 'mamba'; known: aft, aft-local, deltanet"):
         build("mamba")
 
 
@@ -73,3 +73,14 @@ def test_overrides_reach_the_model():
     assert (config.d_model, config.mixer_options, config.norm_eps) == (128, {"num_heads": 2, "conv_size": 0}, 1.0)
     model = build("gated-deltanet", d_model=128, num_heads=2, conv_size=0)
     assert model.blocks[0].mixer.conv is None and model.blocks[0].mixer.head_dim == 64
+
+
+def test_wheel_ships_every_subpackage():
+    """pyproject lists packages explicitly (export/ is mapped to edgemem.recipes): none may be missing."""
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "edgemem").rglob("__init__.py")}
+    assert found | {"edgemem.recipes"} == listed

@@ -5,7 +5,18 @@ import random
 import pytest
 import torch
 
-from edgemem.layers import DeltaNet, GatedDeltaNet, LinearAttention, SoftmaxAttention
+from edgemem.errors import EdgememError
+from edgemem.layers import (
+    DeltaNet,
+    GatedDeltaNet,
+    LinearAttention,
+    NeuralMemoryLayer,
+    SlidingWindowAttention,
+    SoftmaxAttention,
+    TitansMAC,
+    TitansMAG,
+    TitansMAL,
+)
 from edgemem.models import archs, build, state_bytes
 
 LAYERS = {
@@ -14,7 +25,15 @@ LAYERS = {
     "deltanet": lambda: DeltaNet(32, 4),
     "deltanet-noconv": lambda: DeltaNet(32, 4, conv_size=0),
     "gated-deltanet": lambda: GatedDeltaNet(32, 4),
+    "sliding-window": lambda: SlidingWindowAttention(32, 4, window=3, dilation=[1, 2, 1, 3], persistent=2),
+    "neural-memory": lambda: NeuralMemoryLayer(32, 4, chunk_size=4),
+    "neural-memory-linear-noconv": lambda: NeuralMemoryLayer(32, 4, depth=1, chunk_size=3, conv_size=0),
+    "ttt": lambda: NeuralMemoryLayer(32, 4, depth=1, chunk_size=4, momentum=False, forget=False),
+    "titans-mag": lambda: TitansMAG(32, 4, window=4, chunk_size=4),
+    "titans-mal": lambda: TitansMAL(32, 4, window=4, chunk_size=5),
+    "titans-mac": lambda: TitansMAC(32, 4, chunk_size=4),
 }
+STREAMING = [a for a in archs() if build(a, seed=0, d_model=32, mlp_hidden=32).streaming]
 TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=1e-5), torch.float64: dict(rtol=1e-9, atol=1e-11)}
 
 
@@ -44,7 +63,7 @@ def run_pieces(module, inputs, state, pieces):
     return torch.cat(outputs, dim=1), state
 
 
-@pytest.mark.parametrize("arch", archs())
+@pytest.mark.parametrize("arch", STREAMING)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_preset_forward_equals_prefill_and_steps(arch, dtype, seed):
@@ -75,20 +94,20 @@ def test_layer_forward_equals_prefill_and_steps(name, dtype):
     torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("arch", archs())
+@pytest.mark.parametrize("arch", STREAMING)
 def test_state_size_is_constant_for_recurrent_presets_and_grows_for_softmax(arch):
     model = build(arch, seed=0, d_model=32, mlp_hidden=32)
     state = model.init_state(1)
     sizes = [state_bytes(state)]
     with torch.no_grad():
-        for chunk in (1, 7, 40):
+        for chunk in (1, 7, 40, 150):
             _, state = model.prefill(torch.zeros(1, chunk, dtype=torch.long), state)
             sizes.append(state_bytes(state))
     if model.config.mixer == "softmax":
         per_token = 2 * model.config.n_layers * model.config.d_model * 4  # fp32 key + value
-        assert sizes == [0, per_token, 8 * per_token, 48 * per_token]
+        assert sizes == [0, per_token, 8 * per_token, 48 * per_token, 198 * per_token]
     else:
-        assert sizes == [sizes[0]] * 4 and sizes[0] > 0
+        assert sizes == [sizes[0]] * 5 and sizes[0] > 0
         assert all(t.shape == s.shape for t, s in zip(state.values(), model.init_state(1).values()))
 
 
@@ -127,3 +146,29 @@ def test_every_parameter_gets_a_gradient(arch):
     loss.backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     assert not missing
+
+
+@pytest.mark.parametrize("arch", STREAMING)
+def test_preset_is_causal(arch):
+    """Changing token t changes no logit before t (and does change the one at t)."""
+    model = build(arch, seed=0, d_model=32, mlp_hidden=32).double()
+    tokens = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    changed = tokens.clone()
+    changed[0, 23] = (changed[0, 23] + 1) % 256
+    with torch.no_grad():
+        diff = (model(tokens) - model(changed)).abs().amax(-1)[0]
+    assert diff[:23].max() == 0 and diff[23] > 0
+
+
+def test_encoder_preset_is_bidirectional_and_has_no_step():
+    model = build("longformer-encoder", seed=0, d_model=32, mlp_hidden=32, window=2, n_layers=1).double()
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))
+    changed = tokens.clone()
+    changed[:, 15] = (changed[:, 15] + 1) % 256
+    with torch.no_grad():
+        diff = (model(tokens) - model(changed)).abs().amax(-1)
+    assert (diff[:, 0] > 0).all()  # the global first token sees everything
+    assert (diff[:, 5] == 0).all()  # outside the window of token 15 and not global
+    assert (diff[:, 13:18] > 0).all()  # inside the window
+    with pytest.raises(EdgememError, match="bidirectional: it has no step"):
+        model.step(tokens[:, 0], model.init_state(2))

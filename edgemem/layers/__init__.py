@@ -1,8 +1,27 @@
 """Layers following the stateful protocol (`edgemem.layers.base.StatefulLayer`)."""
 
+from edgemem.layers.aft import AFT
 from edgemem.layers.base import State, StatefulLayer
 from edgemem.layers.deltanet import DeltaNet, GatedDeltaNet
+from edgemem.layers.gau import GAU
 from edgemem.layers.linear_attention import LinearAttention
+from edgemem.layers.longformer import BandedEncoderAttention, SlidingWindowAttention
 from edgemem.layers.softmax_attention import SoftmaxAttention
+from edgemem.layers.titans import NeuralMemoryLayer, TitansMAC, TitansMAG, TitansMAL
 
-__all__ = ["DeltaNet", "GatedDeltaNet", "LinearAttention", "SoftmaxAttention", "State", "StatefulLayer"]
+__all__ = [
+    "AFT",
+    "GAU",
+    "BandedEncoderAttention",
+    "DeltaNet",
+    "GatedDeltaNet",
+    "LinearAttention",
+    "NeuralMemoryLayer",
+    "SlidingWindowAttention",
+    "SoftmaxAttention",
+    "State",
+    "StatefulLayer",
+    "TitansMAC",
+    "TitansMAG",
+    "TitansMAL",
+]

@@ -31,11 +31,13 @@ class ShortConv(nn.Module):
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotary embedding (Su et al. 2021), rotate-half form. x `[B, H, T, D]`, positions `[T]`."""
+    """Rotary embedding (Su et al. 2021), rotate-half form. x `[B, H, T, D]`, positions `[T]` or `[B, T]`."""
     half = x.shape[-1] // 2
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     freqs = base ** (-torch.arange(half, device=x.device, dtype=dtype) / half)
-    angles = positions.to(dtype)[:, None] * freqs
+    angles = positions.to(dtype)[..., None] * freqs
+    if angles.dim() == 3:  # per-stream positions: broadcast over heads
+        angles = angles[:, None]
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -29,11 +29,15 @@ def state_bytes(state: dict[str, torch.Tensor]) -> int:
 @torch.no_grad()
 def describe(arch: str, **overrides: Any) -> dict[str, Any]:
     """Size facts of a preset: parameters, state bytes per stream, and how much the state grows
-    per token (measured by stepping one token, so a KV cache shows up as growth)."""
+    per token (measured by stepping one token, so a KV cache shows up as growth; None for a
+    bidirectional model, which does not stream)."""
     model = build(arch, seed=0, **overrides)
     state = model.init_state(1)
     start = state_bytes(state)
-    _, state = model.step(torch.zeros(1, dtype=torch.long), state)
+    growth = None  # a bidirectional model has no stream
+    if model.streaming:
+        _, state = model.step(torch.zeros(1, dtype=torch.long), state)
+        growth = state_bytes(state) - start
     config = model.config
     return {
         "arch": arch,
@@ -43,7 +47,8 @@ def describe(arch: str, **overrides: Any) -> dict[str, Any]:
         "heads": config.mixer_options.get("num_heads"),
         "params": sum(p.numel() for p in model.parameters()),
         "state_bytes": start,
-        "state_bytes_per_token": state_bytes(state) - start,
+        "streaming": model.streaming,
+        "state_bytes_per_token": growth,
     }
 
 

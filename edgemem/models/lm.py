@@ -1,6 +1,7 @@
 """Byte-level language model around any stateful mixer (nanoGPT-style, one file).
 
-embedding → N × [RMSNorm → mixer → residual → RMSNorm → SwiGLU → residual] → RMSNorm → head.
+embedding → N × [RMSNorm → mixer → residual → RMSNorm → SwiGLU → residual] → RMSNorm → head
+(mlp_hidden = 0 drops the SwiGLU, for mixers such as GAU that carry their own gating MLP).
 The model follows the stateful protocol on token ids: its state is the flat, ordered union of
 its layers' states, named `"{layer}.{kind}"` (export maps them to
 `past_key_values.{layer}.{kind}` / `present.{layer}.{kind}`).
@@ -15,13 +16,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgemem.layers import DeltaNet, GatedDeltaNet, LinearAttention, SoftmaxAttention, State, StatefulLayer
+from edgemem.errors import EdgememError
+from edgemem.layers import (
+    AFT,
+    GAU,
+    BandedEncoderAttention,
+    DeltaNet,
+    GatedDeltaNet,
+    LinearAttention,
+    NeuralMemoryLayer,
+    SlidingWindowAttention,
+    SoftmaxAttention,
+    State,
+    StatefulLayer,
+    TitansMAC,
+    TitansMAG,
+    TitansMAL,
+)
 
 MIXERS: dict[str, type[StatefulLayer]] = {
     "softmax": SoftmaxAttention,
     "linear": LinearAttention,
     "deltanet": DeltaNet,
     "gated_deltanet": GatedDeltaNet,
+    "neural_memory": NeuralMemoryLayer,
+    "titans_mag": TitansMAG,
+    "titans_mal": TitansMAL,
+    "titans_mac": TitansMAC,
+    "sliding_window": SlidingWindowAttention,
+    "banded_encoder": BandedEncoderAttention,
+    "gau": GAU,
+    "aft": AFT,
 }
 
 
@@ -56,13 +81,13 @@ class Block(nn.Module):
         super().__init__()
         self.mixer_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.mixer = MIXERS[config.mixer](config.d_model, **config.mixer_options)
-        self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.mlp = SwiGLU(config.d_model, config.mlp_hidden)
+        self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps) if config.mlp_hidden else None
+        self.mlp = SwiGLU(config.d_model, config.mlp_hidden) if config.mlp_hidden else None
 
     def prefill(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         y, state = self.mixer.prefill(self.mixer_norm(x), state)
         x = x + y
-        return x + self.mlp(self.mlp_norm(x)), state
+        return (x if self.mlp is None else x + self.mlp(self.mlp_norm(x))), state
 
 
 class LM(nn.Module):
@@ -73,6 +98,11 @@ class LM(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+
+    @property
+    def streaming(self) -> bool:
+        """False when a layer is bidirectional: then only `forward` / one `prefill` of a whole input."""
+        return all(block.mixer.streaming for block in self.blocks)
 
     def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> State:
         """Flat ordered state `{"{layer}.{kind}": tensor}` of a fresh stream."""
@@ -95,6 +125,8 @@ class LM(nn.Module):
 
     def step(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         """tokens `[B]` → (logits `[B, V]`, state)."""
+        if not self.streaming:
+            raise EdgememError(f"{self.config.arch} is bidirectional: it has no step, run whole inputs through forward")
         logits, state = self.prefill(tokens[:, None], state)
         return logits[:, 0], state
 

@@ -29,9 +29,15 @@ def archs() -> list[str]:
     return sorted(_recipe_files())
 
 
-def _mixer_options(mixer: str) -> dict[str, inspect.Parameter]:
-    params = inspect.signature(MIXERS[mixer]).parameters
-    return {name: p for name, p in params.items() if name != "d_model"}
+def _options(cls: type) -> dict[str, inspect.Parameter]:
+    """Constructor options of a mixer; `**kwargs` stand for those of `cls.forwards_options_to`."""
+    options = {}
+    for name, p in inspect.signature(cls).parameters.items():
+        if p.kind == inspect.Parameter.VAR_KEYWORD:
+            options.update(_options(cls.forwards_options_to))
+        elif name != "d_model":
+            options[name] = p
+    return options
 
 
 def _check_type(key: str, value: Any, expected: Any) -> Any:
@@ -40,6 +46,8 @@ def _check_type(key: str, value: Any, expected: Any) -> Any:
     elif isinstance(expected, float):
         ok = isinstance(value, (int, float))
         value = float(value) if ok else value
+    elif isinstance(expected, list):
+        ok = isinstance(value, list) and all(isinstance(v, type(expected[0])) for v in value)
     else:
         ok = isinstance(value, type(expected))
     if not ok:
@@ -57,7 +65,7 @@ def load_config(arch: str, **overrides: Any) -> LMConfig:
     mixer_type = mixer.pop("type", None)
     if mixer_type not in MIXERS:
         raise ConfigError(f"recipe {arch}: mixer type {mixer_type!r} is not one of {', '.join(MIXERS)}")
-    options = _mixer_options(mixer_type)
+    options = _options(MIXERS[mixer_type])
     defaults = {**{k: p.default for k, p in options.items()}, **mixer}
     for key, value in overrides.items():
         if key in _MODEL_KEYS:
@@ -65,13 +73,16 @@ def load_config(arch: str, **overrides: Any) -> LMConfig:
             model[key] = _check_type(key, value, expected)
         elif key in options:
             expected = defaults[key]
-            mixer[key] = value if expected is inspect.Parameter.empty else _check_type(key, value, expected)
+            untyped = expected is inspect.Parameter.empty or expected is None  # the layer checks it
+            mixer[key] = value if untyped else _check_type(key, value, expected)
         else:
             known = ", ".join([*_MODEL_KEYS, *options])
             raise ConfigError(f"unknown override {key!r} for arch {arch}; valid keys: {known}")
-    for key, value in model.items():
-        if isinstance(value, int) and not isinstance(value, bool) and key != "norm_eps" and value <= 0:
-            raise ConfigError(f"{key} must be positive; got {value}")
+    for key in ("d_model", "n_layers", "vocab_size"):
+        if key in model and model[key] <= 0:
+            raise ConfigError(f"{key} must be positive; got {model[key]}")
+    if model.get("mlp_hidden", 0) < 0:
+        raise ConfigError(f"mlp_hidden must be ≥ 0 (0: no MLP); got {model['mlp_hidden']}")
     try:
         return LMConfig(arch=arch, mixer=mixer_type, mixer_options=mixer, **model)
     except TypeError as e:

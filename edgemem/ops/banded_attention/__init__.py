@@ -1,0 +1,14 @@
+"""BandedAttention: Longformer attention (dilated sliding window, global and persistent tokens).
+
+naive.py — the row-by-row reference; chunk.py — the fast form, a gathered band with no T×T
+matrix; op.py — the `edgemem::banded_attention` custom op (fake impl, autograd by
+recomputation) behind the validated `banded_attention`.
+"""
+
+from edgemem.ops.banded_attention.chunk import banded_attention_chunk
+from edgemem.ops.banded_attention.naive import banded_attention_naive
+from edgemem.ops.banded_attention.op import banded_attention
+
+OP_TYPE = "BandedAttention"
+
+__all__ = ["OP_TYPE", "banded_attention", "banded_attention_chunk", "banded_attention_naive"]

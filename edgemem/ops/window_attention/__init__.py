@@ -1,0 +1,28 @@
+"""WindowAttention: the streaming (decode / prefill) form of causal BandedAttention.
+
+State is a ring buffer of the last window·max(dilation) keys and values plus fixed persistent
+K/V; per token O(window) work, constant memory. naive.py — a token-by-token ring-buffer
+reference; chunk.py — the fast gathered form; op.py — the `edgemem::window_attention` custom
+op behind `window_attention_prefill` / `window_attention_step`.
+"""
+
+from edgemem.ops.window_attention.chunk import window_attention_chunk
+from edgemem.ops.window_attention.naive import window_attention_naive
+from edgemem.ops.window_attention.op import (
+    init_window_state,
+    ring_length,
+    window_attention_prefill,
+    window_attention_step,
+)
+
+OP_TYPE = "WindowAttention"
+
+__all__ = [
+    "OP_TYPE",
+    "init_window_state",
+    "ring_length",
+    "window_attention_chunk",
+    "window_attention_naive",
+    "window_attention_prefill",
+    "window_attention_step",
+]

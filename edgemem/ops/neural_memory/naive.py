@@ -107,7 +107,7 @@ def neural_memory_naive(
     for t in range(q.shape[2]):
         starts = ((position + t) % chunk_size == 0).view(-1, 1, 1, 1)
         wc = [torch.where(starts, wi, ci) for wi, ci in zip(w, wc)]
-        deltas = memory_deltas(k[:, :, t, None], v[:, :, t, None], w, activation)
+        deltas = memory_deltas(k[:, :, t, None], v[:, :, t, None], wc, activation)
         s = [eta[:, :, t] * si - theta[:, :, t] * (x.mT @ d) for si, (x, d) in zip(s, deltas)]
         w = [(1 - alpha[:, :, t]) * wi + si for wi, si in zip(w, s)]
         ys.append(memory_read(q[:, :, t, None], w, activation))

@@ -203,3 +203,19 @@ def test_every_parameter_gets_a_gradient(name):
 def test_bad_arguments_raise_config_error(make, message):
     with pytest.raises(ConfigError, match=message):
         make()
+
+
+def test_gau_offset_form_equals_blocked_form():
+    """The form traced for a symbolic prompt length (export) is the eager blocked form."""
+    torch.manual_seed(0)
+    layer = GAU(32, s=16, chunk_size=8).double()
+    with torch.no_grad():
+        layer.rel_bias.normal_()
+    b, t, c = 3, 21, 8
+    q_quad, q_lin = torch.randn(2, b, t, 16, dtype=torch.float64)
+    k_quad, k_lin = torch.randn(2, b, c + t, 16, dtype=torch.float64)
+    values = torch.randn(b, c + t, 64, dtype=torch.float64)
+    position = torch.tensor([0, 5, 17])
+    blocked = layer._window(q_quad, q_lin, k_quad, k_lin, values, position)
+    by_offset = layer._window_by_offset(q_quad, q_lin, k_quad, k_lin, values, position)
+    torch.testing.assert_close(by_offset, blocked, rtol=1e-12, atol=1e-12)

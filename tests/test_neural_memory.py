@@ -37,12 +37,25 @@ def make(depth, *, seed=0, b=2, t=10, h=2, d=3, e=5, dtype=F64):
     return q, k, v, theta, eta, alpha, weights, momentum
 
 
-def reference(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation):
-    """The update equations with gradients from torch autograd at each chunk's start weights."""
+def make_norm(seed=0, h=2, d=3, dtype=F64):
+    """TTT's per-head LayerNorm scale γ and shift β `[H, D]`, away from (1, 0)."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    gamma = 1 + 0.5 * torch.randn(h, d, generator=g, dtype=F64)
+    beta = 0.3 * torch.randn(h, d, generator=g, dtype=F64)
+    return gamma.to(dtype), beta.to(dtype)
+
+
+def reference(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activation, norm=None):
+    """The update equations with gradients from torch autograd at each chunk's start weights;
+    `norm` = (γ, β): TTT's inner model x + γ ⊙ LN(f(x)) + β (torch's layer_norm, eps 1e-6)."""
     act = ACTS[activation]
 
     def memory(x, ws):
-        return x @ ws[0] if len(ws) == 1 else act(x @ ws[0]) @ ws[1]
+        z = x @ ws[0] if len(ws) == 1 else act(x @ ws[0]) @ ws[1]
+        if norm is None:
+            return z
+        gamma, beta = (p[:, None] for p in norm)  # [H, 1, D] over [B, H, 1, D]
+        return x + gamma * F.layer_norm(z, z.shape[-1:], eps=1e-6) + beta
 
     w, s, ys = list(weights), list(momentum), []
     for t in range(q.shape[1]):
@@ -68,37 +81,77 @@ def flat(result):
     return [t for part in result for t in (part if isinstance(part, tuple) else (part,))]
 
 
+def norm_kwargs(norm):
+    return {} if norm is None else dict(norm_weight=norm[0], norm_bias=norm[1])
+
+
+def norm_tol(tol, dtype, residual_norm):
+    """float32 with the residual norm: LN's 1/σ over 3-wide rows amplifies rounding (both float32
+    forms stay within ~4e-5 of float64 here), so the project's float32 bound, 1e-4, applies."""
+    return 1e-4 if residual_norm and dtype == torch.float32 else tol
+
+
+@pytest.mark.parametrize("residual_norm", [False, True])
 @pytest.mark.parametrize("activation", ["silu", "gelu", "relu", "identity"])
 @pytest.mark.parametrize("chunk_size", [1, 3, 4])
 @pytest.mark.parametrize("depth", [1, 2])
-def test_naive_matches_autograd_reference(depth, chunk_size, activation):
+def test_naive_matches_autograd_reference(depth, chunk_size, activation, residual_norm):
     inputs = make(depth, seed=chunk_size)
-    y, w, s, _, _ = neural_memory_naive(*inputs, chunk_size=chunk_size, activation=activation)
-    y_ref, w_ref, s_ref = reference(*inputs, chunk_size, activation)
+    norm = make_norm(chunk_size) if residual_norm else None
+    y, w, s, _, _ = neural_memory_naive(*inputs, chunk_size=chunk_size, activation=activation, **norm_kwargs(norm))
+    y_ref, w_ref, s_ref = reference(*inputs, chunk_size, activation, norm)
     assert_all_close([y, *w, *s], [y_ref, *w_ref, *s_ref], rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("residual_norm", [False, True])
 @pytest.mark.parametrize(("dtype", "tol"), [(F64, 1e-10), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("chunk_size", [1, 3, 4, 16])
 @pytest.mark.parametrize(("depth", "activation"), [(1, "silu"), (2, "silu"), (2, "gelu")])
-def test_chunk_matches_naive(depth, activation, chunk_size, dtype, tol):
+def test_chunk_matches_naive(depth, activation, chunk_size, dtype, tol, residual_norm):
     inputs = make(depth, seed=7, t=11, dtype=dtype)
-    got = neural_memory_chunk(*inputs, chunk_size=chunk_size, activation=activation)
-    want = neural_memory_naive(*inputs, chunk_size=chunk_size, activation=activation)
+    norm = norm_kwargs(make_norm(7, dtype=dtype) if residual_norm else None)
+    got = neural_memory_chunk(*inputs, chunk_size=chunk_size, activation=activation, **norm)
+    want = neural_memory_naive(*inputs, chunk_size=chunk_size, activation=activation, **norm)
+    tol = norm_tol(tol, dtype, residual_norm)
     assert_all_close(flat(got), flat(want), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("residual_norm", [False, True])
 @pytest.mark.parametrize(("dtype", "tol"), [(F64, 1e-10), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("depth", [1, 2])
-def test_chunk_matches_naive_from_mid_chunk_positions(depth, dtype, tol):
+def test_chunk_matches_naive_from_mid_chunk_positions(depth, dtype, tol, residual_norm):
     q, k, v, theta, eta, alpha, weights, momentum = make(depth, seed=3, b=3, t=10, dtype=dtype)
     chunk_weights = tuple(w.flip(0) for w in weights)
     position = torch.tensor([0, 5, 11])
     args = (q, k, v, theta, eta, alpha, weights, momentum, chunk_weights, position)
-    got = neural_memory_chunk(*args, chunk_size=4)
-    want = neural_memory_naive(*args, chunk_size=4)
+    norm = norm_kwargs(make_norm(3, dtype=dtype) if residual_norm else None)
+    got = neural_memory_chunk(*args, chunk_size=4, **norm)
+    want = neural_memory_naive(*args, chunk_size=4, **norm)
+    tol = norm_tol(tol, dtype, residual_norm)
     assert_all_close(flat(got), flat(want), rtol=tol, atol=tol)
     assert got[-1].tolist() == [10, 15, 21]
+
+
+def test_residual_norm_is_ttt_inner_model():
+    """One token, chunk 1, no momentum or forgetting: W ← W − θ ∇W ½‖k + γ⊙LN(kW) + β − v‖², y = M(q; W)."""
+    q, k, v, theta, _, _, (w,), _ = make(1, seed=11, b=1, t=1)
+    gamma, beta = make_norm(11)
+    zero = torch.zeros_like(theta)
+    y, (w_new,), _ = neural_memory(
+        q, k, v, theta, zero, zero, (w,), (torch.zeros_like(w),), num_heads=2, norm_weight=gamma, norm_bias=beta
+    )
+    for head in range(2):
+        qh, kh, vh = (x[0, 0, head] for x in (q, k, v))
+
+        def model(x, weights):
+            return x + gamma[head] * F.layer_norm(x @ weights, (3,), eps=1e-6) + beta[head]
+
+        wh = w[0, head].detach().requires_grad_()
+        with torch.enable_grad():
+            (grad,) = torch.autograd.grad(0.5 * (model(kh, wh) - vh).pow(2).sum(), wh)
+        w_want = wh.detach() - theta[0, 0, head] * grad
+        torch.testing.assert_close(w_new[0, head], w_want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(y[0, 0, head], model(qh, w_want), rtol=1e-12, atol=1e-12)
 
 
 def test_half_inputs_compute_in_float32():
@@ -123,7 +176,7 @@ def test_packed_and_unpacked_layouts_agree():
     assert_all_close([y4.flatten(2), *w4], [y3, *w3], rtol=0, atol=0)
 
 
-def run_in_pieces(inputs, cuts, chunk_size, activation):
+def run_in_pieces(inputs, cuts, chunk_size, activation, norm=None):
     """prefill / step / prefill over consecutive pieces through the streaming state."""
     q, k, v, theta, eta, alpha, weights, momentum = inputs
     chunk_weights, position = weights, torch.zeros(1, dtype=torch.int64)
@@ -132,32 +185,36 @@ def run_in_pieces(inputs, cuts, chunk_size, activation):
         piece = [x[:, lo:hi] for x in (q, k, v, theta, eta, alpha)]
         y, weights, momentum, chunk_weights, position = neural_memory_step(
             *piece, weights, momentum, chunk_weights, position,
-            num_heads=q.shape[2], chunk_size=chunk_size, activation=activation,
+            num_heads=q.shape[2], chunk_size=chunk_size, activation=activation, **norm_kwargs(norm),
         )
         ys.append(y)
     assert position.tolist() == [q.shape[1]]
     return torch.cat(ys, 1), weights, momentum
 
 
+@pytest.mark.parametrize("residual_norm", [False, True])
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize(("depth", "chunk_size"), [(1, 4), (2, 4), (2, 5), (2, 1)])
-def test_prefill_step_prefill_equals_one_call(depth, chunk_size, seed):
+def test_prefill_step_prefill_equals_one_call(depth, chunk_size, seed, residual_norm):
     t = 23
     inputs = make(depth, seed=seed, t=t)
+    norm = make_norm(seed) if residual_norm else None
     g = torch.Generator().manual_seed(100 + seed)
     a, b = sorted(torch.randint(1, t - 1, (2,), generator=g).tolist())
     b = max(b, a + 1)
     cuts = [0, a, *range(a + 1, b + 1), t]  # prefill, a step per token, prefill
-    want = neural_memory(*inputs, num_heads=2, chunk_size=chunk_size, activation="silu")
-    got = run_in_pieces(inputs, cuts, chunk_size, "silu")
+    want = neural_memory(*inputs, num_heads=2, chunk_size=chunk_size, activation="silu", **norm_kwargs(norm))
+    got = run_in_pieces(inputs, cuts, chunk_size, "silu", norm)
     assert_all_close(flat(got), flat(want), rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("residual_norm", [False, True])
 @pytest.mark.parametrize("cuts", [[0, 2, 9, 10, 17], [0, 1, 2, 3, 4, 17], [0, 16, 17]])
-def test_pieces_split_inside_chunks_equal_one_call(cuts):
+def test_pieces_split_inside_chunks_equal_one_call(cuts, residual_norm):
     inputs = make(2, seed=9, t=17)
-    want = neural_memory(*inputs, num_heads=2, chunk_size=8, activation="gelu")
-    got = run_in_pieces(inputs, cuts, 8, "gelu")
+    norm = make_norm(9) if residual_norm else None
+    want = neural_memory(*inputs, num_heads=2, chunk_size=8, activation="gelu", **norm_kwargs(norm))
+    got = run_in_pieces(inputs, cuts, 8, "gelu", norm)
     assert_all_close(flat(got), flat(want), rtol=1e-10, atol=1e-10)
 
 
@@ -210,13 +267,15 @@ def test_fake_tensors_give_shapes_and_dtypes():
     assert position.shape == (2,) and position.dtype == torch.int64
 
 
+@pytest.mark.parametrize("residual_norm", [False, True])
 @pytest.mark.parametrize("streaming", [False, True])
-def test_custom_op_passes_opcheck(streaming):
+def test_custom_op_passes_opcheck(streaming, residual_norm):
     q, k, v, theta, eta, alpha, weights, momentum = make(2, b=2, t=3, h=1, d=2, e=2)
     chunk_weights = list(weights) if streaming else []
     position = torch.tensor([2, 7]) if streaming else None
+    norm = list(make_norm(h=1, d=2)) if residual_norm else [None, None]
     args = [*(x.flatten(2) for x in (q, k, v)), theta, eta, alpha, list(weights), list(momentum)]
-    args += [chunk_weights, position, 1, 2, "silu"]
+    args += [chunk_weights, position, *norm, 1, 2, "silu"]
     op = torch.ops.edgemem.neural_memory.default
     torch.library.opcheck(op, args)
     args[0] = args[0].requires_grad_()
@@ -224,22 +283,25 @@ def test_custom_op_passes_opcheck(streaming):
     assert OP_TYPE == "NeuralMemory"
 
 
+@pytest.mark.parametrize("residual_norm", [False, True])
 @pytest.mark.parametrize(("depth", "chunk_size", "streaming"), [(1, 4, False), (2, 3, False), (2, 4, True)])
-def test_op_gradients_match_autograd_through_naive(depth, chunk_size, streaming):
-    """The op's recompute backward equals autograd through the per-token form."""
+def test_op_gradients_match_autograd_through_naive(depth, chunk_size, streaming, residual_norm):
+    """The op's recompute backward equals autograd through the per-token form (γ, β included)."""
     inputs = make(depth, seed=8, t=11)
     leaves = [x.clone().requires_grad_() for x in inputs[:6]]
     states = [tuple(w.clone().requires_grad_() for w in inputs[i]) for i in (6, 7)]
     chunk_weights = tuple(w.flip(0).requires_grad_() for w in inputs[6])
     position = torch.tensor([1, 6])
+    norm = [p.requires_grad_() for p in make_norm(8)] if residual_norm else []
+    kw = dict(chunk_size=chunk_size, **norm_kwargs(norm or None))
     if streaming:
-        out = neural_memory_step(*leaves, *states, chunk_weights, position, num_heads=2, chunk_size=chunk_size)
-        ref = neural_memory_naive(*leaves, *states, chunk_weights, position, chunk_size=chunk_size)
-        wrt = [*leaves, *states[0], *states[1], *chunk_weights]
+        out = neural_memory_step(*leaves, *states, chunk_weights, position, num_heads=2, **kw)
+        ref = neural_memory_naive(*leaves, *states, chunk_weights, position, **kw)
+        wrt = [*leaves, *states[0], *states[1], *chunk_weights, *norm]
     else:
-        out = neural_memory(*leaves, *states, num_heads=2, chunk_size=chunk_size)
-        ref = neural_memory_naive(*leaves, *states, chunk_size=chunk_size)[:3]
-        wrt = [*leaves, *states[0], *states[1]]
+        out = neural_memory(*leaves, *states, num_heads=2, **kw)
+        ref = neural_memory_naive(*leaves, *states, **kw)[:3]
+        wrt = [*leaves, *states[0], *states[1], *norm]
     got_out, ref_out = flat(out[:4]), flat(ref[:4])
     g = torch.Generator().manual_seed(0)
     cotangents = [torch.randn(x.shape, generator=g, dtype=F64) for x in ref_out]
@@ -299,6 +361,15 @@ BAD_INPUTS = [  # (changes to the valid arguments, the message expected)
     (lambda a: {"past_position": torch.zeros(2)}, r"past_position must be an int64 tensor"),
     (lambda a: {"chunk_size": 0}, r"chunk_size is 0, expected an integer >= 1"),
     (lambda a: {"activation": "tanh"}, r"activation is 'tanh', expected one of"),
+    (lambda a: {"norm_weight": torch.ones(2, 3)}, r"give both norm_weight and norm_bias .* or neither"),
+    (
+        lambda a: {"norm_weight": torch.ones(2, 4), "norm_bias": torch.zeros(2, 3)},
+        r"norm_weight has shape \(2, 4\), expected \(2, 3\)",
+    ),
+    (
+        lambda a: {"norm_weight": torch.ones(2, 3), "norm_bias": torch.zeros(2, 3, dtype=torch.int64)},
+        r"norm_bias has dtype torch.int64, expected a floating dtype",
+    ),
 ]
 
 

@@ -11,6 +11,7 @@ from edgemem.layers.base import State, StatefulLayer
 
 Sums = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 _FLOOR = -80.0
+MAX_PREFILL_LOG2 = 20
 
 
 def _exp(x: torch.Tensor) -> torch.Tensor:
@@ -27,13 +28,19 @@ def _merge(x: Sums, y: Sums) -> Sums:
 
 
 def _prefix(sums: Sums) -> Sums:
-    """Inclusive prefix merge along time in ⌈log₂ T⌉ doubling steps (Hillis–Steele): O(T log T · d)."""
+    """Inclusive prefix merge along time in ⌈log₂ T⌉ doubling steps (Hillis–Steele): O(T log T · d).
+
+    Under export T is symbolic: the graph then takes MAX_PREFILL_LOG2 steps (those past
+    ⌈log₂ T⌉ merge nothing), so one graph serves prompts up to 2^MAX_PREFILL_LOG2 tokens."""
+    t = sums[0].shape[1]
+    steps = (t - 1).bit_length() if isinstance(t, int) else MAX_PREFILL_LOG2
     identity = (torch.finfo(sums[0].dtype).min, 0.0, 0.0)
-    shift = 1
-    while shift < sums[0].shape[1]:
-        earlier = tuple(F.pad(x[:, :-shift], (0, 0, shift, 0), value=fill) for x, fill in zip(sums, identity))
+    positions = torch.arange(t, device=sums[0].device)
+    for i in range(steps):
+        source = positions - (1 << i)
+        valid = (source >= 0)[None, :, None]
+        earlier = tuple(torch.where(valid, x[:, source.clamp(min=0)], fill) for x, fill in zip(sums, identity))
         sums = _merge(earlier, sums)
-        shift *= 2
     return sums
 
 

@@ -16,6 +16,7 @@ State = dict[str, torch.Tensor]
 
 class StatefulLayer(nn.Module):
     streaming = True  # False for bidirectional layers: prefill of a whole input only
+    parallel_prefill = True  # False when prefill is a data-dependent loop no graph of any length can hold
 
     def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> State:
         """Fixed-size state of a fresh stream (fp32 unless the layer runs in fp64)."""

@@ -104,12 +104,14 @@ class GAU(StatefulLayer):
         (quad), Q_lin·K_lin / C for the previous one (lin). Keys/values hold C older tokens first."""
         b, t, _ = q_quad.shape
         c = self.chunk_size
+        if not isinstance(t, int):  # symbolic length under export: the same sum, offset by offset
+            return self._window_by_offset(q_quad, q_lin, k_quad, k_lin, values, position)
         block = min(t, c)
-        pad = -t % block
-        blocks = (t + pad) // block
+        blocks = (t + block - 1) // block
+        pad = blocks * block - t
 
         def queries(x: torch.Tensor) -> torch.Tensor:  # [B, N, block, D]
-            return F.pad(x, (0, 0, 0, pad)).unflatten(1, (blocks, block))
+            return F.pad(x, (0, 0, 0, pad)).unflatten(1, (-1, block))
 
         def keys(x: torch.Tensor) -> torch.Tensor:  # query block n sees x[n·block : n·block + block + C]
             return F.pad(x, (0, 0, 0, pad)).unfold(1, block + c, block).transpose(2, 3)
@@ -117,10 +119,31 @@ class GAU(StatefulLayer):
         rows = torch.arange(block, device=q_quad.device)
         offset = c + rows[:, None] - torch.arange(block + c, device=q_quad.device)  # p_query − p_key
         in_window = (offset >= 0) & (offset < c)
-        phase = (position[:, None] + torch.arange(t + pad, device=q_quad.device)) % c  # p_query − chunk start
-        same_chunk = offset <= phase.view(b, blocks, block, 1)
+        phase = (position[:, None] + torch.arange(blocks * block, device=q_quad.device)) % c  # p_query − chunk start
+        same_chunk = offset <= phase.unflatten(1, (-1, block))[..., None]
         bias = self.rel_bias[offset.clamp(0, c - 1)]
         quad = F.relu(torch.einsum("bnqs,bnks->bnqk", queries(q_quad), keys(k_quad)) / c + bias) ** 2
         lin = torch.einsum("bnqs,bnks->bnqk", queries(q_lin), keys(k_lin)) / c
         weights = quad * (in_window & same_chunk) + lin * (in_window & ~same_chunk)
         return torch.einsum("bnqk,bnke->bnqe", weights, keys(values)).flatten(1, 2)[:, :t]
+
+    def _window_by_offset(
+        self,
+        q_quad: torch.Tensor,
+        q_lin: torch.Tensor,
+        k_quad: torch.Tensor,
+        k_lin: torch.Tensor,
+        values: torch.Tensor,
+        position: torch.Tensor,
+    ) -> torch.Tensor:
+        """`_window` as a sum over the C offsets o = p_i − p_key: only slices of length T, so it
+        traces for a symbolic T (the blocked form's reshapes do not)."""
+        t, c = q_quad.shape[1], self.chunk_size
+        phase = (position[:, None] + torch.arange(t, device=q_quad.device)) % c  # p_query − chunk start
+        near = torch.zeros_like(values[:, :t])
+        for o in range(c):
+            k_q, k_l, v = (x.narrow(1, c - o, t) for x in (k_quad, k_lin, values))
+            quad = F.relu((q_quad * k_q).sum(-1) / c + self.rel_bias[o]) ** 2
+            lin = (q_lin * k_l).sum(-1) / c
+            near = near + torch.where(o <= phase, quad, lin)[..., None] * v
+        return near

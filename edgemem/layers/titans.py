@@ -7,7 +7,9 @@ conv(W x)), q and k L2-normalised per head; per-token, per-head gates θ_t = max
 memory M (depth 1: x W1; depth 2: act(x W1) W2 with hidden E = expansion·D) is trained online
 on ℓ = ½‖M(k_t) − v_t‖² by the `neural_memory` op (gradients at chunk starts, Titans eq. 13–14)
 and read out as y_t = M_t(q_t); output: per-head RMSNorm, gated by SiLU(W_g x), projected.
-The initial memory M_0 is learned, so a fresh stream's state is not zero.
+The initial memory M_0 is learned, so a fresh stream's state is not zero. With
+`residual_norm` the memory is TTT's inner model (Sun et al. 2024), x + γ ⊙ LN(M(x)) + β with
+learnable per-head γ (ones) and β (zeros); the TTT presets use it, the Titans ones do not.
 
 Choices where the paper leaves room: the gate biases start at θ: 0, η: +2, α: −6 so a fresh
 model keeps most of its memory (σ(−6) ≈ 0.25 % forgotten per token); persistent memory is
@@ -46,6 +48,7 @@ class NeuralMemoryLayer(StatefulLayer):
         activation: str = "silu",
         momentum: bool = True,
         forget: bool = True,
+        residual_norm: bool = False,
     ):
         super().__init__()
         if d_model % num_heads:
@@ -71,6 +74,9 @@ class NeuralMemoryLayer(StatefulLayer):
         d, e = self.head_dim, expansion * self.head_dim
         shapes = [(num_heads, d, d)] if depth == 1 else [(num_heads, d, e), (num_heads, e, d)]
         self.initial_memory = nn.ParameterList(nn.Parameter(torch.randn(s) * s[1] ** -0.5) for s in shapes)
+        # TTT's LayerNorm inside the memory: per-head scale γ and shift β (None: plain MLP memory)
+        self.inner_norm_weight = nn.Parameter(torch.ones(num_heads, d)) if residual_norm else None
+        self.inner_norm_bias = nn.Parameter(torch.zeros(num_heads, d)) if residual_norm else None
         self.norm = nn.RMSNorm(self.head_dim, eps=1e-5)
         self.g = nn.Linear(d_model, d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
@@ -80,7 +86,7 @@ class NeuralMemoryLayer(StatefulLayer):
         memory = [w.to(device=device, dtype=dtype).expand(batch, *w.shape) for w in self.initial_memory]
         state = {f"memory.{i}": w for i, w in enumerate(memory)}
         state.update({f"momentum.{i}": torch.zeros_like(w) for i, w in enumerate(memory)})
-        state.update({f"chunk_memory.{i}": w for i, w in enumerate(memory)})
+        state.update({f"chunk_memory.{i}": w.clone() for i, w in enumerate(memory)})  # own storage, like every state tensor
         state["position"] = torch.zeros(batch, dtype=torch.int64, device=device)
         if self.conv is not None:
             state["conv_state"] = self.conv.init_state(batch, device, dtype)
@@ -106,6 +112,7 @@ class NeuralMemoryLayer(StatefulLayer):
             [state[f"chunk_memory.{i}"] for i in range(depth)],
             state["position"],
             num_heads=self.num_heads, chunk_size=self.chunk_size, activation=self.activation,
+            norm_weight=self.inner_norm_weight, norm_bias=self.inner_norm_bias,
         )
         for i in range(depth):
             new[f"memory.{i}"], new[f"momentum.{i}"], new[f"chunk_memory.{i}"] = memory[i], momentum[i], chunk_memory[i]
@@ -167,6 +174,7 @@ class TitansMAC(StatefulLayer):
     """
 
     forwards_options_to = NeuralMemoryLayer  # **memory are NeuralMemoryLayer's options
+    parallel_prefill = False  # segments run one after another; an export streams prompts by steps
 
     def __init__(self, d_model: int, num_heads: int, persistent: int = 4, **memory):
         super().__init__()
@@ -208,7 +216,11 @@ class TitansMAC(StatefulLayer):
         done = position % self.segment  # tokens of this segment already in the buffer
 
         read = l2norm(heads(F.silu(self.read_query(x))))
-        h = memory_read(read.to(state["memory.0"].dtype), self.memory.segment_memory(state), self.memory.activation)
+        memory = self.memory
+        h = memory_read(
+            read.to(state["memory.0"].dtype), memory.segment_memory(state), memory.activation,
+            memory.inner_norm_weight, memory.inner_norm_bias,
+        )
         h = h.to(x.dtype).transpose(1, 2).flatten(2)
 
         q, k, v = (heads(t) for t in self.qkv(x).chunk(3, dim=-1))

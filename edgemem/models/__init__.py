@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from edgemem.errors import ConfigError
+from edgemem.models.checkpoint import load_checkpoint, save_checkpoint
 from edgemem.models.lm import LM, MIXERS, LMConfig
 from edgemem.models.recipes import archs, load_config
 
@@ -52,4 +53,15 @@ def describe(arch: str, **overrides: Any) -> dict[str, Any]:
     }
 
 
-__all__ = ["LM", "LMConfig", "MIXERS", "archs", "build", "describe", "load_config", "state_bytes"]
+__all__ = [
+    "LM",
+    "LMConfig",
+    "MIXERS",
+    "archs",
+    "build",
+    "describe",
+    "load_checkpoint",
+    "load_config",
+    "save_checkpoint",
+    "state_bytes",
+]

@@ -104,6 +104,11 @@ class LM(nn.Module):
         """False when a layer is bidirectional: then only `forward` / one `prefill` of a whole input."""
         return all(block.mixer.streaming for block in self.blocks)
 
+    @property
+    def parallel_prefill(self) -> bool:
+        """False when a layer's prefill loops over segments: an export then has a step graph only."""
+        return all(block.mixer.parallel_prefill for block in self.blocks)
+
     def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> State:
         """Flat ordered state `{"{layer}.{kind}": tensor}` of a fresh stream."""
         return {

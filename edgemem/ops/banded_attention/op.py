@@ -1,8 +1,9 @@
 """`edgemem::banded_attention`: the torch custom op and the public, validated entry point.
 
-The custom op takes the packed `[B, T, H*D]` tensors of the ONNX node, so it exports as one
-opaque `edgemem::BandedAttention` node; its fake impl gives shapes and its backward recomputes
-the differentiable fast form.
+The custom op takes the packed `[B, T, H*D]` tensors of the ONNX node; its fake impl gives shapes
+and its backward recomputes the differentiable fast form. Under `torch.onnx.export` the public
+function emits one opaque `edgemem::BandedAttention` node instead (onnx.py: `emit`, and the
+model-local `function` that gives the node a body in standard ops).
 """
 
 from collections.abc import Sequence
@@ -11,6 +12,8 @@ import torch
 
 from edgemem.errors import ShapeError
 from edgemem.ops.banded_attention.chunk import banded_attention_chunk
+
+OP_TYPE = "BandedAttention"
 
 
 def _forward(
@@ -224,17 +227,13 @@ def banded_attention(
     ):
         raise ShapeError(f"{op}: global_mask is {describe(global_mask)}; expected a bool tensor [B, T] = [{b}, {t}]")
     check_persistent(op, persistent_key, persistent_value, q, v)
-    out = _banded_attention(
-        q.flatten(2),
-        k.flatten(2),
-        v.flatten(2),
-        global_mask,
-        persistent_key,
-        persistent_value,
-        num_heads,
-        window,
-        dilation,
-        bool(causal),
-        check_scale(op, scale, d),
-    )
+    args = (q.flatten(2), k.flatten(2), v.flatten(2), global_mask, persistent_key, persistent_value)
+    scale = check_scale(op, scale, d)
+    attrs = dict(num_heads=num_heads, window=window, dilation=dilation, causal=bool(causal), scale=scale)
+    if torch.onnx.is_in_onnx_export():
+        from edgemem.ops.banded_attention.onnx import emit  # imports onnx only when exporting
+
+        out = emit(*args, **attrs)
+    else:
+        out = _banded_attention(*args, *attrs.values())
     return out.unflatten(2, (num_heads, -1)) if query.dim() == 4 else out

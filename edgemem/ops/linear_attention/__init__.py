@@ -1,14 +1,15 @@
 """LinearAttention (ONNX opset 27): linear | gated | delta | gated_delta recurrences with GQA.
 
 naive.py — the token-by-token reference; chunk.py — the chunk-parallel (UT/WY) form;
-op.py — the `edgemem::linear_attention` custom op with fake impl and autograd.
+op.py — the `edgemem::linear_attention` custom op with fake impl and autograd; onnx.py — the
+opaque `edgemem::LinearAttention` node it emits under `torch.onnx.export` and the model-local
+function (standard ONNX ops) that runs it. onnx.py is imported on demand, keeping `onnx` out of
+this package's import.
 """
 
 from edgemem.ops.linear_attention.args import UPDATE_RULES
 from edgemem.ops.linear_attention.chunk import linear_attention_chunk
 from edgemem.ops.linear_attention.naive import linear_attention_naive
-from edgemem.ops.linear_attention.op import linear_attention
-
-OP_TYPE = "LinearAttention"
+from edgemem.ops.linear_attention.op import OP_TYPE, linear_attention
 
 __all__ = ["OP_TYPE", "UPDATE_RULES", "linear_attention", "linear_attention_chunk", "linear_attention_naive"]

@@ -1,8 +1,10 @@
 """`edgemem::linear_attention`: the torch custom op every layer calls.
 
-One opaque node for torch.export / the ONNX exporter (exported as `edgemem::LinearAttention`,
-plugin `LinearAttention`), a fake impl for shape propagation, and a backward that recomputes
-the differentiable chunk form, so layers train through it.
+One opaque node for torch.export, a fake impl for shape propagation, and a backward that
+recomputes the differentiable chunk form, so layers train through it. Under
+`torch.onnx.export` the public function emits one opaque `edgemem::LinearAttention` node
+instead (plugin `LinearAttention`; onnx.py: `emit`, and the model-local `function` that gives
+the node a body in standard ops).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from edgemem.ops.linear_attention.args import compute_dtype
 from edgemem.ops.linear_attention.chunk import linear_attention_chunk
 from edgemem.ops.linear_attention.naive import linear_attention_naive
 
+OP_TYPE = "LinearAttention"
 _INPUTS = ("query", "key", "value", "past_state", "decay", "beta")
 
 
@@ -97,6 +100,8 @@ def linear_attention(
     reads kv head h // (q_num_heads // kv_num_heads). Returns (output, present_state). The state
     accumulates in float32 (float64 for float64 inputs); present_state has past_state's dtype,
     or the accumulation dtype when there is no past_state. `chunk_size` only tunes speed.
+    Under `torch.onnx.export` this is one `edgemem::LinearAttention` node whose present_state
+    is float32 (see onnx.py).
     """
     unpacked = query.dim() == 4
     if unpacked:
@@ -111,9 +116,15 @@ def linear_attention(
     for name, x in zip(_INPUTS, (query, key, value, past_state, decay, beta)):
         if x is not None and not isinstance(x, torch.Tensor):
             raise ShapeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
-    output, state = _linear_attention(
-        query, key, value, past_state, decay, beta, update_rule, float(scale), q_num_heads, kv_num_heads, chunk_size
-    )
+    if torch.onnx.is_in_onnx_export():
+        from edgemem.ops.linear_attention.onnx import emit  # imports onnx only when exporting
+
+        attrs = dict(update_rule=update_rule, scale=float(scale), q_num_heads=q_num_heads, kv_num_heads=kv_num_heads)
+        output, state = emit(query, key, value, past_state, decay, beta, **attrs, chunk_size=chunk_size)
+    else:
+        output, state = _linear_attention(
+            query, key, value, past_state, decay, beta, update_rule, float(scale), q_num_heads, kv_num_heads, chunk_size
+        )
     if unpacked:
         output = output.unflatten(2, (q_num_heads, -1))
     return output, state

@@ -7,6 +7,9 @@ are linear in the gradients and unroll, for tokens j ≤ i of one chunk, to
 with K = Λ L and c = Λ P. Since ∇ℓ_j = x_jᵀ d_j (see `memory_deltas`), a read through the
 weights after token i, x_i W_i = A_i x_i W_0 + c_i x_i S_0 − Σ_j K_ij θ_j (x_i · x_j) d_j,
 is a masked linear attention over the chunk: no per-token weights are materialised.
+TTT's residual norm, M(x) = x + γ ⊙ LN(f(x)) + β, changes neither: its LayerNorm acts on
+each row's f(x) after the read, and on the gradients only through the d_j, which are all
+taken at the chunk-start weights.
 """
 
 from __future__ import annotations
@@ -16,7 +19,14 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from edgemem.ops.neural_memory.naive import ACTIVATIONS, compute_dtype, memory_deltas
+from edgemem.ops.neural_memory.naive import (
+    ACTIVATIONS,
+    Norm,
+    compute_dtype,
+    memory_deltas,
+    norm_params,
+    residual_norm,
+)
 
 
 def _decay(g: Tensor) -> Tensor:
@@ -37,6 +47,7 @@ def _chunk(
     grad_weights: Sequence[Tensor],
     real: Tensor | None,
     activation: str,
+    norm: Norm | None,
 ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
     """One chunk of `[B, H, C, ·]` tokens: its outputs and the state after its last token.
 
@@ -53,13 +64,13 @@ def _chunk(
     l_theta = l_eta * theta[..., None, :]
     x = q
     w_out, s_out = [], []
-    deltas = memory_deltas(k, v, grad_weights, activation)
+    deltas = memory_deltas(k, v, grad_weights, activation, norm)
     for layer, ((xk, d), w, s) in enumerate(zip(deltas, weights, momentum)):
         y = a * (x @ w) + c * (x @ s) - ((x @ xk.mT) * k_theta) @ d
         w_out.append(a[..., -1:, :] * w + c[..., -1:, :] * s - (xk * k_theta[..., -1, :, None]).mT @ d)
         s_out.append(p[..., -1:, :] * s - (xk * l_theta[..., -1, :, None]).mT @ d)
         x = ACTIVATIONS[activation][0](y) if layer + 1 < len(weights) else y
-    return x, w_out, s_out
+    return (x if norm is None else residual_norm(q, x, norm)), w_out, s_out
 
 
 def _shift(x: Tensor, index: Tensor, valid: Tensor, fill: float | None = None) -> Tensor:
@@ -83,6 +94,8 @@ def neural_memory_chunk(
     *,
     chunk_size: int = 1,
     activation: str = "silu",
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
 ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
     """Same contract and result as `neural_memory_naive`, one chunk at a time.
 
@@ -96,6 +109,7 @@ def neural_memory_chunk(
     q, k, v, theta, eta, alpha = (x.to(dtype) for x in (q, k, v, theta, eta, alpha))
     w = [x.to(dtype, copy=True) for x in weights]
     s = [x.to(dtype, copy=True) for x in momentum]
+    norm = norm_params(norm_weight, norm_bias, dtype)
     offset = torch.zeros(batch, dtype=torch.int64, device=q.device)
     if position is not None:
         offset = offset + position % chunk_size
@@ -121,7 +135,7 @@ def neural_memory_chunk(
             wc = [torch.where(live, x, c) for x, c in zip(w, wc)]
         piece = (x[:, :, start : start + chunk_size] for x in (q, k, v, theta, eta, alpha))
         real_piece = None if real is None else real[..., start : start + chunk_size]
-        y, w, s = _chunk(*piece, w, s, wc, real_piece, activation)
+        y, w, s = _chunk(*piece, w, s, wc, real_piece, activation, norm)
         ys.append(y)
     y = torch.cat(ys, 2).transpose(1, 2) if ys else q.transpose(1, 2)
     if pad:

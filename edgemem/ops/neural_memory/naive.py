@@ -43,30 +43,83 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# eps of the LayerNorm inside the TTT inner model x + γ ⊙ LN(f(x)) + β
+NORM_EPS = 1e-6
+
+# (γ, β) shaped `[H, 1, D]` to broadcast over `[B, H, N, D]` rows, in the compute dtype
+Norm = tuple[Tensor, Tensor]
+
+
+def norm_params(norm_weight: Tensor | None, norm_bias: Tensor | None, dtype: torch.dtype) -> Norm | None:
+    """`[H, D]` γ and β -> the `[H, 1, D]` pair `memory_deltas` and `memory_read` take (or None)."""
+    if norm_weight is None:
+        return None
+    return norm_weight.to(dtype)[:, None], norm_bias.to(dtype)[:, None]
+
+
+def _layer_norm(z: Tensor) -> tuple[Tensor, Tensor]:
+    """LN over the last dim without parameters: (ẑ, σ) with ẑ = (z − mean z) / σ."""
+    centred = z - z.mean(-1, keepdim=True)
+    sigma = (centred.pow(2).mean(-1, keepdim=True) + NORM_EPS).sqrt()
+    return centred / sigma, sigma
+
+
+def residual_norm(x: Tensor, z: Tensor, norm: Norm) -> Tensor:
+    """x + γ ⊙ LN(z) + β, the TTT inner model's output around z = f(x)."""
+    return x + norm[0] * _layer_norm(z)[0] + norm[1]
+
+
+def _output_delta(key: Tensor, value: Tensor, z: Tensor, norm: Norm | None) -> Tensor:
+    """dℓ/dz for ℓ = ½‖M(k) − v‖² where z = f(k) is the last layer's output.
+
+    Plain memory (M = f): z − v. With the residual norm, M(k) = k + γ ⊙ ẑ + β, and with
+    e = M(k) − v, g = γ ⊙ e, the LayerNorm backward per row is
+    dℓ/dz = (g − mean(g) − ẑ · mean(g ⊙ ẑ)) / σ.
+    """
+    if norm is None:
+        return z - value
+    z_hat, sigma = _layer_norm(z)
+    gamma, beta = norm
+    g = gamma * (key + gamma * z_hat + beta - value)
+    return (g - g.mean(-1, keepdim=True) - z_hat * (g * z_hat).mean(-1, keepdim=True)) / sigma
+
+
 def memory_deltas(
-    key: Tensor, value: Tensor, weights: Sequence[Tensor], activation: str
+    key: Tensor, value: Tensor, weights: Sequence[Tensor], activation: str, norm: Norm | None = None
 ) -> list[tuple[Tensor, Tensor]]:
     """Closed-form gradient of ½‖M(k) − v‖² for every row of `key` (`[..., N, D]`).
 
     Returns one `(x, d)` pair per memory layer with ∇W_l = xᵀ d summed over the rows:
-    depth 1: x = k, d = kW1 − v; depth 2 with h = kW1, z = act(h), e = zW2 − v:
-    (k, (e W2ᵀ) ⊙ act'(h)) for W1 and (z, e) for W2.
+    with z = f(k) and dz = dℓ/dz (z − v, or through the LayerNorm: `_output_delta`),
+    depth 1 (z = kW1): (k, dz); depth 2 with h = kW1, a = act(h), z = aW2:
+    (k, (dz W2ᵀ) ⊙ act'(h)) for W1 and (a, dz) for W2.
     """
     if len(weights) == 1:
-        return [(key, key @ weights[0] - value)]
+        return [(key, _output_delta(key, value, key @ weights[0], norm))]
     act, act_grad = ACTIVATIONS[activation]
     w1, w2 = weights
     h = key @ w1
-    z = act(h)
-    e = z @ w2 - value
-    return [(key, (e @ w2.mT) * act_grad(h)), (z, e)]
+    a = act(h)
+    dz = _output_delta(key, value, a @ w2, norm)
+    return [(key, (dz @ w2.mT) * act_grad(h)), (a, dz)]
 
 
-def memory_read(x: Tensor, weights: Sequence[Tensor], activation: str) -> Tensor:
-    """M(x): `x W1`, or `act(x W1) W2` for depth 2."""
-    if len(weights) == 1:
-        return x @ weights[0]
-    return ACTIVATIONS[activation][0](x @ weights[0]) @ weights[1]
+def memory_read(
+    x: Tensor,
+    weights: Sequence[Tensor],
+    activation: str,
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
+) -> Tensor:
+    """M(x) for `x [B, H, N, D]`: f(x) = `x W1` or `act(x W1) W2` (depth 2), or, given
+    `[H, D]` γ = `norm_weight` and β = `norm_bias`, the TTT form x + γ ⊙ LN(f(x)) + β."""
+    return read(x, weights, activation, norm_params(norm_weight, norm_bias, x.dtype))
+
+
+def read(x: Tensor, weights: Sequence[Tensor], activation: str, norm: Norm | None) -> Tensor:
+    """`memory_read` with the norm parameters as `norm_params` gives them."""
+    z = x @ weights[0] if len(weights) == 1 else ACTIVATIONS[activation][0](x @ weights[0]) @ weights[1]
+    return z if norm is None else residual_norm(x, z, norm)
 
 
 def neural_memory_naive(
@@ -83,6 +136,8 @@ def neural_memory_naive(
     *,
     chunk_size: int = 1,
     activation: str = "silu",
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
 ) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
     """Titans long-term memory, token by token.
 
@@ -92,6 +147,8 @@ def neural_memory_naive(
     a fresh chunk and `chunk_weights` are not read). Per token (Titans eq. 13/14):
         S_t = η_t S_{t−1} − θ_t ∇ℓ_t(W_chunk),   W_t = (1 − α_t) W_{t−1} + S_t,
         y_t = M(q_t; W_t).
+    Given `norm_weight` γ and `norm_bias` β (`[H, D]`, both or neither) the memory is TTT's
+    M(x) = x + γ ⊙ LN(f(x)) + β around the MLP f (LN over D, eps `NORM_EPS`).
     Returns `(y [B,T,H,D], weights, momentum, chunk_weights, position + T)`; state in the
     compute dtype, y in q's dtype.
     """
@@ -103,13 +160,14 @@ def neural_memory_naive(
     w = [x.to(dtype, copy=True) for x in weights]
     s = [x.to(dtype, copy=True) for x in momentum]
     wc = [x.to(dtype, copy=True) for x in chunk_weights]
+    norm = norm_params(norm_weight, norm_bias, dtype)
     ys = []
     for t in range(q.shape[2]):
         starts = ((position + t) % chunk_size == 0).view(-1, 1, 1, 1)
         wc = [torch.where(starts, wi, ci) for wi, ci in zip(w, wc)]
-        deltas = memory_deltas(k[:, :, t, None], v[:, :, t, None], wc, activation)
+        deltas = memory_deltas(k[:, :, t, None], v[:, :, t, None], wc, activation, norm)
         s = [eta[:, :, t] * si - theta[:, :, t] * (x.mT @ d) for si, (x, d) in zip(s, deltas)]
         w = [(1 - alpha[:, :, t]) * wi + si for wi, si in zip(w, s)]
-        ys.append(memory_read(q[:, :, t, None], w, activation))
+        ys.append(read(q[:, :, t, None], w, activation, norm))
     y = torch.cat(ys, 2) if ys else torch.empty_like(q)
     return y.transpose(1, 2).to(out_dtype), tuple(w), tuple(s), tuple(wc), position + q.shape[2]

@@ -2,7 +2,9 @@
 
 The custom op takes packed `[B, T, H*D]` tensors and the streaming state, like the
 exported `NeuralMemory` node: `neural_memory` calls it with no chunk weights and no
-position (a fresh chunk at the start of the call), `neural_memory_step` with both.
+position (a fresh chunk at the start of the call), `neural_memory_step` with both; TTT's
+residual norm adds γ and β. Under `torch.onnx.export` the functions emit one opaque
+`edgemem::NeuralMemory` node instead (`edgemem.ops.neural_memory.onnx`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import Tensor
 from edgemem.errors import ShapeError
 from edgemem.ops.neural_memory.chunk import neural_memory_chunk
 from edgemem.ops.neural_memory.naive import ACTIVATIONS, compute_dtype, neural_memory_naive
+from edgemem.ops.neural_memory.onnx import emit
 
 # the per-token form is faster for the step, very short blocks and chunk_size 1
 _NAIVE_MAX_TOKENS = 2
@@ -33,6 +36,8 @@ def _forward(
     momentum: list[Tensor],
     chunk_weights: list[Tensor],
     position: Tensor | None,
+    norm_weight: Tensor | None,
+    norm_bias: Tensor | None,
     num_heads: int,
     chunk_size: int,
     activation: str,
@@ -42,18 +47,19 @@ def _forward(
     form = neural_memory_naive if per_token else neural_memory_chunk
     y, w, s, wc, end = form(
         q, k, v, theta, eta, alpha, weights, momentum, chunk_weights or None, position,
-        chunk_size=chunk_size, activation=activation,
+        chunk_size=chunk_size, activation=activation, norm_weight=norm_weight, norm_bias=norm_bias,
     )
     return y.flatten(2), list(w), list(s), list(wc), end
 
 
-# One opaque node: packed q/k/v, the state lists, and (for `neural_memory_step`) the chunk
-# weights and position; `neural_memory` passes no chunk weights and no position.
+# One opaque op: packed q/k/v, the state lists, (for `neural_memory_step`) the chunk weights
+# and position, and (for TTT's residual norm) γ and β; `neural_memory` passes no chunk
+# weights and no position.
 _neural_memory_op = torch.library.custom_op("edgemem::neural_memory", _forward, mutates_args=())
 
 
 @_neural_memory_op.register_fake
-def _(query, key, value, theta, eta, alpha, weights, momentum, chunk_weights, position, *config):
+def _(query, key, value, theta, eta, alpha, weights, momentum, chunk_weights, position, *rest):
     dtype = compute_dtype(query.dtype)
     return (
         query.new_empty(query.shape),
@@ -65,24 +71,28 @@ def _(query, key, value, theta, eta, alpha, weights, momentum, chunk_weights, po
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, theta, eta, alpha, weights, momentum, chunk_weights, position, *config = inputs
+    query, key, value, theta, eta, alpha, weights, momentum, chunk_weights, position, gamma, beta, *config = inputs
     ctx.depth, ctx.config = len(weights), config
-    ctx.save_for_backward(query, key, value, theta, eta, alpha, *weights, *momentum, *chunk_weights, position)
+    saved = (query, key, value, theta, eta, alpha, *weights, *momentum, *chunk_weights, gamma, beta, position)
+    ctx.save_for_backward(*saved)
 
 
 def _backward(ctx, grad_y, grad_w, grad_s, grad_wc, grad_position):
     # backward by recompute: rerun the forward under autograd and differentiate it
-    *saved, position = ctx.saved_tensors
+    *saved, gamma, beta, position = ctx.saved_tensors
+    norm = [None if x is None else x.detach().requires_grad_() for x in (gamma, beta)]
     inputs = [x.detach().requires_grad_() for x in saved]
     d = ctx.depth  # inputs: q, k, v, θ, η, α, d weights, d momenta, 0 or d chunk weights
     weights, momentum, chunk_weights = inputs[6 : 6 + d], inputs[6 + d : 6 + 2 * d], inputs[6 + 2 * d :]
     with torch.enable_grad():
-        y, w, s, wc, _ = _forward(*inputs[:6], weights, momentum, chunk_weights, position, *ctx.config)
+        y, w, s, wc, _ = _forward(*inputs[:6], weights, momentum, chunk_weights, position, *norm, *ctx.config)
     pairs = [(o, g) for o, g in zip([y, *w, *s, *wc], [grad_y, *grad_w, *grad_s, *grad_wc]) if g is not None]
     outputs, grad_outputs = zip(*pairs)
-    grads = torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
+    wrt = inputs + [x for x in norm if x is not None]
+    grads = list(torch.autograd.grad(outputs, wrt, grad_outputs, allow_unused=True))
+    g_norm = [None if x is None else grads.pop(len(inputs)) for x in norm]
     g_w, g_s, g_wc = list(grads[6 : 6 + d]), list(grads[6 + d : 6 + 2 * d]), list(grads[6 + 2 * d :])
-    return (*grads[:6], g_w, g_s, g_wc, None, None, None, None)
+    return (*grads[:6], g_w, g_s, g_wc, None, *g_norm, None, None, None)
 
 
 _neural_memory_op.register_autograd(_backward, setup_context=_setup_context)
@@ -113,6 +123,8 @@ def _check(
     momentum: Sequence[Tensor],
     chunk_weights: Sequence[Tensor] | None,
     position: Tensor | None,
+    norm_weight: Tensor | None,
+    norm_bias: Tensor | None,
     num_heads: int,
     chunk_size: int,
     activation: str,
@@ -157,6 +169,11 @@ def _check(
             raise ShapeError(f"neural_memory: past_position must be an int64 tensor of shape ({b},) or (1,)")
         if tuple(position.shape) not in ((b,), (1,)):
             raise _shape_error("past_position", tuple(position.shape), f"({b},) or (1,)")
+    if (norm_weight is None) != (norm_bias is None):
+        raise ShapeError("neural_memory: give both norm_weight and norm_bias (the residual norm) or neither")
+    if norm_weight is not None:
+        _check_tensor("norm_weight", norm_weight, (h, d))
+        _check_tensor("norm_bias", norm_bias, (h, d))
 
 
 def _call(
@@ -170,21 +187,29 @@ def _call(
     momentum: Sequence[Tensor],
     chunk_weights: Sequence[Tensor] | None,
     position: Tensor | None,
+    norm_weight: Tensor | None,
+    norm_bias: Tensor | None,
     num_heads: int,
     chunk_size: int,
     activation: str,
 ) -> tuple[Tensor, State, State, State, Tensor]:
     _check(
-        query, key, value, theta, eta, alpha, weights, momentum, chunk_weights, position,
+        query, key, value, theta, eta, alpha, weights, momentum, chunk_weights, position, norm_weight, norm_bias,
         num_heads, chunk_size, activation,
     )
     unpacked = query.dim() == 4
     if unpacked:
         query, key, value = (x.flatten(2) for x in (query, key, value))
-    y, w, s, wc, end = _neural_memory_op(
-        query, key, value, theta, eta, alpha, list(weights), list(momentum), list(chunk_weights or ()), position,
-        num_heads, chunk_size, activation,
-    )
+    if torch.onnx.is_in_onnx_export():
+        y, w, s, wc, end = emit(
+            query, key, value, theta, eta, alpha, weights, momentum, chunk_weights, position, norm_weight, norm_bias,
+            num_heads=num_heads, chunk_size=chunk_size, activation=activation,
+        )
+    else:
+        y, w, s, wc, end = _neural_memory_op(
+            query, key, value, theta, eta, alpha, list(weights), list(momentum), list(chunk_weights or ()),
+            position, norm_weight, norm_bias, num_heads, chunk_size, activation,
+        )
     if unpacked:
         y = y.unflatten(2, (num_heads, -1))
     return y, tuple(w), tuple(s), tuple(wc), end
@@ -203,6 +228,8 @@ def neural_memory(
     num_heads: int,
     chunk_size: int = 1,
     activation: str = "silu",
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
 ) -> tuple[Tensor, State, State]:
     """Titans long-term memory (TTT is the case η = α = 0): a per-head MLP trained online.
 
@@ -210,7 +237,10 @@ def neural_memory(
     theta (learning rate), eta (momentum decay), alpha (forgetting): `[B, T, H]`.
     past_weights: `(W1,)` with W1 `[B, H, D, D]` for M(x) = x W1, or `(W1, W2)` with
     `[B, H, D, E]`, `[B, H, E, D]` for M(x) = act(x W1) W2 (activation: silu, gelu (erf),
-    relu or identity); past_momentum likewise. For ℓ_t = ½‖M(k_t) − v_t‖², in chunks of
+    relu or identity); past_momentum likewise. Given `norm_weight` γ and `norm_bias` β
+    (`[H, D]`, both or neither) the memory is TTT's M(x) = x + γ ⊙ LN(f(x)) + β around that
+    MLP f (LayerNorm over D, eps 1e-6, gradients through it in closed form; γ and β get
+    gradients from the op's backward). For ℓ_t = ½‖M(k_t) − v_t‖², in chunks of
     `chunk_size` tokens counted from the start of this call, every gradient of a chunk
     taken at its start weights (closed form, no autograd), per token (Titans eq. 13/14):
         S_t = η_t S_{t−1} − θ_t ∇ℓ_t,   W_t = (1 − α_t) W_{t−1} + S_t,   y_t = M(q_t; W_t).
@@ -220,7 +250,7 @@ def neural_memory(
     `neural_memory_step`. Bad shapes raise `ShapeError`.
     """
     y, w, s, _, _ = _call(
-        query, key, value, theta, eta, alpha, past_weights, past_momentum, None, None,
+        query, key, value, theta, eta, alpha, past_weights, past_momentum, None, None, norm_weight, norm_bias,
         num_heads, chunk_size, activation,
     )
     return y, w, s
@@ -241,6 +271,8 @@ def neural_memory_step(
     num_heads: int,
     chunk_size: int = 1,
     activation: str = "silu",
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
 ) -> tuple[Tensor, State, State, State, Tensor]:
     """`neural_memory` continuing a stream: one token (T = 1, the step) or a block (prefill).
 
@@ -256,5 +288,5 @@ def neural_memory_step(
     """
     return _call(
         query, key, value, theta, eta, alpha, past_weights, past_momentum, past_chunk_weights, past_position,
-        num_heads, chunk_size, activation,
+        norm_weight, norm_bias, num_heads, chunk_size, activation,
     )

@@ -1,7 +1,9 @@
 """`edgemem::window_attention`: streaming causal banded attention over a ring buffer.
 
-The custom op takes the packed tensors of the ONNX node (exported as one opaque
-`edgemem::WindowAttention` node), has a fake impl and a backward that recomputes the fast form.
+The custom op takes the packed tensors of the ONNX node, has a fake impl and a backward that
+recomputes the fast form. Under `torch.onnx.export` the public functions emit one opaque
+`edgemem::WindowAttention` node instead (onnx.py: `emit`, and the model-local `function` that
+gives the node a body in standard ops).
 """
 
 from collections.abc import Sequence
@@ -17,6 +19,8 @@ from edgemem.ops.banded_attention.op import (
     describe,
 )
 from edgemem.ops.window_attention.chunk import window_attention_chunk
+
+OP_TYPE = "WindowAttention"
 
 
 def ring_length(window: int, dilation: int | Sequence[int] = 1) -> int:
@@ -204,20 +208,15 @@ def window_attention_prefill(
     if position.is_floating_point() or position.dtype == torch.bool or position.shape not in ((), (b,)):
         raise ShapeError(f"{op}: position is {describe(position)}; expected an integer tensor [] or [B] = [{b}]")
     check_persistent(op, persistent_key, persistent_value, q, v)
-    out, present_key, present_value = _window_attention(
-        q.flatten(2),
-        k.flatten(2),
-        v.flatten(2),
-        past_key,
-        past_value,
-        position.to(torch.int64).reshape(-1).expand(b),
-        persistent_key,
-        persistent_value,
-        num_heads,
-        window,
-        dilation,
-        check_scale(op, scale, d),
-    )
+    position = position.to(torch.int64).reshape(-1).expand(b)
+    args = (q.flatten(2), k.flatten(2), v.flatten(2), past_key, past_value, position, persistent_key, persistent_value)
+    attrs = dict(num_heads=num_heads, window=window, dilation=dilation, scale=check_scale(op, scale, d))
+    if torch.onnx.is_in_onnx_export():
+        from edgemem.ops.window_attention.onnx import emit  # imports onnx only when exporting
+
+        out, present_key, present_value = emit(*args, **attrs)
+    else:
+        out, present_key, present_value = _window_attention(*args, *attrs.values())
     return (out.unflatten(2, (num_heads, -1)) if query.dim() == 4 else out), present_key, present_value
 
 

@@ -1,0 +1,146 @@
+"""`edgemem.export.export`: any module following the stateful protocol → an export directory.
+
+    DIR/edgemem.json                 the manifest (edgemem.manifest)
+    DIR/<target>/prefill.onnx        prompt of any length, from and to a state (absent when the
+                                     model's prefill is a data-dependent loop: prompts are stepped)
+    DIR/<target>/step.onnx           one token (absent for bidirectional models)
+    DIR/state_init.safetensors       initial values of the states that do not start at zero
+
+The directory is built beside DIR under a temporary name and renamed into place, so an
+interrupted export never leaves a half-written DIR.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import onnx
+import torch
+from safetensors.torch import save as save_safetensors
+from torch import nn
+
+from edgemem.errors import EdgememError
+from edgemem.export.graphs import export_graph, growing_dims, input_name, output_name
+from edgemem.export.lower import lower
+from edgemem.manifest import MANIFEST, STATE_INIT, TARGETS, Manifest, StateSpec, sha256, write_atomic
+
+log = logging.getLogger(__name__)
+
+OPSET = 20
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+_ONNX_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.float64: "float64", torch.int64: "int64"}
+
+
+def _check_protocol(model: nn.Module) -> None:
+    missing = [m for m in ("init_state", "prefill", "step") if not callable(getattr(model, m, None))]
+    if missing:
+        raise EdgememError(
+            f"{type(model).__name__} does not follow the stateful protocol: missing {', '.join(missing)} "
+            "(see edgemem.layers.base.StatefulLayer)"
+        )
+    if not isinstance(getattr(getattr(model, "config", None), "vocab_size", None), int):
+        raise EdgememError(f"{type(model).__name__} needs `config.vocab_size` (an int) to be exported")
+
+
+def state_specs(model: nn.Module, dtype: torch.dtype | None = None) -> list[StateSpec]:
+    """Manifest entries for the model's state: names, shapes (with "batch" / "past_sequence"), init."""
+    state = model.init_state(1, dtype=dtype)
+    growing = growing_dims(model, dtype)
+    specs = []
+    for key, tensor in state.items():
+        shape: list[int | str] = ["batch", *tensor.shape[1:]]
+        for d in growing.get(key, []):
+            shape[d] = "past_sequence"
+        layer, _, kind = key.partition(".")
+        specs.append(
+            StateSpec(
+                input=input_name(key), output=output_name(key), shape=shape, dtype=_ONNX_DTYPES[tensor.dtype],
+                layer=layer if kind else "", kind=kind or key, init="zeros" if not tensor.any() else "file",
+            )
+        )
+    return specs
+
+
+def _config(model: nn.Module) -> dict[str, Any]:
+    config = model.config
+    data = config.to_dict() if hasattr(config, "to_dict") else {}
+    return {**data, "vocab_size": config.vocab_size}
+
+
+def export(
+    model: nn.Module,
+    out_dir: str | Path,
+    *,
+    targets: Sequence[str] = ("generic", "ort", "trt"),
+    dtype: str = "fp32",
+    force: bool = False,
+    extra_config: dict[str, Any] | None = None,
+) -> Manifest:
+    """Export `model` (stateful protocol, `config.vocab_size`) to `out_dir` for `targets`."""
+    _check_protocol(model)
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown or not targets:
+        raise EdgememError(f"unknown target(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(TARGETS)}")
+    if dtype not in DTYPES:
+        raise EdgememError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise EdgememError(f"{out_dir} exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        raise EdgememError(f"{out_dir} is not empty; pass --force (force=True) to replace it")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+
+    model = model.eval()
+    if dtype == "fp16":
+        model = copy.deepcopy(model).half()
+    state_dtype = torch.float32  # state stays fp32 whatever the weights
+    graphs = {"prefill": bool(getattr(model, "parallel_prefill", True)), "step": bool(getattr(model, "streaming", True))}
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        files: dict[str, str] = {}
+        for kind in [k for k, present in graphs.items() if present]:
+            log.info("exporting the %s graph", kind)
+            proto = export_graph(model, kind, OPSET, state_dtype)
+            for target in targets:
+                path = tmp / target / f"{kind}.onnx"
+                path.parent.mkdir(exist_ok=True)
+                lowered = lower(proto, target)
+                onnx.save(lowered, path)
+                files[f"{target}/{kind}.onnx"] = sha256(path)
+        specs = state_specs(model, state_dtype)
+        initial = {s.input: t.contiguous() for s, t in zip(specs, model.init_state(1, dtype=state_dtype).values()) if s.init == "file"}
+        if initial:
+            write_atomic(tmp / STATE_INIT, save_safetensors(initial))
+            files[STATE_INIT] = sha256(tmp / STATE_INIT)
+        config = {**_config(model), **(extra_config or {}), "dtype": dtype}
+        manifest = Manifest(
+            arch=str(getattr(model.config, "arch", "custom")), config=config, opset=OPSET, targets=list(targets),
+            state=specs, graphs=graphs, files=files,
+        )
+        write_atomic(tmp / MANIFEST, manifest.to_json().encode())
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("wrote %s", out_dir)
+    return manifest
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Rename `new` to `target`; an existing target is moved aside first and removed after."""
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{new.name.rsplit('-', 1)[-1]}")
+        target.rename(old)
+    new.rename(target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+__all__ = ["OPSET", "export", "lower", "state_specs"]

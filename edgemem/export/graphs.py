@@ -1,0 +1,123 @@
+"""Trace a stateful model into two ONNX graphs: prefill (any length) and step (one token).
+
+Both graphs take `input_ids` and every state tensor and return `logits` and every new state,
+so a prompt is prefilled and then streamed. The layers' ops emit one opaque `edgemem::<Op>`
+node each under the exporter; their model-local functions are attached here.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import onnx
+import torch
+from onnx import helper
+from torch import nn
+
+from edgemem.errors import EdgememError
+from edgemem.ops import OP_PACKAGES, onnx_functions
+
+log = logging.getLogger(__name__)
+
+DOMAIN = "edgemem"
+
+
+def input_name(key: str) -> str:
+    return f"past_key_values.{key}"
+
+
+def output_name(key: str) -> str:
+    return f"present.{key}"
+
+
+class _Graph(nn.Module):
+    """Flat positional I/O around `model.prefill`, as the exporter needs it."""
+
+    def __init__(self, model: nn.Module, names: list[str]):
+        super().__init__()
+        self.model, self.names = model, names
+
+    def forward(self, input_ids: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits, new = self.model.prefill(input_ids, dict(zip(self.names, state)))
+        return (logits, *(new[n] for n in self.names))
+
+
+def example_state(model: nn.Module, batch: int, tokens: int, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The state after `tokens` random tokens: a real, mid-stream example for tracing."""
+    state = model.init_state(batch, dtype=dtype)
+    if tokens and getattr(model, "streaming", True):
+        ids = torch.randint(0, model.config.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            _, state = model.prefill(ids, state)
+    return state
+
+
+def growing_dims(model: nn.Module, dtype: torch.dtype | None) -> dict[str, list[int]]:
+    """Per state tensor, the dims (besides batch) whose size depends on the position (a KV cache)."""
+    if not getattr(model, "streaming", True):
+        return {}
+    a, b = example_state(model, 2, 3, dtype), example_state(model, 2, 5, dtype)
+    return {k: [i for i in range(1, a[k].dim()) if a[k].shape[i] != b[k].shape[i]] for k in a}
+
+
+def export_graph(model: nn.Module, kind: str, opset: int, dtype: torch.dtype | None) -> onnx.ModelProto:
+    """`kind` is "prefill" or "step"; returns the ONNX model with edgemem functions attached."""
+    streaming = getattr(model, "streaming", True)
+    state = example_state(model, 2, 3, dtype) if streaming else model.init_state(2, dtype=dtype)
+    names = list(state)
+    growing = growing_dims(model, dtype)
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    past = torch.export.Dim("past_sequence", min=0, max=1 << 20)
+    seq_len = 1 if kind == "step" else 4
+    ids = torch.randint(0, model.config.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(1))
+    ids_dims = {0: batch} if kind == "step" else {0: batch, 1: torch.export.Dim("sequence", min=1, max=1 << 20)}
+    state_dims = tuple({0: batch, **{d: past for d in growing.get(n, [])}} for n in names)
+    dynamic_shapes = (ids_dims, state_dims) if names else (ids_dims,)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            program = torch.onnx.export(
+                _Graph(model, names).eval(),
+                (ids, *state.values()),
+                dynamo=True,
+                opset_version=opset,
+                input_names=["input_ids", *map(input_name, names)],
+                output_names=["logits", *map(output_name, names)],
+                dynamic_shapes=dynamic_shapes,
+                verbose=False,
+            )
+        except Exception as e:  # the exporter's own errors are long reports; keep the cause
+            raise EdgememError(f"exporting the {kind} graph failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+    proto = program.model_proto
+    _check_dynamic(proto, kind)
+    attach_functions(proto, opset)
+    proto.graph.name = f"{getattr(model.config, 'arch', 'model')}-{kind}"
+    return proto
+
+
+def _check_dynamic(proto: onnx.ModelProto, kind: str) -> None:
+    """The exporter can fall back to specialising a dim to the example's size; refuse that."""
+    dims = proto.graph.input[0].type.tensor_type.shape.dim
+    wanted = {"batch": dims[0]} if kind == "step" else {"batch": dims[0], "sequence": dims[1]}
+    fixed = [name for name, d in wanted.items() if not d.dim_param]
+    if fixed:
+        raise EdgememError(
+            f"the {kind} graph came out specialised to the example's {' and '.join(fixed)}: some layer's "
+            "prefill does not trace for any length (make its shapes follow T without data-dependent Python)"
+        )
+
+
+def attach_functions(proto: onnx.ModelProto, opset: int) -> None:
+    """Add the model-local function of every edgemem op the graph uses, and the edgemem opset."""
+    used = sorted({n.op_type for n in proto.graph.node if n.domain == DOMAIN})
+    if not used:
+        return
+    missing = [op for op in used if op not in OP_PACKAGES]
+    if missing:
+        raise EdgememError(f"no ONNX function for edgemem op(s) {', '.join(missing)}")
+    functions = onnx_functions(opset, used)
+    have = {(f.domain, f.name) for f in proto.functions}
+    proto.functions.extend(functions[op] for op in used if (DOMAIN, op) not in have)
+    if all(o.domain != DOMAIN for o in proto.opset_import):
+        proto.opset_import.append(helper.make_opsetid(DOMAIN, 1))

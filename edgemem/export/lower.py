@@ -1,0 +1,103 @@
+"""Lowering: one exported model, one artifact per target.
+
+- generic: edgemem nodes + their model-local functions (any ONNX runtime runs them).
+- ort:     `LinearAttention` → onnxruntime's native `com.microsoft::LinearAttention` (same contract
+           as ONNX opset 27; the inputs its update rule does not read are dropped).
+- onnx27:  `LinearAttention` → `ai.onnx::LinearAttention`, the model moved to opset 27.
+- trt:     every edgemem node gets `plugin_namespace="edgemem"`, `plugin_version="1"` and the
+           edgemem functions are removed, so TensorRT's ONNX parser takes our plugins (TensorRT
+           ≤ 10.6 would otherwise prefer a local function of the same name).
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import helper, version_converter
+
+from edgemem.errors import EdgememError
+from edgemem.export.graphs import DOMAIN
+from edgemem.manifest import TARGETS
+from edgemem.ops import onnx_functions
+
+LINEAR_ATTENTION = "LinearAttention"
+
+
+def _attr(node: onnx.NodeProto, name: str):
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    raise EdgememError(f"{node.op_type} node {node.name!r} lacks attribute {name!r}")
+
+
+def _standard_linear_attention(node: onnx.NodeProto, domain: str) -> None:
+    """edgemem's node always carries decay and beta; the standard contract forbids the unused ones."""
+    rule = _attr(node, "update_rule").decode()
+    inputs = list(node.input)
+    if rule not in ("gated", "gated_delta"):
+        inputs[4] = ""
+    if rule not in ("delta", "gated_delta"):
+        inputs[5] = ""
+    while inputs[-1] == "":
+        inputs.pop()
+    del node.input[:]
+    node.input.extend(inputs)
+    keep = [a for a in node.attribute if a.name in ("update_rule", "scale", "q_num_heads", "kv_num_heads", "chunk_size")]
+    del node.attribute[:]
+    node.attribute.extend(keep)
+    node.domain = domain
+
+
+def _prune(model: onnx.ModelProto) -> None:
+    """Drop edgemem functions no node calls, and the edgemem opset if nothing uses it."""
+    used = {n.op_type for n in model.graph.node if n.domain == DOMAIN}
+    keep = [f for f in model.functions if f.domain != DOMAIN or f.name in used]
+    del model.functions[:]
+    model.functions.extend(keep)
+    if not used:
+        keep_opsets = [o for o in model.opset_import if o.domain != DOMAIN]
+        del model.opset_import[:]
+        model.opset_import.extend(keep_opsets)
+
+
+def _set_opset(model: onnx.ModelProto, domain: str, version: int) -> None:
+    for o in model.opset_import:
+        if o.domain == domain:
+            o.version = version
+            return
+    model.opset_import.append(helper.make_opsetid(domain, version))
+
+
+def lower(model: onnx.ModelProto, target: str) -> onnx.ModelProto:
+    """A copy of `model` lowered for `target` (one of TARGETS)."""
+    if target not in TARGETS:
+        raise EdgememError(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    nodes = [n for n in out.graph.node if n.domain == DOMAIN]
+    if target == "ort":
+        for node in nodes:
+            if node.op_type == LINEAR_ATTENTION:
+                _standard_linear_attention(node, "com.microsoft")
+        if any(n.domain == "com.microsoft" for n in out.graph.node):
+            _set_opset(out, "com.microsoft", 1)
+        _prune(out)
+    elif target == "onnx27":
+        functions = list(out.functions)
+        del out.functions[:]
+        out = version_converter.convert_version(out, 27)
+        for node in out.graph.node:
+            if node.domain == DOMAIN and node.op_type == LINEAR_ATTENTION:
+                _standard_linear_attention(node, "")
+        used = {n.op_type for n in out.graph.node if n.domain == DOMAIN}
+        fresh = onnx_functions(27, sorted(used))
+        out.functions.extend(fresh[f.name] if f.domain == DOMAIN else f for f in functions if f.domain != DOMAIN or f.name in used)
+        _prune(out)
+    elif target == "trt":
+        for node in nodes:
+            node.attribute.extend(
+                [helper.make_attribute("plugin_namespace", DOMAIN), helper.make_attribute("plugin_version", "1")]
+            )
+        keep = [f for f in out.functions if f.domain != DOMAIN]
+        del out.functions[:]
+        out.functions.extend(keep)
+    return out

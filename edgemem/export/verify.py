@@ -1,0 +1,152 @@
+"""`edgemem verify DIR`: run each target that can run here against the PyTorch model.
+
+The PyTorch model is rebuilt from the manifest (arch, config, seed) or loaded from the
+checkpoint it was exported from. One random stream is prefilled and then stepped; every
+output and state of every graph is compared, and prefill ≡ prefill + steps is checked inside
+ONNX Runtime itself.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from safetensors.numpy import load_file
+
+from edgemem.errors import EdgememError
+from edgemem.manifest import STATE_INIT, Manifest, load
+from edgemem.models import LM, LMConfig, load_checkpoint
+
+log = logging.getLogger(__name__)
+
+TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2}
+
+
+@dataclass
+class Check:
+    target: str
+    graph: str
+    tensor: str
+    max_abs: float
+    max_rel: float
+    ok: bool
+
+
+def rebuild(manifest: Manifest, checkpoint: str | Path | None = None) -> LM:
+    """The PyTorch model an export came from."""
+    config = dict(manifest.config)
+    path = checkpoint or config.pop("checkpoint", None)
+    if path is not None:
+        model = load_checkpoint(path)
+    else:
+        if "seed" not in config:
+            raise EdgememError("the manifest records no seed and no checkpoint: pass --checkpoint")
+        torch.manual_seed(config["seed"])
+        fields = {k: v for k, v in config.items() if k in LMConfig.__dataclass_fields__}
+        model = LM(LMConfig(**fields))
+    return model.eval()
+
+
+def initial_state(manifest: Manifest, directory: Path, batch: int) -> dict[str, np.ndarray]:
+    """Every state input of a fresh stream of `batch` rows, from the manifest."""
+    stored = load_file(directory / STATE_INIT) if (directory / STATE_INIT).exists() else {}
+    state = {}
+    for spec in manifest.state:
+        shape = [batch if d == "batch" else 0 if d == "past_sequence" else d for d in spec.shape]
+        if spec.init == "file":
+            state[spec.input] = np.ascontiguousarray(np.broadcast_to(stored[spec.input], shape))
+        else:
+            state[spec.input] = np.zeros(shape, dtype=spec.dtype)
+    return state
+
+
+def _compare(a: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
+    diff = np.abs(a.astype(np.float64) - ref.astype(np.float64))
+    scale = max(float(np.abs(ref).max()) if ref.size else 0.0, 1e-6)
+    return (float(diff.max()) if diff.size else 0.0), (float(diff.max()) / scale if diff.size else 0.0)
+
+
+def runnable_targets(manifest: Manifest) -> dict[str, str]:
+    """target → why it is skipped ("" when it runs here)."""
+    reasons = {}
+    for target in manifest.targets:
+        if target == "trt":
+            reasons[target] = "" if importlib.util.find_spec("tensorrt") else "TensorRT is not installed"
+        else:
+            reasons[target] = ""
+    return reasons
+
+
+def verify(
+    directory: str | Path, *, checkpoint: str | Path | None = None, batch: int = 2, prompt: int = 11,
+    steps: int = 6, seed: int = 0, threads: int | None = None,
+) -> tuple[list[Check], dict[str, str]]:
+    """Compare every runnable target with PyTorch; returns the checks and the skipped targets."""
+    directory = Path(directory)
+    manifest = load(directory)
+    model = rebuild(manifest, checkpoint)
+    tolerance = TOLERANCE[manifest.config.get("dtype", "fp32")]
+    rng = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, manifest.vocab_size, (batch, prompt + steps), generator=rng)
+    state0 = initial_state(manifest, directory, batch)
+    names = [s.input for s in manifest.state]
+    outputs = ["logits", *(s.output for s in manifest.state)]
+
+    # the PyTorch run: prefill the prompt, then one step per token
+    with torch.no_grad():
+        torch_state = {k: torch.from_numpy(v.copy()) for k, v in zip(model.init_state(batch), state0.values())}
+        logits, torch_state = model.prefill(tokens[:, :prompt], torch_state)
+        expected = {"prefill": [logits.numpy(), *(t.numpy() for t in torch_state.values())], "step": []}
+        for i in range(prompt, prompt + steps if manifest.graphs["step"] else prompt):
+            logits, torch_state = model.step(tokens[:, i], torch_state)
+            expected["step"].append([logits.numpy(), *(t.numpy() for t in torch_state.values())])
+
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    checks, skipped = [], {t: why for t, why in runnable_targets(manifest).items() if why}
+    for target in manifest.targets:
+        if target in skipped:
+            continue
+        if target == "trt":
+            raise EdgememError("TensorRT verification needs the trt runtime backend, which is not built yet")
+        sessions = {
+            kind: ort.InferenceSession(str(directory / target / f"{kind}.onnx"), options, providers=["CPUExecutionProvider"])
+            for kind, present in manifest.graphs.items() if present
+        }
+
+        def prefill(ids: np.ndarray, state: dict[str, np.ndarray]) -> list[np.ndarray]:
+            """The prefill graph, or token by token through the step graph when there is none."""
+            if "prefill" in sessions:
+                return sessions["prefill"].run(outputs, {"input_ids": ids, **state})
+            logits = []
+            for i in range(ids.shape[1]):
+                result = sessions["step"].run(outputs, {"input_ids": ids[:, i : i + 1], **state})
+                logits.append(result[0])
+                state = dict(zip(names, result[1:]))
+            return [np.concatenate(logits, axis=1), *state.values()]
+
+        got = prefill(tokens[:, :prompt].numpy(), state0)
+        checks += [Check(target, "prefill", n, *_compare(a, e), True) for n, a, e in zip(outputs, got, expected["prefill"])]
+        if "step" in sessions:
+            state = dict(zip(names, got[1:]))
+            worst: dict[str, tuple[float, float]] = {}
+            for j, i in enumerate(range(prompt, prompt + steps)):
+                result = sessions["step"].run(outputs, {"input_ids": tokens[:, i : i + 1].numpy(), **state})
+                state = dict(zip(names, result[1:]))
+                for n, a, e in zip(outputs, result, expected["step"][j]):
+                    e = e[:, None] if n == "logits" else e
+                    worst[n] = tuple(map(max, worst.get(n, (0.0, 0.0)), _compare(a, e)))
+            checks += [Check(target, "step", n, *err, True) for n, err in worst.items()]
+            if "prefill" in sessions:  # inside ONNX Runtime: prefill of everything ≡ the prefill then the steps
+                whole = prefill(tokens.numpy(), state0)
+                for n, a, e in zip(outputs[1:], result[1:], whole[1:]):
+                    checks.append(Check(target, "prefill≡step", n, *_compare(a, e), True))
+    for c in checks:
+        c.ok = c.max_rel <= tolerance
+    return checks, skipped

@@ -1,0 +1,115 @@
+"""`edgemem.json`: the one file that describes an export to every later tool.
+
+Pure Python (json, hashlib): the runtime reads it without torch or onnx.
+
+    {"format": "edgemem/1", "arch": ..., "config": {...}, "opset": 20, "targets": [...],
+     "inputs": {"tokens": "input_ids"}, "outputs": {"logits": "logits"},
+     "graphs": {"prefill": true, "step": true},
+     "state": [{"input": "past_key_values.0.recurrent_state", "output": "present.0.recurrent_state",
+                "shape": ["batch", 4, 64, 64], "dtype": "float32", "layer": "0",
+                "kind": "recurrent_state", "init": "zeros" | "file"}, ...],
+     "files": {"generic/step.onnx": "<sha256>", ...}}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edgemem.errors import EdgememError
+
+FORMAT = "edgemem/1"
+MANIFEST = "edgemem.json"
+STATE_INIT = "state_init.safetensors"
+TARGETS = ("generic", "ort", "onnx27", "trt")
+
+
+class ManifestError(EdgememError):
+    """A directory that is not an edgemem export, or one whose files do not match its manifest."""
+
+
+@dataclass
+class StateSpec:
+    input: str
+    output: str
+    shape: list[int | str]
+    dtype: str
+    layer: str
+    kind: str
+    init: str  # "zeros" or "file" (state_init.safetensors, batch 1)
+
+
+@dataclass
+class Manifest:
+    arch: str
+    config: dict[str, Any]
+    opset: int
+    targets: list[str]
+    state: list[StateSpec]
+    graphs: dict[str, bool]
+    files: dict[str, str] = field(default_factory=dict)
+    inputs: dict[str, str] = field(default_factory=lambda: {"tokens": "input_ids"})
+    outputs: dict[str, str] = field(default_factory=lambda: {"logits": "logits"})
+    format: str = FORMAT
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2) + "\n"
+
+    def identity(self) -> str:
+        """A hash of the model files: what a state checkpoint must match."""
+        return hashlib.sha256(json.dumps(sorted(self.files.items())).encode()).hexdigest()
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write to a temporary file beside `path`, fsync, rename: readers never see half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load(directory: str | Path, *, check_files: bool = True) -> Manifest:
+    """Read and validate `DIR/edgemem.json`; with `check_files`, verify every file's sha256."""
+    directory = Path(directory)
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise ManifestError(f"{directory} is not an edgemem export: {MANIFEST} is missing (run `edgemem export`)")
+    try:
+        raw = json.loads(path.read_text())
+        if raw.get("format") != FORMAT:
+            raise ManifestError(f"{path}: format is {raw.get('format')!r}, expected {FORMAT!r}")
+        raw["state"] = [StateSpec(**s) for s in raw["state"]]
+        manifest = Manifest(**raw)
+    except (json.JSONDecodeError, TypeError, KeyError, AttributeError) as e:
+        raise ManifestError(f"{path} is not a valid edgemem manifest: {e}") from None
+    if check_files:
+        for name, digest in manifest.files.items():
+            file = directory / name
+            if not file.is_file():
+                raise ManifestError(f"{directory}: {name} listed in {MANIFEST} is missing")
+            if sha256(file) != digest:
+                raise ManifestError(f"{directory}: {name} does not match its sha256 in {MANIFEST} (modified or corrupt)")
+    return manifest

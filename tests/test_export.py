@@ -1,0 +1,236 @@
+"""Export: every preset becomes prefill/step ONNX graphs that ONNX Runtime (and onnx.reference)
+run to PyTorch's numbers, lowered per target, with a manifest every later tool can trust."""
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+import torch
+from click.testing import CliRunner
+from onnx.reference import ReferenceEvaluator
+
+from edgemem.cli import main
+from edgemem.errors import EdgememError
+from edgemem.export import export
+from edgemem.export.verify import initial_state, verify
+from edgemem.layers import GatedDeltaNet, SlidingWindowAttention
+from edgemem.manifest import MANIFEST, load
+from edgemem.models import archs, build, save_checkpoint
+
+TARGETS = ["generic", "ort", "onnx27", "trt"]
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """Every preset exported once with default settings, with the seconds each took."""
+    root = tmp_path_factory.mktemp("exports")
+    done = {}
+    for arch in archs():
+        start = time.perf_counter()
+        result = CliRunner().invoke(main, ["export", "--arch", arch, "--out", str(root / arch), "--target", ",".join(TARGETS)])
+        assert result.exit_code == 0, f"{arch}: {result.output}"
+        done[arch] = (root / arch, time.perf_counter() - start)
+    return done
+
+
+@pytest.mark.parametrize("arch", archs())
+def test_preset_exports_in_under_a_minute_and_matches_pytorch(exports, arch):
+    directory, seconds = exports[arch]
+    assert seconds < 60
+    checks, skipped = verify(directory, threads=1)
+    assert skipped == {"trt": "TensorRT is not installed"} or "trt" not in skipped
+    assert {c.target for c in checks} == {"generic", "ort", "onnx27"}
+    bad = [c for c in checks if not c.ok]
+    assert not bad, bad
+    manifest = load(directory)
+    assert manifest.graphs == {"prefill": True, "step": arch != "longformer-encoder"}
+
+
+def test_manifest_describes_the_graphs(exports):
+    directory, _ = exports["titans-mag"]
+    raw = json.loads((directory / MANIFEST).read_text())
+    assert raw["format"] == "edgemem/1" and raw["arch"] == "titans-mag" and raw["opset"] == 20
+    assert raw["inputs"] == {"tokens": "input_ids"} and raw["outputs"] == {"logits": "logits"}
+    assert raw["config"]["vocab_size"] == 256 and raw["targets"] == TARGETS
+    step = onnx.load(directory / "generic" / "step.onnx")
+    graph_inputs = {i.name: i for i in step.graph.input}
+    kinds = set()
+    for spec in raw["state"]:
+        assert spec["input"] == f"past_key_values.{spec['layer']}.{spec['kind']}"
+        assert spec["output"] == f"present.{spec['layer']}.{spec['kind']}"
+        dims = [d.dim_param or d.dim_value for d in graph_inputs[spec["input"]].type.tensor_type.shape.dim]
+        assert dims == spec["shape"] and spec["shape"][0] == "batch"
+        kinds.add(spec["kind"])
+    assert {"key", "value", "position", "memory.0", "momentum.0", "chunk_memory.0"} <= kinds
+    assert any(s["init"] == "file" for s in raw["state"])  # Titans' learned initial memory
+    assert set(raw["files"]) >= {f"{t}/{g}.onnx" for t in TARGETS for g in ("prefill", "step")} | {"state_init.safetensors"}
+
+
+def test_softmax_state_declares_its_growing_cache(exports):
+    raw = json.loads((exports["softmax"][0] / MANIFEST).read_text())
+    assert all(s["shape"][2] == "past_sequence" for s in raw["state"])
+
+
+@pytest.mark.parametrize("arch", ["gated-deltanet", "titans-mag", "longformer", "titans-lmm"])
+def test_edgemem_nodes_and_their_functions_survive(exports, arch):
+    model = onnx.load(exports[arch][0] / "generic" / "step.onnx")
+    ops = {n.op_type for n in model.graph.node if n.domain == "edgemem"}
+    assert ops and ops == {f.name for f in model.functions if f.domain == "edgemem"}
+    assert any(o.domain == "edgemem" and o.version == 1 for o in model.opset_import)
+
+
+def test_full_checker_passes_in_a_fresh_process(exports):
+    files = [str(d / t / g) for d, _ in exports.values() for t in ("generic", "ort", "onnx27") for g in ("prefill.onnx", "step.onnx") if (d / t / g).exists()]
+    code = "import sys, onnx\nfor f in sys.argv[1:]: onnx.checker.check_model(onnx.load(f), full_check=True)"
+    subprocess.run([sys.executable, "-c", code, *files], check=True)
+
+
+def test_ort_target_uses_the_native_kernel_and_onnx27_the_standard_op(exports):
+    directory = exports["gated-deltanet"][0]
+    ort_model = onnx.load(directory / "ort" / "step.onnx")
+    assert {(n.domain, n.op_type) for n in ort_model.graph.node if n.op_type == "LinearAttention"} == {("com.microsoft", "LinearAttention")}
+    assert not [f for f in ort_model.functions if f.name == "LinearAttention"]
+    std = onnx.load(directory / "onnx27" / "step.onnx")
+    assert {(n.domain, n.op_type) for n in std.graph.node if n.op_type == "LinearAttention"} == {("", "LinearAttention")}
+    assert [o.version for o in std.opset_import if o.domain == ""] == [27]
+
+
+@pytest.mark.parametrize("arch", ["gated-deltanet", "titans-mag", "longformer", "titans-mac"])
+def test_trt_artifacts_carry_plugin_attributes_and_no_local_functions(exports, arch):
+    for graph in ("prefill", "step"):
+        model = onnx.load(exports[arch][0] / "trt" / f"{graph}.onnx")
+        assert not [f for f in model.functions if f.domain == "edgemem"]
+        nodes = [n for n in gs.import_onnx(model).nodes if n.domain == "edgemem"]
+        assert nodes
+        for node in nodes:
+            assert node.attrs["plugin_namespace"] == "edgemem" and node.attrs["plugin_version"] == "1"
+
+
+@pytest.mark.parametrize("arch", ["gated-deltanet", "titans-mag", "longformer"])
+def test_onnx_reference_evaluator_runs_the_generic_step(exports, arch):
+    directory = exports[arch][0]
+    manifest = load(directory)
+    feeds = {"input_ids": np.array([[7], [42]], dtype=np.int64), **initial_state(manifest, directory, 2)}
+    model = onnx.load(directory / "generic" / "step.onnx")
+    got = ReferenceEvaluator(model).run(None, feeds)
+    import onnxruntime as ort
+
+    expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+class HybridLM(torch.nn.Module):
+    """A user's own model: gated DeltaNet and sliding-window layers, not a preset."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = type("Config", (), {"vocab_size": 64, "arch": "hybrid"})()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.layers = torch.nn.ModuleList([GatedDeltaNet(32, 2), SlidingWindowAttention(32, 2, window=4)])
+        self.head = torch.nn.Linear(32, 64)
+
+    def init_state(self, batch, device=None, dtype=None):
+        return {f"{i}.{k}": v for i, layer in enumerate(self.layers) for k, v in layer.init_state(batch, device, dtype).items()}
+
+    def prefill(self, tokens, state):
+        x, new = self.embed(tokens), {}
+        for i, layer in enumerate(self.layers):
+            mine = {k.split(".", 1)[1]: v for k, v in state.items() if k.startswith(f"{i}.")}
+            y, mine = layer.prefill(x, mine)
+            x = x + y
+            new.update({f"{i}.{k}": v for k, v in mine.items()})
+        return self.head(x), new
+
+    def step(self, tokens, state):
+        logits, state = self.prefill(tokens[:, None], state)
+        return logits[:, 0], state
+
+
+def test_user_built_model_exports_through_the_python_api(tmp_path):
+    import onnxruntime as ort
+
+    torch.manual_seed(0)
+    model = HybridLM().eval()
+    manifest = export(model, tmp_path / "hybrid", targets=["generic", "ort"])
+    assert manifest.arch == "hybrid" and [s.kind for s in manifest.state][:2] == ["recurrent_state", "conv_state"]
+    tokens = torch.randint(0, 64, (3, 9))
+    with torch.no_grad():
+        expected, _ = model.prefill(tokens, model.init_state(3))
+    for target in ("generic", "ort"):
+        session = ort.InferenceSession(str(tmp_path / "hybrid" / target / "prefill.onnx"), providers=["CPUExecutionProvider"])
+        feeds = {"input_ids": tokens.numpy(), **initial_state(manifest, tmp_path / "hybrid", 3)}
+        np.testing.assert_allclose(session.run(["logits"], feeds)[0], expected.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def _invoke(*args):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    result = _invoke("export", "--arch", "mamba", "--out", str(tmp_path / "x"))
+    assert result.exit_code == 2 and "unknown arch 'mamba'; known:" in result.output and "Traceback" not in result.output
+    result = _invoke("export", "--arch", "deltanet", "--out", str(tmp_path / "x"), "--set", "windw=3")
+    assert result.exit_code == 2 and "unknown override 'windw'" in result.output
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    result = _invoke("export", "--arch", "deltanet", "--out", str(tmp_path / "full"))
+    assert result.exit_code == 2 and "is not empty; pass --force" in result.output
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    (tmp_path / "bad.safetensors").write_bytes(b"not a checkpoint")
+    result = _invoke("export", "--checkpoint", str(tmp_path / "bad.safetensors"), "--out", str(tmp_path / "y"))
+    assert result.exit_code == 2 and "cannot read checkpoint" in result.output
+    save_checkpoint(build("deltanet", seed=0, d_model=32, mlp_hidden=32), tmp_path / "deltanet.safetensors")
+    result = _invoke("export", "--arch", "softmax", "--checkpoint", str(tmp_path / "deltanet.safetensors"), "--out", str(tmp_path / "z"))
+    assert result.exit_code == 2 and "is a checkpoint of 'deltanet', not 'softmax'" in result.output
+    result = _invoke("verify", str(tmp_path / "full"))
+    assert result.exit_code == 2 and "is not an edgemem export" in result.output
+
+
+def test_checkpoint_export_verifies_against_the_checkpoint(tmp_path):
+    model = build("deltanet", seed=3, d_model=32, mlp_hidden=32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)  # weights no seed reproduces
+    save_checkpoint(model, tmp_path / "ckpt.safetensors")
+    result = _invoke("export", "--checkpoint", str(tmp_path / "ckpt.safetensors"), "--out", str(tmp_path / "out"), "--target", "generic")
+    assert result.exit_code == 0, result.output
+    checks, _ = verify(tmp_path / "out")
+    assert checks and all(c.ok for c in checks)
+
+
+def test_interrupted_export_leaves_no_directory(tmp_path, monkeypatch):
+    import edgemem.export as export_module
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export_module, "lower", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        export(build("deltanet", seed=0, d_model=32, mlp_hidden=32), tmp_path / "out", targets=["generic"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_force_replaces_an_existing_export(tmp_path):
+    model = build("deltanet", seed=0, d_model=32, mlp_hidden=32)
+    export(model, tmp_path / "out", targets=["generic"])
+    with pytest.raises(EdgememError, match="not empty"):
+        export(model, tmp_path / "out", targets=["generic"])
+    export(model, tmp_path / "out", targets=["ort"], force=True)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["edgemem.json", "ort"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_tampered_file_is_refused(tmp_path):
+    export(build("deltanet", seed=0, d_model=32, mlp_hidden=32), tmp_path / "out", targets=["generic"])
+    step = tmp_path / "out" / "generic" / "step.onnx"
+    data = bytearray(step.read_bytes())
+    data[-1] ^= 0xFF
+    step.write_bytes(bytes(data))
+    with pytest.raises(EdgememError, match="does not match its sha256"):
+        load(tmp_path / "out")

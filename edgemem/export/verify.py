@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import torch
-from safetensors.numpy import load_file
 
 from edgemem.errors import EdgememError
-from edgemem.manifest import STATE_INIT, Manifest, load
+from edgemem.manifest import Manifest, load
 from edgemem.models import LM, LMConfig, load_checkpoint
+from edgemem.runtime.state import initial_state  # one definition of a fresh stream's state, shared with the runtime
 
 log = logging.getLogger(__name__)
 
@@ -50,19 +50,6 @@ def rebuild(manifest: Manifest, checkpoint: str | Path | None = None) -> LM:
         fields = {k: v for k, v in config.items() if k in LMConfig.__dataclass_fields__}
         model = LM(LMConfig(**fields))
     return model.eval()
-
-
-def initial_state(manifest: Manifest, directory: Path, batch: int) -> dict[str, np.ndarray]:
-    """Every state input of a fresh stream of `batch` rows, from the manifest."""
-    stored = load_file(directory / STATE_INIT) if (directory / STATE_INIT).exists() else {}
-    state = {}
-    for spec in manifest.state:
-        shape = [batch if d == "batch" else 0 if d == "past_sequence" else d for d in spec.shape]
-        if spec.init == "file":
-            state[spec.input] = np.ascontiguousarray(np.broadcast_to(stored[spec.input], shape))
-        else:
-            state[spec.input] = np.zeros(shape, dtype=spec.dtype)
-    return state
 
 
 def _compare(a: np.ndarray, ref: np.ndarray) -> tuple[float, float]:

@@ -136,14 +136,17 @@ class GAU(StatefulLayer):
         values: torch.Tensor,
         position: torch.Tensor,
     ) -> torch.Tensor:
-        """`_window` as a sum over the C offsets o = p_i − p_key: only slices of length T, so it
-        traces for a symbolic T (the blocked form's reshapes do not)."""
+        """`_window` indexed by offset o = p_i − p_key instead of by block: gathers only, so it
+        traces for a symbolic T (the blocked form's reshapes do not). Values are gathered 16
+        offsets at a time to bound memory at O(16·T·e)."""
         t, c = q_quad.shape[1], self.chunk_size
+        offsets = torch.arange(c, device=q_quad.device)
+        index = c + torch.arange(t, device=q_quad.device)[:, None] - offsets  # [T, C] into the keys
+        quad = F.relu(torch.einsum("bts,btos->bto", q_quad, k_quad[:, index]) / c + self.rel_bias) ** 2
+        lin = torch.einsum("bts,btos->bto", q_lin, k_lin[:, index]) / c
         phase = (position[:, None] + torch.arange(t, device=q_quad.device)) % c  # p_query − chunk start
-        near = torch.zeros_like(values[:, :t])
-        for o in range(c):
-            k_q, k_l, v = (x.narrow(1, c - o, t) for x in (k_quad, k_lin, values))
-            quad = F.relu((q_quad * k_q).sum(-1) / c + self.rel_bias[o]) ** 2
-            lin = (q_lin * k_l).sum(-1) / c
-            near = near + torch.where(o <= phase, quad, lin)[..., None] * v
-        return near
+        weights = torch.where(offsets <= phase[..., None], quad, lin)
+        return sum(
+            torch.einsum("bto,btoe->bte", weights[..., g : g + 16], values[:, index[:, g : g + 16]])
+            for g in range(0, c, 16)
+        )

@@ -43,18 +43,17 @@ def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.reshape(b, t, heads, hd // heads).transpose(1, 2)
 
 
-def prepare(
+def check(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    past_state: torch.Tensor | None,
     decay: torch.Tensor | None,
     beta: torch.Tensor | None,
     update_rule: str,
-    scale: float,
     q_num_heads: int,
     kv_num_heads: int,
-) -> Prepared:
+) -> tuple[bool, bool, int, int]:
+    """Shape and rule checks shared by both forms and the ONNX emitter: (gated, delta, d_k, d_v)."""
     if update_rule not in UPDATE_RULES:
         raise ShapeError(f"update_rule must be one of {', '.join(UPDATE_RULES)}; got {update_rule!r}")
     if q_num_heads <= 0 or kv_num_heads <= 0 or q_num_heads % kv_num_heads:
@@ -88,7 +87,23 @@ def prepare(
         raise ShapeError(f"update_rule {update_rule!r} {'requires' if gated else 'takes no'} decay")
     if delta != (beta is not None):
         raise ShapeError(f"update_rule {update_rule!r} {'requires' if delta else 'takes no'} beta")
+    return gated, delta, d_k, d_v
 
+
+def prepare(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    past_state: torch.Tensor | None,
+    decay: torch.Tensor | None,
+    beta: torch.Tensor | None,
+    update_rule: str,
+    scale: float,
+    q_num_heads: int,
+    kv_num_heads: int,
+) -> Prepared:
+    gated, delta, d_k, d_v = check(query, key, value, decay, beta, update_rule, q_num_heads, kv_num_heads)
+    b, t, _ = query.shape
     dtype = compute_dtype(query, key, value, past_state)
     group = q_num_heads // kv_num_heads
     q = _heads(query, q_num_heads).to(dtype).reshape(b, kv_num_heads, group, t, d_k)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from edgemem.errors import ShapeError
-from edgemem.ops.linear_attention.args import UPDATE_RULES
+from edgemem.ops.linear_attention.args import check
 from edgemem.ops.linear_attention.op import OP_TYPE
 
 if TYPE_CHECKING:
@@ -58,25 +58,8 @@ def emit(
     decay/beta/past_state are materialised when absent; key, value, decay and beta take the
     query's dtype, past_state becomes float32 (so does present_state). The scale attribute is
     the resolved value (d_k^-½ for 0)."""
-    if update_rule not in UPDATE_RULES:
-        raise ShapeError(f"update_rule must be one of {', '.join(UPDATE_RULES)}; got {update_rule!r}")
-    if q_num_heads <= 0 or kv_num_heads <= 0 or q_num_heads % kv_num_heads:
-        raise ShapeError(
-            f"q_num_heads ({q_num_heads}) must be a positive multiple of kv_num_heads ({kv_num_heads})"
-        )
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if x.dim() != 3:
-            raise ShapeError(f"{name} must be [B, T, H*D] (or [B, T, H, D]); got shape {tuple(x.shape)}")
-    gated = update_rule in ("gated", "gated_delta")
-    delta = update_rule in ("delta", "gated_delta")
-    if gated != (decay is not None):
-        raise ShapeError(f"update_rule {update_rule!r} {'requires' if gated else 'takes no'} decay")
-    if delta != (beta is not None):
-        raise ShapeError(f"update_rule {update_rule!r} {'requires' if delta else 'takes no'} beta")
-
+    _, _, d_k, d_v = check(query, key, value, decay, beta, update_rule, q_num_heads, kv_num_heads)
     b, t, _ = query.shape
-    d_k = int(query.shape[-1]) // q_num_heads
-    d_v = int(value.shape[-1]) // kv_num_heads
     dtype = query.dtype
     if decay is not None and decay.shape[-1] not in (kv_num_heads, kv_num_heads * d_k):
         raise ShapeError(f"decay last dim must be H_kv ({kv_num_heads}) or H_kv*d_k; got {decay.shape[-1]}")

@@ -1,0 +1,230 @@
+"""`edgemem bench DIR`: the runtime's step latency and memory at given positions and batch sizes.
+
+For every position p (ascending) one stream is brought to p by prefilling random bytes in chunks
+with the prefill graph (stepping 100k tokens one by one would take minutes; without a prefill
+graph, e.g. titans-mac, it is stepped), then forked into `batch` streams whose steps are timed
+(`stream.step` at batch 1, `engine.step_batch` above). Reported per configuration: µs per token
+and tokens/s (median step time), state bytes per stream and the process RSS.
+
+Two baselines in the same run:
+- PyTorch eager `step` of the same model (rebuilt from the manifest), started from exactly the
+  runtime's state at p (read back from a runtime checkpoint, so no second prefill) and timed the
+  same way. torch is imported only here, after every runtime measurement, so runtime RSS
+  figures do not include torch.
+- the softmax preset's KV cache at p: bytes per token (from `edgemem.models.describe("softmax")`
+  at the benchmarked model's width and depth) × p.
+
+A configuration whose memory would not fit (softmax's KV cache × batch) is skipped with a reason.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from edgemem.runtime.engine import Engine, Stream
+
+Progress = Callable[[str], None]
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now (Linux /proc), else its peak (getrusage)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if platform.system() == "Darwin" else peak * 1024
+
+
+def available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _time_steps(step: Callable[[int], Any], steps: int, warmup: int, time_limit: float) -> tuple[float, int]:
+    """Median seconds per call of `step(i)` over up to `steps` timed calls (at least 3, at most `time_limit` s)."""
+    start = time.perf_counter()
+    for i in range(warmup):
+        step(i)
+        if time.perf_counter() - start > time_limit / 4:  # slow configurations: a short warm-up is enough
+            break
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < steps and (len(times) < 3 or time.perf_counter() - start < time_limit):
+        t0 = time.perf_counter()
+        step(len(times))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), len(times)
+
+
+def _fits(engine: Engine, position: int, batch: int) -> str:
+    """'' when `batch` streams at `position` fit comfortably in memory, else why not."""
+    per_stream = engine.state_bytes(position)
+    need = batch * per_stream * (4 if engine.grows else 3)  # streams + gather/scatter buffers (+ new caches)
+    free = available_bytes()
+    if free is not None and need > 0.5 * free:
+        return f"needs ~{need / 2**30:.1f} GiB of state ({free / 2**30:.1f} GiB available)"
+    return ""
+
+
+def run(
+    directory: str | Path, *, positions: Sequence[int], batches: Sequence[int], steps: int = 100, warmup: int = 5,
+    time_limit: float = 2.0, threads: int | None = 1, target: str | None = None, chunk_size: int = 512,
+    eager: bool = True, seed: int = 0, progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Measure; returns {"environment", "model", "rows"} (rows: one per position × batch)."""
+    progress = progress or (lambda _: None)
+    positions, batches = sorted(set(positions)), sorted(set(batches))
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    engine = Engine.load(directory, threads=threads, target=target, chunk_size=chunk_size)
+    rng = np.random.default_rng(seed)
+    rows: list[dict[str, Any]] = []
+    base = engine.new_stream()
+    workdir = tempfile.TemporaryDirectory(prefix="edgemem-bench-")
+    checkpoints: dict[int, Path] = {}
+    for position in positions:
+        progress(f"prefill to {position:,}")
+        start = time.perf_counter()
+        if position > base.position:
+            base.prefill(rng.integers(0, engine.vocab_size, position - base.position), all_logits=False)
+        reach_s = time.perf_counter() - start
+        if eager:
+            checkpoints[position] = Path(workdir.name) / f"{position}.safetensors"
+            base.save(checkpoints[position])
+        for batch in batches:
+            progress(f"runtime: position {position:,}, batch {batch}")
+            row: dict[str, Any] = {"position": position, "batch": batch, "reach_s": round(reach_s, 3)}
+            rows.append(row)
+            why = _fits(engine, position, batch)
+            if why:
+                row["skipped"] = why
+                continue
+            streams = [base.fork() for _ in range(batch)]
+            tokens = rng.integers(0, engine.vocab_size, (max(steps, 3) + warmup, batch))
+            if batch == 1:
+                stream = streams[0]
+                seconds, n = _time_steps(lambda i: stream.step(int(tokens[i, 0])), steps, warmup, time_limit)
+            else:
+                seconds, n = _time_steps(lambda i: engine.step_batch(streams, tokens[i]), steps, warmup, time_limit)
+            row.update(
+                timed_steps=n,
+                us_per_step=round(seconds * 1e6, 1),
+                us_per_token=round(seconds * 1e6 / batch, 2),
+                tokens_per_s=round(batch / seconds, 1),
+                state_bytes=streams[0].state_bytes,
+                rss_bytes=rss_bytes(),
+            )
+            del streams
+    runtime_rss = max((r.get("rss_bytes", 0) for r in rows), default=0)
+    del base
+    model_info: dict[str, Any] = {
+        "arch": engine.manifest.arch, "target": engine.target, "config": engine.manifest.config,
+        "state_bytes_at_0": engine.state_bytes(0), "state_bytes_per_token": engine.state_bytes_per_token,
+    }
+    if eager:
+        _eager(engine, rows, checkpoints, steps, warmup, time_limit, threads, seed, progress, model_info)
+    workdir.cleanup()
+    environment = {
+        "onnxruntime": ort.__version__, "threads": threads, "cpus": os.cpu_count(), "machine": platform.machine(),
+        "python": platform.python_version(), "load_avg_before": load_before, "chunk_size": chunk_size,
+        "load_avg_after": os.getloadavg() if hasattr(os, "getloadavg") else None, "runtime_peak_rss_bytes": runtime_rss,
+    }
+    return {"environment": environment, "model": model_info, "rows": rows}
+
+
+def _eager(engine: Engine, rows: list[dict[str, Any]], checkpoints: dict[int, Path], steps: int, warmup: int,
+           time_limit: float, threads: int | None, seed: int, progress: Progress, model_info: dict[str, Any]) -> None:
+    """PyTorch baselines: eager `step` from the same states, and the softmax preset's KV-cache growth."""
+    import torch  # lazily: the runtime itself never imports torch
+
+    from edgemem.export.verify import rebuild
+    from edgemem.models import describe
+    from edgemem.runtime.state import decode_checkpoint
+
+    progress("PyTorch: rebuilding the model")
+    if threads:
+        torch.set_num_threads(threads)
+    model = rebuild(engine.manifest)
+    config = engine.manifest.config
+    sizes = {k: config[k] for k in ("d_model", "n_layers") if isinstance(config.get(k), int)}
+    softmax = describe("softmax", **sizes)
+    model_info.update(
+        params=sum(p.numel() for p in model.parameters()),
+        softmax_baseline={"d_model": softmax["d_model"], "layers": softmax["layers"],
+                          "kv_bytes_per_token": softmax["state_bytes_per_token"]},
+        torch=torch.__version__,
+    )
+    keys = {s.input: s.input.removeprefix("past_key_values.") for s in engine.manifest.state}
+    rng = np.random.default_rng(seed + 1)
+    for row in rows:
+        row["softmax_kv_bytes"] = softmax["state_bytes_per_token"] * row["position"]
+        if "skipped" in row:
+            continue
+        progress(f"PyTorch eager: position {row['position']:,}, batch {row['batch']}")
+        checkpoint = decode_checkpoint(checkpoints[row["position"]].read_bytes(), engine.manifest)
+        batch = row["batch"]
+        state = {keys[name]: torch.from_numpy(a).expand(batch, *a.shape[1:]).contiguous()
+                 for name, a in checkpoint.state.items()}
+        tokens = torch.from_numpy(rng.integers(0, engine.vocab_size, (max(steps, 3) + warmup, batch)))
+
+        def step(i: int) -> None:
+            nonlocal state
+            _, state = model.step(tokens[i], state)
+
+        with torch.inference_mode():
+            seconds, _ = _time_steps(step, steps, warmup, time_limit)
+        del state
+        row["eager_us_per_token"] = round(seconds * 1e6 / batch, 2)
+        row["eager_tokens_per_s"] = round(batch / seconds, 1)
+        row["speedup_vs_eager"] = round(row["eager_us_per_token"] / row["us_per_token"], 2)
+
+
+def plot(result: dict[str, Any], path: str | Path) -> None:
+    """Latency and memory vs position (log-log), one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if "skipped" not in r]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for batch in sorted({r["batch"] for r in rows}):
+        sel = [r for r in rows if r["batch"] == batch]
+        x = [r["position"] for r in sel]
+        left.plot(x, [r["us_per_token"] for r in sel], "o-", label=f"edgemem runtime, batch {batch}")
+        if all("eager_us_per_token" in r for r in sel):
+            left.plot(x, [r["eager_us_per_token"] for r in sel], "s--", label=f"PyTorch eager, batch {batch}")
+    left.set(xscale="log", yscale="log", xlabel="position (tokens)", ylabel="µs per token",
+             title=f"{result['model']['arch']}: step latency")
+    left.legend(fontsize=8)
+    one = sorted((r for r in rows if r["batch"] == min(r["batch"] for r in rows)), key=lambda r: r["position"])
+    x = [r["position"] for r in one]
+    right.plot(x, [r["state_bytes"] for r in one], "o-", label="state per stream (runtime)")
+    right.plot(x, [r["rss_bytes"] for r in one], "^-", label="process RSS (runtime)")
+    if all("softmax_kv_bytes" in r for r in one):
+        right.plot(x, [r["softmax_kv_bytes"] for r in one], "s--", label="softmax KV cache (same width)")
+    right.set(xscale="log", yscale="log", xlabel="position (tokens)", ylabel="bytes", title="memory")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+__all__ = ["available_bytes", "plot", "rss_bytes", "run"]

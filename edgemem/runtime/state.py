@@ -1,0 +1,179 @@
+"""Stream state as numpy: a fresh stream's initial state, and state checkpoints.
+
+Pure numpy + safetensors (no torch): `edgemem.export.verify` uses `initial_state` too.
+
+Checkpoint format (`edgemem-state/1`): one safetensors file (no pickle) holding
+
+    past_key_values.{layer}.{kind}   every state tensor of the stream, batch 1, as in edgemem.json
+    logits                           float32 [vocab] — the next-token logits, when the stream has them
+    __metadata__                     format, arch, identity (Manifest.identity(): a hash of the
+                                     model files), position, sha256 (see `_checksum`)
+
+`sha256` covers the other metadata and every tensor's name, dtype, shape and bytes, so a flipped
+byte anywhere in the file is reported as corruption rather than, say, a state of another model.
+Files are written with `edgemem.manifest.write_atomic` (temp file, fsync, rename).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load as load_safetensors
+from safetensors.numpy import save as save_safetensors
+
+from edgemem.manifest import STATE_INIT, Manifest, ManifestError, StateSpec, write_atomic
+from edgemem.runtime.errors import StateFileError
+
+FORMAT = "edgemem-state/1"
+LOGITS = "logits"
+GROWING = "past_sequence"
+
+
+def concrete_shape(spec: StateSpec, batch: int, past: int = 0) -> list[int]:
+    """The shape of one state tensor for `batch` rows and a KV cache of `past` tokens."""
+    return [batch if d == "batch" else past if d == GROWING else int(d) for d in spec.shape]
+
+
+def is_growing(spec: StateSpec) -> bool:
+    return GROWING in spec.shape
+
+
+def initial_state(manifest: Manifest, directory: str | Path, batch: int = 1) -> dict[str, np.ndarray]:
+    """Every state input of a fresh stream of `batch` rows, from the manifest (KV caches empty).
+
+    States marked `"init": "file"` (Titans' learned memory) come from `state_init.safetensors`
+    (stored with batch 1, broadcast to `batch`); the others start at zero.
+    """
+    directory = Path(directory)
+    stored: dict[str, np.ndarray] = {}
+    if any(s.init == "file" for s in manifest.state):
+        path = directory / STATE_INIT
+        if not path.is_file():
+            raise ManifestError(f"{directory}: {STATE_INIT} is missing but edgemem.json says states start from it")
+        try:
+            stored = load_safetensors(path.read_bytes())
+        except SafetensorError as e:
+            raise ManifestError(f"{path} is not a valid safetensors file: {e}") from None
+    state = {}
+    for spec in manifest.state:
+        shape = concrete_shape(spec, batch)
+        if spec.init == "file":
+            value = stored.get(spec.input)
+            if value is None or list(value.shape[1:]) != shape[1:] or value.dtype != np.dtype(spec.dtype):
+                raise ManifestError(f"{directory / STATE_INIT}: {spec.input} is missing or not {spec.dtype} {spec.shape}")
+            state[spec.input] = np.ascontiguousarray(np.broadcast_to(value, shape))
+        else:
+            state[spec.input] = np.zeros(shape, dtype=spec.dtype)
+    return state
+
+
+@dataclass
+class Checkpoint:
+    state: dict[str, np.ndarray]
+    position: int
+    logits: np.ndarray | None
+
+
+def _checksum(metadata: Mapping[str, str], tensors: Mapping[str, np.ndarray]) -> str:
+    digest = hashlib.sha256(json.dumps({k: v for k, v in metadata.items() if k != "sha256"}, sort_keys=True).encode())
+    for name in sorted(tensors):
+        array = np.ascontiguousarray(tensors[name])
+        digest.update(json.dumps([name, array.dtype.str, list(array.shape)]).encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def encode_checkpoint(manifest: Manifest, state: Mapping[str, np.ndarray], position: int,
+                      logits: np.ndarray | None) -> bytes:
+    tensors = {name: np.ascontiguousarray(a) for name, a in state.items()}
+    if logits is not None:
+        tensors[LOGITS] = np.ascontiguousarray(logits, dtype=np.float32)
+    metadata = {"format": FORMAT, "arch": manifest.arch, "identity": manifest.identity(), "position": str(int(position))}
+    metadata["sha256"] = _checksum(metadata, tensors)
+    return save_safetensors(tensors, metadata=metadata)
+
+
+def save_checkpoint(path: str | Path, manifest: Manifest, state: Mapping[str, np.ndarray], position: int,
+                    logits: np.ndarray | None) -> None:
+    """Write atomically: a crash leaves either the old file or the new one, never half of one."""
+    path = Path(path)
+    if path.is_dir():
+        raise StateFileError(f"{path} is a directory; give a file name for the state checkpoint")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, encode_checkpoint(manifest, state, position, logits))
+
+
+def _header(data: bytes, where: str) -> dict:
+    if len(data) < 8:
+        raise StateFileError(f"{where} is not a valid edgemem state file (truncated: {len(data)} bytes)")
+    size = int.from_bytes(data[:8], "little")
+    if size > len(data) - 8:
+        raise StateFileError(f"{where} is not a valid edgemem state file (truncated: header of {size} bytes, "
+                             f"file of {len(data)})")
+    try:
+        header = json.loads(data[8 : 8 + size])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StateFileError(f"{where} is not a valid edgemem state file (corrupt header: {e})") from None
+    if not isinstance(header, dict):
+        raise StateFileError(f"{where} is not a valid edgemem state file (corrupt header)")
+    return header
+
+
+def decode_checkpoint(data: bytes, manifest: Manifest, where: str = "state file") -> Checkpoint:
+    """Parse and check a checkpoint against `manifest`: integrity, identity, names, shapes, dtypes."""
+    metadata = _header(data, where).get("__metadata__")
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
+        found = metadata.get("format") if isinstance(metadata, dict) else None
+        raise StateFileError(f"{where} is not an edgemem state checkpoint, or its header is corrupt "
+                             f"(metadata format {found!r}, expected {FORMAT!r})")
+    try:
+        tensors = load_safetensors(data)
+    except SafetensorError as e:
+        raise StateFileError(f"{where} is not a valid edgemem state file (corrupt or truncated: {e})") from None
+    if metadata.get("sha256") != _checksum(metadata, tensors):
+        raise StateFileError(f"{where} is corrupt: its checksum does not match its contents (modified or damaged)")
+    if metadata.get("identity") != manifest.identity():
+        raise StateFileError(
+            f"{where} was saved from another model (arch {metadata.get('arch')}, identity "
+            f"{str(metadata.get('identity'))[:12]}) — this export is {manifest.arch}, identity {manifest.identity()[:12]}"
+        )
+    try:
+        position = int(metadata["position"])
+        if position < 0:
+            raise ValueError
+    except (KeyError, ValueError):
+        raise StateFileError(f"{where}: invalid position {metadata.get('position')!r}") from None
+    logits = tensors.pop(LOGITS, None)
+    check_state(manifest, tensors, where)
+    if logits is not None and (logits.shape != (manifest.vocab_size,) or logits.dtype != np.float32):
+        raise StateFileError(f"{where}: logits are {logits.dtype} {list(logits.shape)}, expected float32 [{manifest.vocab_size}]")
+    return Checkpoint(state=tensors, position=position, logits=logits)
+
+
+def check_state(manifest: Manifest, state: Mapping[str, np.ndarray], where: str = "state") -> None:
+    """The state of one stream (batch 1) matches the manifest: names, dtypes, shapes, cache lengths."""
+    expected = [s.input for s in manifest.state]
+    missing, unexpected = [n for n in expected if n not in state], sorted(set(state) - set(expected))
+    if missing or unexpected:
+        parts = [f"missing {', '.join(missing)}" if missing else "", f"unexpected {', '.join(unexpected)}" if unexpected else ""]
+        raise StateFileError(f"{where} does not hold this model's state tensors: {'; '.join(p for p in parts if p)}")
+    past = None
+    for spec in manifest.state:
+        array = state[spec.input]
+        if array.dtype != np.dtype(spec.dtype):
+            raise StateFileError(f"{where}: {spec.input} is {array.dtype}, expected {spec.dtype}")
+        if is_growing(spec) and array.ndim == len(spec.shape):
+            length = array.shape[spec.shape.index(GROWING)]
+            if past is not None and length != past:
+                raise StateFileError(f"{where}: KV caches of different lengths ({past} and {length} at {spec.input})")
+            past = length
+        want = concrete_shape(spec, 1, past or 0)
+        if list(array.shape) != want:
+            raise StateFileError(f"{where}: {spec.input} has shape {list(array.shape)}, expected {want} "
+                                 f"(manifest: {spec.shape}, batch 1)")

@@ -1,0 +1,521 @@
+"""plugins/: the CPU reference of the kernels' math ≡ edgemem.ops; the CUDA kernels compile for
+Orin, Ada and Hopper with no register spills or local memory; the TensorRT glue builds against
+the TensorRT 10.3 and 11.1 headers and registers into a real TensorRT plugin registry.
+
+Levels and what each needs (missing tools skip with the reason):
+  reference  CMake (or g++ alone) — runs everywhere, on every CI run;
+  kernels    nvcc — compiled once per session for sm_87, sm_89, sm_90, ptxas output parsed;
+  trt glue   TensorRT headers: `EDGEMEM_TENSORRT_ROOTS` (several, os.pathsep-separated) or
+             `TensorRT_ROOT` (one) naming an installation or a TensorRT repository checkout;
+  registry   the glue plus `tensorrt_lean_bindings` (pip: tensorrt-lean-cu13-bindings and
+             tensorrt-lean-cu13-libs; no GPU needed).
+The kernels themselves run in plugins/scripts/gpu_check.sh on a machine with a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PLUGINS = ROOT / "plugins"
+sys.path.insert(0, str(PLUGINS / "python"))
+
+from edgemem_native import Native, NativeError  # noqa: E402
+
+from edgemem.ops import banded_attention, neural_memory_step, window_attention_prefill  # noqa: E402
+from edgemem.ops.linear_attention import UPDATE_RULES, linear_attention  # noqa: E402
+
+ARCHS = ("87", "89", "90")  # Orin, Ada, Hopper: the default CUDA architectures of the CMake build
+FP32_TOL = 2e-6  # max |reference - truth| / max(1, max |truth|), truth = edgemem.ops in float64
+JOBS = str(os.cpu_count() or 2)
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if proc.returncode:
+        raise AssertionError(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def _cmake_build(build: Path, *args: str, targets: tuple[str, ...] = ()) -> dict[str, str]:
+    """Configure `plugins/` into `build` (once) and build `targets` (default: all); returns edgemem_build.txt."""
+    if not (build / "CMakeCache.txt").exists():
+        _run(["cmake", "-S", str(PLUGINS), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", *args])
+    cmd = ["cmake", "--build", str(build), "-j", JOBS]
+    for t in targets:
+        cmd += ["--target", t]
+    _run(cmd)
+    return dict(line.split("=", 1) for line in (build / "edgemem_build.txt").read_text().splitlines() if "=" in line)
+
+
+# ---------------------------------------------------------------------------------------------
+# fixtures: one build tree per session
+
+
+@pytest.fixture(scope="session")
+def build_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("plugins_build")
+
+
+@pytest.fixture(scope="session")
+def ref(build_dir) -> Native:
+    """The CPU reference library: CMake target edgemem_reference, or g++ directly without CMake."""
+    if shutil.which("cmake"):
+        _cmake_build(build_dir, "-DEDGEMEM_BUILD_TRT=OFF", targets=("edgemem_reference",))
+        return Native(build_dir / "libedgemem_reference.so")
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        pytest.skip("neither cmake nor a C++ compiler (g++) is installed")
+    lib = build_dir / "libedgemem_reference.so"
+    _run([cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", f"-I{PLUGINS / 'include'}",
+          str(PLUGINS / "reference" / "reference.cpp"), "-o", str(lib)])
+    return Native(lib)
+
+
+@pytest.fixture(scope="session")
+def kernels_build(build_dir, ref) -> Path:
+    """Every target of the tree (the kernels for sm_87/89/90); skips without nvcc."""
+    if not shutil.which("cmake"):
+        pytest.skip("cmake is not installed")
+    if not shutil.which("nvcc") and not os.environ.get("CUDACXX") and not Path("/usr/local/cuda/bin/nvcc").exists():
+        pytest.skip("nvcc (the CUDA compiler) is not installed: the kernels cannot be compiled here")
+    info = _cmake_build(build_dir)
+    if info.get("cuda") != "ON":
+        pytest.skip("CMake found no usable CUDA compiler")
+    return build_dir
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tol: float = FP32_TOL) -> float:
+    err = ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1.0)).item()
+    assert err <= tol, f"relative error {err:.2e} > {tol:.0e}"
+    return err
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x.float().contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# LinearAttention
+
+
+def _la_inputs(rule, *, b, t, hq, hkv, dk, dv, per_key, beta_heads, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    q = rand(b, t, hq * dk)
+    k = torch.nn.functional.normalize(rand(b, t, hkv, dk), dim=-1).flatten(2)
+    v = rand(b, t, hkv * dv)
+    s0 = rand(b, hkv, dk, dv)
+    gated, delta = rule in ("gated", "gated_delta"), rule in ("delta", "gated_delta")
+    decay = -torch.rand(b, t, hkv * (dk if per_key else 1), generator=g, dtype=torch.float64) if gated else None
+    beta = torch.rand(b, t, hkv if beta_heads else 1, generator=g, dtype=torch.float64) if delta else None
+    # the node always carries decay and beta (zero log-decay, unit beta when the rule reads none)
+    node = dict(decay=_f32(decay) if gated else torch.zeros(b, t, hkv), beta=_f32(beta) if delta else torch.ones(b, t, hkv))
+    return (q, k, v, s0, decay, beta), node
+
+
+LA_SHAPES = {  # b, t, hq, hkv, dk, dv
+    "mha": (2, 9, 2, 2, 16, 16),
+    "gqa": (2, 7, 4, 2, 8, 12),
+    "mqa-odd": (1, 5, 3, 1, 5, 7),
+    "wide-dk": (1, 4, 2, 1, 160, 9),
+    "dk128": (1, 3, 1, 1, 128, 64),
+}
+
+
+@pytest.mark.parametrize("shape", list(LA_SHAPES))
+@pytest.mark.parametrize("rule,per_key", [(r, False) for r in UPDATE_RULES] + [("gated", True), ("gated_delta", True)])
+def test_reference_linear_attention_prefill(ref, rule, per_key, shape):
+    b, t, hq, hkv, dk, dv = LA_SHAPES[shape]
+    (q, k, v, s0, decay, beta), node = _la_inputs(rule, b=b, t=t, hq=hq, hkv=hkv, dk=dk, dv=dv, per_key=per_key,
+                                                  beta_heads=shape != "mqa-odd")
+    want, want_state = linear_attention(q, k, v, s0, decay, beta, update_rule=rule, q_num_heads=hq, kv_num_heads=hkv)
+    out, state = ref.linear_attention(_f32(q), _f32(k), _f32(v), _f32(s0), node["decay"], node["beta"],
+                                      update_rule=rule, scale=1 / math.sqrt(dk), q_num_heads=hq, kv_num_heads=hkv)
+    _close(out, want)
+    _close(state, want_state)
+
+
+@pytest.mark.parametrize("rule", UPDATE_RULES)
+def test_reference_linear_attention_steps_in_place(ref, rule):
+    """T single-token calls on one state buffer (state-in = state-out) reproduce one prefill."""
+    b, t, hq, hkv, dk, dv = 2, 6, 4, 2, 8, 5
+    (q, k, v, s0, decay, beta), node = _la_inputs(rule, b=b, t=t, hq=hq, hkv=hkv, dk=dk, dv=dv, per_key=True,
+                                                  beta_heads=True, seed=1)
+    want, want_state = linear_attention(q, k, v, s0, decay, beta, update_rule=rule, q_num_heads=hq, kv_num_heads=hkv)
+    state = _f32(s0)
+    outs = []
+    for i in range(t):
+        tok = lambda x: _f32(x[:, i : i + 1])  # noqa: E731
+        out, same = ref.linear_attention(tok(q), tok(k), tok(v), state, tok(node["decay"]), tok(node["beta"]),
+                                         update_rule=rule, scale=1 / math.sqrt(dk), q_num_heads=hq, kv_num_heads=hkv,
+                                         present_state=state)
+        assert same is state
+        outs.append(out)
+    _close(torch.cat(outs, 1), want)
+    _close(state, want_state)
+
+
+def test_reference_rejects_contract_violations(ref):
+    (q, k, v, s0, _, _), node = _la_inputs("linear", b=1, t=2, hq=3, hkv=2, dk=4, dv=4, per_key=False, beta_heads=True)
+    with pytest.raises(NativeError, match="bad argument"):  # 3 query heads over 2 kv heads
+        ref.linear_attention(_f32(q), _f32(k), _f32(v), _f32(s0), node["decay"], node["beta"], update_rule="linear",
+                             scale=0.5, q_num_heads=3, kv_num_heads=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# WindowAttention and BandedAttention
+
+
+def _rand(g, *shape):
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    "t,position,persistent,dilation",
+    [(1, (0, 0), 2, (1, 1, 1)), (1, (5, 40), 0, (1, 2, 3)), (1, (11, 12), 3, (2, 2, 1)),  # steps
+     (13, (0, 7), 2, (1, 2, 3)), (30, (3, 0), 0, (1, 1, 2)), (4, (100, 9), 1, (3, 1, 2))],  # prefill, ring wraps
+)
+def test_reference_window_attention(ref, t, position, persistent, dilation):
+    g = torch.Generator().manual_seed(t)
+    b, h, d, dv, window = 2, 3, 5, 7, 4
+    ring = window * max(dilation)
+    q, k, v = _rand(g, b, t, h * d), _rand(g, b, t, h * d), _rand(g, b, t, h * dv)
+    pk, pv = _rand(g, b, h, persistent, d), _rand(g, b, h, persistent, dv)
+    rk, rv = _rand(g, b, h, ring, d), _rand(g, b, h, ring, dv)
+    pos = torch.tensor(position, dtype=torch.int64)
+    kw = dict(num_heads=h, window=window, dilation=list(dilation), scale=0.3)
+    want = window_attention_prefill(q, k, v, rk, rv, pos, persistent_key=pk if persistent else None,
+                                    persistent_value=pv if persistent else None, **kw)
+    got = ref.window_attention(_f32(q), _f32(k), _f32(v), _f32(rk), _f32(rv), pos, _f32(pk), _f32(pv), **kw)
+    for x, y in zip(got, want):
+        _close(x, y)
+    # in place: the ring buffers are both past and present
+    rk32, rv32 = _f32(rk), _f32(rv)
+    got = ref.window_attention(_f32(q), _f32(k), _f32(v), rk32, rv32, pos, _f32(pk), _f32(pv), present_key=rk32,
+                               present_value=rv32, **kw)
+    for x, y in zip(got, want):
+        _close(x, y)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("globals_,persistent,dilation", [(False, 0, (1, 1, 1)), (True, 2, (1, 2, 3)), (True, 0, (2, 1, 3))])
+def test_reference_banded_attention(ref, causal, globals_, persistent, dilation):
+    g = torch.Generator().manual_seed(3)
+    b, t, h, d, dv, window = 2, 23, 3, 6, 5, 2
+    q, k, v = _rand(g, b, t, h * d), _rand(g, b, t, h * d), _rand(g, b, t, h * dv)
+    pk, pv = _rand(g, b, h, persistent, d), _rand(g, b, h, persistent, dv)
+    mask = (torch.rand(b, t, generator=g) < 0.15) if globals_ else torch.zeros(b, t, dtype=torch.bool)
+    if globals_:
+        mask[0, 0] = mask[1, t - 1] = True
+    kw = dict(num_heads=h, window=window, dilation=list(dilation), causal=causal, scale=0.4)
+    want = banded_attention(q, k, v, global_mask=mask, persistent_key=pk if persistent else None,
+                            persistent_value=pv if persistent else None, **kw)
+    got = ref.banded_attention(_f32(q), _f32(k), _f32(v), mask.contiguous(), _f32(pk), _f32(pv), **kw)
+    _close(got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# NeuralMemory
+
+
+def _nm_case(*, b, t, h, d, e, depth, chunk, activation, norm, position, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    unit = lambda x: torch.nn.functional.normalize(x.view(b, t, h, d), dim=-1).flatten(2)  # noqa: E731
+    q, k, v = unit(_rand(g, b, t, h * d)), unit(_rand(g, b, t, h * d)), _rand(g, b, t, h * d)
+    theta = torch.rand(b, t, h, generator=g, dtype=torch.float64) * 0.2
+    eta = torch.rand(b, t, h, generator=g, dtype=torch.float64)
+    alpha = torch.rand(b, t, h, generator=g, dtype=torch.float64) * 0.1
+    shapes = [(b, h, d, d)] if depth == 1 else [(b, h, d, e), (b, h, e, d)]
+    w = [_rand(g, *s) * 0.3 for s in shapes]
+    s = [_rand(g, *s) * 0.1 for s in shapes]
+    c = [_rand(g, *s) * 0.3 for s in shapes]
+    nw = _rand(g, h, d) * 0.2 + 1 if norm else None
+    nb = _rand(g, h, d) * 0.1 if norm else None
+    pos = torch.tensor(position, dtype=torch.int64)
+    return (q, k, v, theta, eta, alpha, w, s, c, pos, nw, nb)
+
+
+def _nm_native(lib, case, *, h, chunk, activation, present=None):
+    q, k, v, theta, eta, alpha, w, s, c, pos, nw, nb = case
+    d = q.shape[2] // h
+    norm_w = _f32(nw) if nw is not None else torch.ones(h, d)
+    norm_b = _f32(nb) if nb is not None else torch.zeros(h, d)
+    return lib.neural_memory(_f32(q), _f32(k), _f32(v), _f32(theta), _f32(eta), _f32(alpha), pos, norm_w, norm_b,
+                             [_f32(x) for x in w], [_f32(x) for x in s], [_f32(x) for x in c], num_heads=h,
+                             chunk_size=chunk, activation=activation, residual_norm=nw is not None, present=present)
+
+
+@pytest.mark.parametrize(
+    "depth,activation,norm,chunk,t,position",
+    [(2, "silu", False, 4, 9, (0, 3)), (2, "gelu", True, 3, 7, (5, 0)), (2, "relu", False, 1, 6, (2, 2)),
+     (2, "identity", True, 16, 5, (14,)), (1, "silu", False, 2, 8, (1, 4)), (1, "silu", True, 5, 11, (0,)),
+     (2, "silu", False, 4, 1, (3, 8)), (1, "silu", True, 3, 1, (6, 7))],  # the last two: decode steps
+)
+def test_reference_neural_memory(ref, depth, activation, norm, chunk, t, position):
+    b, h, d, e = 2, 2, 6, 10
+    case = _nm_case(b=b, t=t, h=h, d=d, e=e, depth=depth, chunk=chunk, activation=activation, norm=norm,
+                    position=position)
+    q, k, v, theta, eta, alpha, w, s, c, pos, nw, nb = case
+    want = neural_memory_step(q, k, v, theta, eta, alpha, w, s, c, pos, num_heads=h, chunk_size=chunk,
+                              activation=activation, norm_weight=nw, norm_bias=nb)
+    y, end, w_out, s_out, c_out = _nm_native(ref, case, h=h, chunk=chunk, activation=activation)
+    _close(y, want[0])
+    for got, exp in zip((*w_out, *s_out, *c_out), (*want[1], *want[2], *want[3])):
+        _close(got, exp)
+    assert torch.equal(end, want[4])
+
+
+def test_reference_neural_memory_steps_in_place(ref):
+    """Token-by-token calls updating one set of state buffers reproduce one prefill across chunk starts."""
+    b, t, h, d, e, chunk = 2, 7, 2, 4, 8, 3
+    case = _nm_case(b=b, t=t, h=h, d=d, e=e, depth=2, chunk=chunk, activation="gelu", norm=True, position=(1, 0), seed=4)
+    q, k, v, theta, eta, alpha, w, s, c, pos, nw, nb = case
+    want = neural_memory_step(q, k, v, theta, eta, alpha, w, s, c, pos, num_heads=h, chunk_size=chunk,
+                              activation="gelu", norm_weight=nw, norm_bias=nb)
+    state = [pos.clone(), [_f32(x) for x in w], [_f32(x) for x in s], [_f32(x) for x in c]]
+    ys = []
+    for i in range(t):
+        tok = lambda x: x[:, i : i + 1]  # noqa: E731
+        step = (tok(q), tok(k), tok(v), tok(theta), tok(eta), tok(alpha), *state[1:], state[0], nw, nb)
+        y, *_ = _nm_native(ref, step, h=h, chunk=chunk, activation="gelu", present=state)
+        ys.append(y)
+    _close(torch.cat(ys, 1), want[0])
+    for got, exp in zip((*state[1], *state[2], *state[3]), (*want[1], *want[2], *want[3])):
+        _close(got, exp)
+    assert torch.equal(state[0], want[4])
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA kernels: compile for every default architecture with no spills, no local memory
+
+PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(sm_\d+)'")
+PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+PTXAS_USED = re.compile(r"Used (\d+) registers")
+KERNELS = ("linearAttentionKernel", "windowAttentionKernel", "bandedAttentionKernel", "neuralMemoryKernel")
+
+
+def ptxas_report(build: Path) -> list[dict]:
+    """One row per (kernel instantiation, architecture) from the kept ptxas -v output."""
+    rows, current = [], None
+    for log in sorted((build / "ptxas").glob("*.log")):
+        for line in log.read_text().splitlines():
+            if m := PTXAS_ENTRY.search(line):
+                current = dict(kernel=m.group(1), arch=m.group(2), file=log.name)
+                rows.append(current)
+            elif current and (m := PTXAS_FRAME.search(line)):
+                current.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+            elif current and (m := PTXAS_USED.search(line)):
+                current["registers"] = int(m.group(1))
+                current["lmem"] = "lmem" in line
+    return rows
+
+
+def test_kernels_compile_without_spills(kernels_build):
+    info = dict(line.split("=", 1) for line in (kernels_build / "edgemem_build.txt").read_text().splitlines())
+    assert info["architectures"].split(";") == list(ARCHS)
+    rows = ptxas_report(kernels_build)
+    assert rows, "no ptxas output kept under <build>/ptxas"
+    for family in KERNELS:
+        for arch in ARCHS:
+            assert any(family in r["kernel"] and r["arch"] == f"sm_{arch}" for r in rows), (family, arch)
+    bad = [r for r in rows if r.get("stack", 1) or r.get("spill_stores", 1) or r.get("spill_loads", 1) or r.get("lmem")]
+    assert not bad, "kernels using local memory or spilling:\n" + "\n".join(map(str, bad))
+    # the table in the test log (pytest -rA / -s)
+    for r in rows:
+        name = next(f for f in (*KERNELS, r["kernel"]) if f in r["kernel"])
+        args = re.search(r"I(.*)EEv", r["kernel"])
+        print(f"{r['arch']:>6} {name:<24} {args.group(1) if args else '':<28} {r['registers']:>4} registers")
+    assert (kernels_build / "libedgemem_kernels.so").exists()
+
+
+def test_kernel_library_exposes_the_reference_abi(kernels_build):
+    """The CUDA library loads without a GPU and has the C ABI the GPU check drives."""
+    lib = Native(kernels_build / "libedgemem_kernels.so")
+    assert lib.cuda and lib.lib.em_cuda_abi_version() == ref_abi(kernels_build)
+
+
+def ref_abi(build: Path) -> int:
+    return Native(build / "libedgemem_reference.so").lib.em_ref_abi_version()
+
+
+# ---------------------------------------------------------------------------------------------
+# TensorRT glue
+
+
+def _trt_roots() -> list[Path]:
+    raw = os.environ.get("EDGEMEM_TENSORRT_ROOTS") or os.environ.get("TensorRT_ROOT") or ""
+    return [Path(p) for p in raw.split(os.pathsep) if p]
+
+
+TRT_ROOTS = _trt_roots()
+NO_TRT = "no TensorRT headers: set EDGEMEM_TENSORRT_ROOTS (os.pathsep-separated) or TensorRT_ROOT"
+
+
+def _trt_id(root: Path) -> str:
+    return root.name
+
+
+@pytest.fixture(scope="session")
+def trt_libs(tmp_path_factory) -> dict[Path, Path | str]:
+    """Builds the plugin library against each TensorRT root (one arch: the glue is what differs)."""
+    out: dict[Path, Path | str] = {}
+    for root in TRT_ROOTS:
+        if not shutil.which("cmake") or not shutil.which("nvcc"):
+            out[root] = "cmake and nvcc are needed to build the plugin library"
+            continue
+        build = tmp_path_factory.mktemp(f"trt_{root.name}")
+        info = _cmake_build(build, f"-DTensorRT_ROOT={root}", "-DCMAKE_CUDA_ARCHITECTURES=87",
+                            targets=("edgemem_trt_plugins",))
+        out[root] = build / "libedgemem_trt_plugins.so" if info.get("tensorrt") else f"no TensorRT headers under {root}"
+    return out
+
+
+def _lib_for(trt_libs, root) -> Path:
+    lib = trt_libs[root]
+    if isinstance(lib, str):
+        pytest.skip(lib)
+    return lib
+
+
+@pytest.mark.skipif(not TRT_ROOTS, reason=NO_TRT)
+@pytest.mark.parametrize("root", TRT_ROOTS, ids=_trt_id)
+def test_trt_glue_builds_without_libnvinfer(trt_libs, root):
+    lib = _lib_for(trt_libs, root)
+    nm = shutil.which("nm")
+    if nm:
+        defined = _run([nm, "-D", "--defined-only", str(lib)]).stdout
+        assert re.search(r" T getCreators$", defined, re.M) and re.search(r" T setLoggerFinder$", defined, re.M)
+    ldd = shutil.which("ldd")
+    if ldd:
+        assert "nvinfer" not in _run([ldd, str(lib)]).stdout
+
+
+# every edgemem node of trt exports covering the four ops: (arch, graph kind, overrides)
+EXPORTS = [("gated-deltanet", "step", {}), ("titans-mag", "step", {}), ("ttt-linear", "step", {}),
+           ("longformer-encoder", "prefill", {})]
+
+
+@pytest.fixture(scope="session")
+def trt_nodes() -> list[dict]:
+    """Op type and attributes of every edgemem node in the trt-lowered exports."""
+    from onnx import helper
+
+    from edgemem.export.graphs import export_graph
+    from edgemem.export.lower import lower
+    from edgemem.models import build
+
+    nodes = []
+    for arch, kind, overrides in EXPORTS:
+        proto = lower(export_graph(build(arch, seed=0, n_layers=1, **overrides), kind, 20, None), "trt")
+        for node in proto.graph.node:
+            if node.domain != "edgemem":
+                continue
+            attrs = {}
+            for a in node.attribute:
+                value = helper.get_attribute_value(a)
+                kind_ = {1: "FLOAT", 2: "INT", 3: "STRING", 7: "INTS"}[a.type]
+                attrs[a.name] = (kind_, value.decode() if isinstance(value, bytes) else value)
+            nodes.append(dict(arch=arch, op=node.op_type, inputs=len(node.input), outputs=len(node.output), attrs=attrs))
+    assert {n["op"] for n in nodes} == {"LinearAttention", "NeuralMemory", "WindowAttention", "BandedAttention"}
+    return nodes
+
+
+REGISTRY_CHECK = textwrap.dedent(
+    """
+    # Runs in its own process: one plugin library per registry, and a crash stays contained.
+    import json, sys
+    import numpy as np
+    import tensorrt_lean_bindings as trt
+
+    lib, nodes = sys.argv[1], json.loads(sys.stdin.read())
+    logger = trt.Logger(trt.Logger.WARNING)
+    registry = trt.get_plugin_registry()
+    registry.load_library(lib)
+    kinds = {"INT": (np.int32, trt.PluginFieldType.INT32), "INTS": (np.int32, trt.PluginFieldType.INT32),
+             "FLOAT": (np.float32, trt.PluginFieldType.FLOAT32)}
+    results = []
+    for node in nodes:
+        attrs = node["attrs"]
+        creator = registry.get_creator(node["op"], attrs["plugin_version"][1], attrs["plugin_namespace"][1])
+        if creator is None:
+            results.append(dict(op=node["op"], error="no creator"))
+            continue
+        fields = {f.name: f.type for f in creator.field_names}
+        # the ONNX parser's mapping: attributes named by the creator's fields become fields
+        pfs = []
+        for name, (kind, value) in attrs.items():
+            if name in fields:
+                if kind == "STRING":
+                    data, ftype = np.frombuffer(value.encode(), dtype=np.int8), trt.PluginFieldType.CHAR
+                else:
+                    dtype, ftype = kinds[kind]
+                    data = np.array(value if kind == "INTS" else [value], dtype=dtype)
+                pfs.append(trt.PluginField(name, data, ftype))
+        plugin = creator.create_plugin("node", trt.PluginFieldCollection(pfs), trt.TensorRTPhase.BUILD)
+        core = plugin.get_capability_interface(trt.PluginCapabilityType.CORE) if plugin else None
+        build = plugin.get_capability_interface(trt.PluginCapabilityType.BUILD) if plugin else None
+        results.append(dict(
+            op=node["op"], fields={k: str(v).split(".")[-1] for k, v in fields.items()},
+            created=plugin is not None,
+            name=core.plugin_name if core else None, namespace=core.plugin_namespace if core else None,
+            version=core.plugin_version if core else None,
+            outputs=build.num_outputs if build else None, metadata=build.metadata_string if build else None,
+        ))
+    bad = trt.PluginFieldCollection([trt.PluginField("update_rule", np.frombuffer(b"nope", dtype=np.int8),
+                                                     trt.PluginFieldType.CHAR)])
+    try:
+        rejected = registry.get_creator("LinearAttention", "1", "edgemem").create_plugin(
+            "bad", bad, trt.TensorRTPhase.BUILD) is None
+    except Exception:
+        rejected = True
+    print(json.dumps(dict(results=results, rejected_bad=rejected)))
+    """
+)
+
+
+def _expected_metadata(attrs: dict) -> dict[str, str]:
+    out = {}
+    for name, (kind, value) in attrs.items():
+        if name.startswith("plugin_"):
+            continue
+        if kind == "FLOAT":
+            out[name] = float(value)
+        elif kind == "INTS":
+            out[name] = ",".join(map(str, value))
+        else:
+            out[name] = str(value)
+    return out
+
+
+@pytest.mark.skipif(not TRT_ROOTS, reason=NO_TRT)
+@pytest.mark.parametrize("root", TRT_ROOTS, ids=_trt_id)
+def test_trt_registry_creates_every_exported_node(trt_libs, root, trt_nodes):
+    lib = _lib_for(trt_libs, root)
+    pytest.importorskip("tensorrt_lean_bindings", reason="tensorrt_lean_bindings (pip: tensorrt-lean-cu13-bindings "
+                        "tensorrt-lean-cu13-libs) is not installed")
+    proc = _run([sys.executable, "-c", REGISTRY_CHECK, str(lib)], input=json.dumps(trt_nodes))
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["rejected_bad"], "an unknown update_rule must not create a plugin"
+    field_types = {"INT": "INT32", "INTS": "INT32", "FLOAT": "FLOAT32", "STRING": "CHAR"}
+    for node, got in zip(trt_nodes, report["results"]):
+        assert got.get("created"), (node, got)
+        assert (got["name"], got["namespace"], got["version"]) == (node["op"], "edgemem", "1")
+        assert got["outputs"] == node["outputs"]
+        for name, (kind, _) in node["attrs"].items():  # every attribute is a creator field of its ONNX type
+            if not name.startswith("plugin_"):
+                assert got["fields"].get(name) == field_types[kind], (node["op"], name, got["fields"])
+        meta = dict(item.split("=", 1) for item in got["metadata"].split(";"))
+        for name, value in _expected_metadata(node["attrs"]).items():  # the plugin parsed every value
+            assert (float(meta[name]) == pytest.approx(value, rel=1e-6)) if isinstance(value, float) else meta[name] == value

@@ -236,3 +236,18 @@ def test_tampered_file_is_refused(tmp_path):
     step.write_bytes(bytes(data))
     with pytest.raises(EdgememError, match="does not match its sha256"):
         load(tmp_path / "out")
+
+
+def test_fp16_export_keeps_state_in_fp32(tmp_path):
+    model = build("gated-deltanet", seed=0, d_model=32, mlp_hidden=32)
+    export(model, tmp_path / "out", targets=["generic", "trt"], dtype="fp16", extra_config={"seed": 0})
+    manifest = load(tmp_path / "out")
+    assert manifest.config["dtype"] == "fp16" and {s.dtype for s in manifest.state} == {"float32"}
+    for target in ("generic", "trt"):
+        graph = onnx.load(tmp_path / "out" / target / "step.onnx").graph
+        types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.output]}
+        assert types["logits"] == onnx.TensorProto.FLOAT16
+        assert all(types[s.input] == types[s.output] == onnx.TensorProto.FLOAT for s in manifest.state)
+        assert any(t.data_type == onnx.TensorProto.FLOAT16 and len(t.dims) == 2 for t in graph.initializer)
+    checks, _ = verify(tmp_path / "out")  # generic runs in onnxruntime at fp16 tolerance
+    assert checks and all(c.ok for c in checks)

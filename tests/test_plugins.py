@@ -322,6 +322,14 @@ def ptxas_report(build: Path) -> list[dict]:
     return rows
 
 
+def _demangle(symbols: list[str]) -> dict[str, str]:
+    """Readable kernel names (c++filt when present), without the namespaces."""
+    filt = shutil.which("c++filt")
+    out = _run([filt], input="\n".join(symbols)).stdout.splitlines() if filt else symbols
+    tidy = lambda s: re.sub(r"\(.*\)$", "", re.sub(r"edgemem::cuda::(\(anonymous namespace\)::)?", "", s))  # noqa: E731
+    return {sym: tidy(name) for sym, name in zip(symbols, out)}
+
+
 def test_kernels_compile_without_spills(kernels_build):
     info = dict(line.split("=", 1) for line in (kernels_build / "edgemem_build.txt").read_text().splitlines())
     assert info["architectures"].split(";") == list(ARCHS)
@@ -332,11 +340,10 @@ def test_kernels_compile_without_spills(kernels_build):
             assert any(family in r["kernel"] and r["arch"] == f"sm_{arch}" for r in rows), (family, arch)
     bad = [r for r in rows if r.get("stack", 1) or r.get("spill_stores", 1) or r.get("spill_loads", 1) or r.get("lmem")]
     assert not bad, "kernels using local memory or spilling:\n" + "\n".join(map(str, bad))
-    # the table in the test log (pytest -rA / -s)
+    # the table in the test log (pytest -s)
+    names = _demangle([r["kernel"] for r in rows])
     for r in rows:
-        name = next(f for f in (*KERNELS, r["kernel"]) if f in r["kernel"])
-        args = re.search(r"I(.*)EEv", r["kernel"])
-        print(f"{r['arch']:>6} {name:<24} {args.group(1) if args else '':<28} {r['registers']:>4} registers")
+        print(f"{r['arch']:>6} {names[r['kernel']]:<60} {r['registers']:>4} registers")
     assert (kernels_build / "libedgemem_kernels.so").exists()
 
 

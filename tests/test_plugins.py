@@ -92,7 +92,7 @@ def kernels_build(build_dir, ref) -> Path:
         pytest.skip("nvcc (the CUDA compiler) is not installed: the kernels cannot be compiled here")
     info = _cmake_build(build_dir)
     if info.get("cuda") != "ON":
-        pytest.skip("CMake found no usable CUDA compiler")
+        pytest.skip("CMake found no usable CUDA compiler (put nvcc on PATH or set CUDACXX)")
     return build_dir
 
 
@@ -327,7 +327,7 @@ def _demangle(symbols: list[str]) -> dict[str, str]:
     filt = shutil.which("c++filt")
     out = _run([filt], input="\n".join(symbols)).stdout.splitlines() if filt else symbols
     tidy = lambda s: re.sub(r"\(.*\)$", "", re.sub(r"edgemem::cuda::(\(anonymous namespace\)::)?", "", s))  # noqa: E731
-    return {sym: tidy(name) for sym, name in zip(symbols, out)}
+    return {sym: tidy(name).removeprefix("void ") for sym, name in zip(symbols, out)}
 
 
 def test_kernels_compile_without_spills(kernels_build):
@@ -480,8 +480,10 @@ REGISTRY_CHECK = textwrap.dedent(
             version=core.plugin_version if core else None,
             outputs=build.num_outputs if build else None, metadata=build.metadata_string if build else None,
         ))
-    bad = trt.PluginFieldCollection([trt.PluginField("update_rule", np.frombuffer(b"nope", dtype=np.int8),
-                                                     trt.PluginFieldType.CHAR)])
+    bad = trt.PluginFieldCollection([
+        trt.PluginField("update_rule", np.frombuffer(b"nope", dtype=np.int8), trt.PluginFieldType.CHAR),
+        trt.PluginField("q_num_heads", np.array([2], dtype=np.int32), trt.PluginFieldType.INT32),
+        trt.PluginField("kv_num_heads", np.array([2], dtype=np.int32), trt.PluginFieldType.INT32)])
     try:
         rejected = registry.get_creator("LinearAttention", "1", "edgemem").create_plugin(
             "bad", bad, trt.TensorRTPhase.BUILD) is None
@@ -515,6 +517,7 @@ def test_trt_registry_creates_every_exported_node(trt_libs, root, trt_nodes):
     proc = _run([sys.executable, "-c", REGISTRY_CHECK, str(lib)], input=json.dumps(trt_nodes))
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["rejected_bad"], "an unknown update_rule must not create a plugin"
+    assert "update_rule must be linear, gated, delta or gated_delta; got 'nope'" in proc.stderr  # logged, named
     field_types = {"INT": "INT32", "INTS": "INT32", "FLOAT": "FLOAT32", "STRING": "CHAR"}
     for node, got in zip(trt_nodes, report["results"]):
         assert got.get("created"), (node, got)
@@ -526,3 +529,27 @@ def test_trt_registry_creates_every_exported_node(trt_libs, root, trt_nodes):
         meta = dict(item.split("=", 1) for item in got["metadata"].split(";"))
         for name, value in _expected_metadata(node["attrs"]).items():  # the plugin parsed every value
             assert (float(meta[name]) == pytest.approx(value, rel=1e-6)) if isinstance(value, float) else meta[name] == value
+
+
+# ---------------------------------------------------------------------------------------------
+# edgemem build: without TensorRT (or a GPU) a clear error, not a traceback
+
+
+def test_build_command_says_what_is_missing(tmp_path):
+    import importlib.util
+
+    from click.testing import CliRunner
+
+    from edgemem.cli import main
+
+    runner = CliRunner()
+    result = runner.invoke(main, ["build", str(tmp_path)])
+    assert result.exit_code == 2 and "no trt target" in result.output and "--target trt" in result.output
+    (tmp_path / "trt").mkdir()
+    (tmp_path / "trt" / "step.onnx").write_bytes(b"")
+    result = runner.invoke(main, ["build", str(tmp_path), "--fp16", "--max-batch", "4"])
+    assert result.exit_code == 2, result.output
+    if importlib.util.find_spec("tensorrt") is None:
+        assert "TensorRT's Python package is not installed" in result.output
+    else:  # TensorRT present: the plugin library or the GPU is what is missing here
+        assert "plugin library" in result.output or "GPU" in result.output or "parser" in result.output

@@ -1,0 +1,165 @@
+"""ctypes bindings of edgemem's native libraries, shared by the tests and scripts/gpu_check.py.
+
+Two libraries expose the same C ABI over the same structs (include/edgemem/{io.h, *.h}):
+`libedgemem_reference.so` (`em_ref_*`: the CPU reference, float32 host tensors) and
+`libedgemem_kernels.so` (`em_cuda_*`: the CUDA kernels, float32/float16 device tensors, run on
+torch's current stream). `Native(path)` picks the prefix from the library it loads; every op
+takes torch tensors in the ONNX node's layout and returns new output tensors, or writes into
+`present_*` tensors given by the caller (pass the past tensors themselves to run in place).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import POINTER, c_bool, c_float, c_int32, c_void_p
+
+import torch
+
+UPDATE_RULES = {"linear": 0, "gated": 1, "delta": 2, "gated_delta": 3}
+ACTIVATIONS = {"silu": 0, "gelu": 1, "relu": 2, "identity": 3}
+DTYPES = {torch.float32: 0, torch.float16: 1}
+STATUS = {1: "bad argument", 2: "unsupported", 3: "CUDA error"}
+
+
+def _struct(name, fields):
+    return type(name, (ctypes.Structure,), {"_fields_": fields})
+
+
+LAParams = _struct("LAParams", [(n, c_int32) for n in ("batch", "seq", "q_heads", "kv_heads", "dk", "dv", "rule")]
+                   + [("scale", c_float), ("decay_per_key", c_int32), ("beta_per_head", c_int32)])
+LAIO = _struct("LAIO", [(n, c_void_p) for n in (
+    "query", "key", "value", "past_state", "decay", "beta", "output", "present_state")])
+WindowParams = _struct("WindowParams", [(n, c_int32) for n in (
+    "batch", "seq", "heads", "d", "dv", "window", "ring", "persistent")] + [("scale", c_float)])
+WindowIO = _struct("WindowIO", [(n, c_void_p) for n in (
+    "query", "key", "value", "past_key", "past_value", "position", "persistent_key", "persistent_value",
+    "output", "present_key", "present_value")])
+BandedParams = _struct("BandedParams", [(n, c_int32) for n in (
+    "batch", "seq", "heads", "d", "dv", "window", "causal", "persistent")] + [("scale", c_float)])
+BandedIO = _struct("BandedIO", [(n, c_void_p) for n in (
+    "query", "key", "value", "global_mask", "persistent_key", "persistent_value", "output")])
+NMParams = _struct("NMParams", [(n, c_int32) for n in (
+    "batch", "seq", "heads", "d", "e", "depth", "chunk", "activation", "residual_norm", "position_per_batch")])
+NMIO = _struct("NMIO", [(n, c_void_p) for n in (
+    "query", "key", "value", "theta", "eta", "alpha", "position", "norm_weight", "norm_bias")]
+    + [(n, c_void_p * 2) for n in ("weights", "momentum", "chunk_weights")]
+    + [(n, c_void_p) for n in ("output", "present_position")]
+    + [(n, c_void_p * 2) for n in ("present_weights", "present_momentum", "present_chunk_weights")])
+
+
+class NativeError(RuntimeError):
+    pass
+
+
+def _ptr(x: torch.Tensor | None) -> int | None:
+    if x is None:
+        return None
+    if not x.is_contiguous():
+        raise ValueError("native ops take contiguous tensors")
+    return x.data_ptr() or None
+
+
+class Native:
+    """One native library: the CPU reference or the CUDA kernels."""
+
+    def __init__(self, path: str) -> None:
+        self.lib = ctypes.CDLL(str(path))
+        self.cuda = hasattr(self.lib, "em_cuda_abi_version")
+        self.prefix = "em_cuda_" if self.cuda else "em_ref_"
+        p = POINTER
+        sigs = {
+            "linear_attention": [p(LAParams), p(LAIO)],
+            "window_attention": [p(WindowParams), p(c_int32), p(WindowIO)],
+            "banded_attention": [p(BandedParams), p(c_int32), p(BandedIO)],
+            "neural_memory": [p(NMParams), p(NMIO)],
+        }
+        for name, args in sigs.items():
+            fn = getattr(self.lib, self.prefix + name)
+            fn.argtypes = args + ([c_int32, c_int32, c_int32, c_void_p] if self.cuda else [])
+            fn.restype = c_int32
+
+    def _call(self, name: str, *args, dtypes=(0, 0, 0)) -> None:
+        fn = getattr(self.lib, self.prefix + name)
+        if self.cuda:
+            args = (*args, *dtypes, c_void_p(torch.cuda.current_stream().cuda_stream))
+        status = fn(*args)
+        if status:
+            raise NativeError(f"{self.prefix}{name}: {STATUS.get(status, status)}")
+
+    def _check_dtype(self, x: torch.Tensor) -> int:
+        if x.dtype not in DTYPES or (not self.cuda and x.dtype != torch.float32):
+            raise ValueError(f"{self.prefix}: unsupported dtype {x.dtype}")
+        return DTYPES[x.dtype]
+
+    # -----------------------------------------------------------------------------------------
+    def linear_attention(self, query, key, value, past_state, decay, beta, *, update_rule, scale,
+                         q_num_heads, kv_num_heads, output=None, present_state=None):
+        """The `edgemem::LinearAttention` node: all six inputs present, packed layouts."""
+        b, t, _ = query.shape
+        dk = query.shape[2] // q_num_heads
+        dv = value.shape[2] // kv_num_heads
+        params = LAParams(b, t, q_num_heads, kv_num_heads, dk, dv, UPDATE_RULES[update_rule], scale,
+                          int(decay.shape[2] == kv_num_heads * dk and dk > 1),
+                          int(beta.shape[2] == kv_num_heads))
+        if output is None:
+            output = query.new_empty(b, t, q_num_heads * dv)
+        if present_state is None:
+            present_state = torch.empty_like(past_state)
+        io = LAIO(*(_ptr(x) for x in (query, key, value, past_state, decay, beta, output, present_state)))
+        self._call("linear_attention", ctypes.byref(params), ctypes.byref(io), dtypes=(self._check_dtype(query), 0, 0))
+        return output, present_state
+
+    def window_attention(self, query, key, value, past_key, past_value, position, persistent_key,
+                         persistent_value, *, num_heads, window, dilation, scale, output=None,
+                         present_key=None, present_value=None):
+        """The `edgemem::WindowAttention` node: position int64 [B], persistent [B, H, P, D]."""
+        b, t, _ = query.shape
+        d, dv = query.shape[2] // num_heads, value.shape[2] // num_heads
+        params = WindowParams(b, t, num_heads, d, dv, window, past_key.shape[2], persistent_key.shape[2], scale)
+        dil = (c_int32 * num_heads)(*dilation)
+        output = query.new_empty(b, t, num_heads * dv) if output is None else output
+        present_key = torch.empty_like(past_key) if present_key is None else present_key
+        present_value = torch.empty_like(past_value) if present_value is None else present_value
+        io = WindowIO(*(_ptr(x) for x in (query, key, value, past_key, past_value, position, persistent_key,
+                                          persistent_value, output, present_key, present_value)))
+        dtypes = (self._check_dtype(query), self._check_dtype(past_key), self._check_dtype(persistent_key))
+        self._call("window_attention", ctypes.byref(params), dil, ctypes.byref(io), dtypes=dtypes)
+        return output, present_key, present_value
+
+    def banded_attention(self, query, key, value, global_mask, persistent_key, persistent_value, *,
+                         num_heads, window, dilation, causal, scale, output=None):
+        """The `edgemem::BandedAttention` node: global_mask bool [B, T], persistent [B, H, P, D]."""
+        b, t, _ = query.shape
+        d, dv = query.shape[2] // num_heads, value.shape[2] // num_heads
+        params = BandedParams(b, t, num_heads, d, dv, window, int(causal), persistent_key.shape[2], scale)
+        dil = (c_int32 * num_heads)(*dilation)
+        output = query.new_empty(b, t, num_heads * dv) if output is None else output
+        io = BandedIO(*(_ptr(x) for x in (query, key, value, global_mask, persistent_key, persistent_value, output)))
+        dtypes = (self._check_dtype(query), self._check_dtype(persistent_key), 0)
+        self._call("banded_attention", ctypes.byref(params), dil, ctypes.byref(io), dtypes=dtypes)
+        return output
+
+    def neural_memory(self, query, key, value, theta, eta, alpha, position, norm_weight, norm_bias,
+                      weights, momentum, chunk_weights, *, num_heads, chunk_size, activation,
+                      residual_norm, output=None, present=None):
+        """The `edgemem::NeuralMemory` node. weights/momentum/chunk_weights: one tensor per layer.
+
+        Returns (output, present_position, present_weights, present_momentum, present_chunk_weights);
+        `present` = (position, weights, momentum, chunk_weights) to write into given tensors."""
+        b, t, _ = query.shape
+        depth = len(weights)
+        d = query.shape[2] // num_heads
+        e = weights[0].shape[-1]
+        params = NMParams(b, t, num_heads, d, e, depth, chunk_size, ACTIVATIONS[activation], int(residual_norm),
+                          int(position.numel() == b))
+        output = query.new_empty(query.shape) if output is None else output
+        if present is None:
+            present = (torch.empty_like(position), [torch.empty_like(w) for w in weights],
+                       [torch.empty_like(w) for w in momentum], [torch.empty_like(w) for w in chunk_weights])
+        pos_out, w_out, s_out, c_out = present
+        pair = lambda xs: (c_void_p * 2)(*[_ptr(x) for x in xs] + [None] * (2 - len(xs)))  # noqa: E731
+        io = NMIO(*(_ptr(x) for x in (query, key, value, theta, eta, alpha, position, norm_weight, norm_bias)),
+                  pair(weights), pair(momentum), pair(chunk_weights), _ptr(output), _ptr(pos_out),
+                  pair(w_out), pair(s_out), pair(c_out))
+        self._call("neural_memory", ctypes.byref(params), ctypes.byref(io), dtypes=(self._check_dtype(query), 0, 0))
+        return output, pos_out, tuple(w_out), tuple(s_out), tuple(c_out)

@@ -1,0 +1,490 @@
+"""Checks the edgemem CUDA kernels on a GPU: numerics, in-place state, odd shapes, decode timing.
+
+Driven by gpu_check.sh (which builds the libraries and runs compute-sanitizer); run alone as
+
+    python plugins/scripts/gpu_check.py --build BUILD_DIR [--quick] [--no-timing] [--report FILE]
+
+BUILD_DIR holds libedgemem_kernels.so and libedgemem_reference.so (cmake -S plugins -B BUILD_DIR).
+Every case runs the kernels through their C ABI on torch CUDA tensors and compares with
+  - truth: the edgemem.ops implementation in float64 on the CPU, fed the inputs as the kernel saw
+    them (rounded to float16 for the float16 cases);
+  - the CPU reference library (float32 cases): the same math headers compiled for the host.
+Modes: "prefill" (T tokens, separate state buffers), "in-place" (state-in and state-out one
+buffer), "steps" (T single-token calls on one in-place state, compared with the one-call truth).
+Timing: each decode kernel (T = 1, in place) against the memory floor of the design,
+t >= bytes / bandwidth, with bandwidth both the device's peak (memory clock x bus width) and a
+measured device-to-device copy.
+
+`--cpu-self-test` runs the same harness with the CPU reference standing in for the kernels
+(float32, no timing): a check of this script on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "python"))
+
+from edgemem_native import Native, NativeError  # noqa: E402
+
+F64 = torch.float64
+TOL = {torch.float32: 5e-5, torch.float16: 4e-3}  # max |got - truth| / max(1, max |truth|)
+REF_TOL = 5e-5  # kernels vs CPU reference, float32
+
+
+@dataclass
+class Row:
+    op: str
+    case: str
+    dtype: str
+    mode: str
+    err_truth: float
+    err_ref: float | None
+    tol: float
+    ok: bool
+
+
+@dataclass
+class Timing:
+    op: str
+    case: str
+    dtype: str
+    us: float
+    bytes: int
+    floor_bytes: int
+    peak_gbs: float
+    copy_gbs: float
+
+    @property
+    def achieved(self) -> float:
+        return self.bytes / (self.us * 1e-6) / 1e9
+
+
+@dataclass
+class Harness:
+    dev: Native
+    ref: Native
+    device: torch.device
+    dtypes: list[torch.dtype]
+    rows: list[Row] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def record(self, op, case, dtype, mode, got, truth, ref=None):
+        got = [g.detach().to("cpu", F64) for g in got]
+        errs = [_err(g, t) for g, t in zip(got, truth)]
+        err_ref = max(_err(g, r) for g, r in zip(got, ref)) if ref is not None else None
+        tol = TOL[dtype]
+        ok = max(errs) <= tol and (err_ref is None or err_ref <= REF_TOL)
+        self.rows.append(Row(op, case, _dt(dtype), mode, max(errs), err_ref, tol, ok))
+
+    def put(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return x.to(self.device, dtype if dtype is not None else x.dtype).contiguous()
+
+
+def _err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.to("cpu", F64), want.to("cpu", F64)
+    if got.shape != want.shape:
+        return math.inf
+    if got.numel() == 0:
+        return 0.0
+    if not torch.isfinite(got).all():
+        return math.inf
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1.0)).item()
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.float16: "fp16"}[dtype]
+
+
+def _cpu(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().to("cpu", torch.float32).contiguous()
+
+
+def _seen(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as the kernel sees it: rounded to the I/O dtype, then widened for the truth."""
+    return x.to(dtype).to(F64)
+
+
+# ---------------------------------------------------------------------------------------------
+# LinearAttention
+
+LA_CASES = [  # name, b, t, hq, hkv, dk, dv, per_key_decay, beta_per_head
+    ("mha 64x64", 2, 9, 4, 4, 64, 64, False, True),
+    ("gqa odd 5x7", 3, 7, 6, 2, 5, 7, True, False),
+    ("dk 33 dv 130", 1, 5, 2, 1, 33, 130, True, True),
+    ("dk 100", 2, 4, 2, 2, 100, 24, False, True),
+    ("dk 128 gqa", 2, 6, 8, 2, 128, 128, True, True),
+    ("dk 256", 1, 3, 1, 1, 256, 40, False, True),
+    ("b0 t1", 1, 1, 3, 3, 16, 16, True, True),
+]
+LA_QUICK = [LA_CASES[1], LA_CASES[4]]
+
+
+def check_linear_attention(h: Harness, quick: bool) -> None:
+    from edgemem.ops.linear_attention import UPDATE_RULES, linear_attention
+
+    for name, b, t, hq, hkv, dk, dv, per_key, beta_heads in LA_QUICK if quick else LA_CASES:
+        for rule in UPDATE_RULES:
+            for dtype in h.dtypes:
+                g = torch.Generator().manual_seed(zlib.crc32(f"{name} {rule}".encode()))
+                rand = lambda *s: torch.randn(*s, generator=g, dtype=F64)  # noqa: E731
+                q = rand(b, t, hq * dk)
+                k = torch.nn.functional.normalize(rand(b, t, hkv, dk), dim=-1).flatten(2)
+                v = rand(b, t, hkv * dv)
+                s0 = rand(b, hkv, dk, dv)
+                gated, delta = rule in ("gated", "gated_delta"), rule in ("delta", "gated_delta")
+                decay = -torch.rand(b, t, hkv * (dk if per_key else 1), generator=g, dtype=F64) * 0.5
+                beta = torch.rand(b, t, hkv if beta_heads else 1, generator=g, dtype=F64)
+                if not gated:
+                    decay = torch.zeros(b, t, hkv, dtype=F64)
+                if not delta:
+                    beta = torch.ones(b, t, hkv, dtype=F64)
+                seen = [_seen(x, dtype) for x in (q, k, v, decay, beta)]
+                want = linear_attention(seen[0], seen[1], seen[2], s0.float().double(), seen[3] if gated else None,
+                                        seen[4] if delta else None, update_rule=rule, q_num_heads=hq, kv_num_heads=hkv)
+                kw = dict(update_rule=rule, scale=1 / math.sqrt(dk), q_num_heads=hq, kv_num_heads=hkv)
+                args = [h.put(x, dtype) for x in (q, k, v)] + [h.put(s0, torch.float32)] + [
+                    h.put(x, dtype) for x in (decay, beta)]
+                ref = None
+                if dtype == torch.float32:
+                    ref = h.ref.linear_attention(*[_cpu(x) for x in args], **kw)
+                got = h.dev.linear_attention(*args, **kw)
+                h.record("LinearAttention", f"{name} {rule}", dtype, "prefill", got, want, ref)
+                # in place: present_state is past_state
+                state = args[3].clone()
+                got = h.dev.linear_attention(*args[:3], state, *args[4:], present_state=state, **kw)
+                h.record("LinearAttention", f"{name} {rule}", dtype, "in-place", got, want)
+                # steps: T single-token calls on one state
+                state = args[3].clone()
+                outs = [h.dev.linear_attention(*[x[:, i:i + 1].contiguous() for x in args[:3]], state,
+                                               *[x[:, i:i + 1].contiguous() for x in args[4:]],
+                                               present_state=state, **kw)[0] for i in range(t)]
+                h.record("LinearAttention", f"{name} {rule}", dtype, "steps", (torch.cat(outs, 1), state), want)
+
+
+# ---------------------------------------------------------------------------------------------
+# WindowAttention
+
+WA_CASES = [  # name, b, t, heads, d, dv, window, dilation, persistent, positions
+    ("step small", 2, 1, 3, 5, 7, 4, (1, 2, 3), 2, (0, 41)),
+    ("step 64", 2, 1, 4, 64, 64, 64, (1, 1, 1, 1), 4, (10, 300)),
+    ("prefill wrap", 2, 37, 3, 32, 48, 8, (1, 2, 1), 0, (3, 100)),
+    ("d 128 dv 96", 1, 5, 2, 128, 96, 16, (2, 1), 3, (7,)),
+    ("d 256", 1, 3, 1, 256, 256, 5, (1,), 1, (2,)),
+]
+WA_QUICK = [WA_CASES[0], WA_CASES[2]]
+
+
+def check_window_attention(h: Harness, quick: bool) -> None:
+    from edgemem.ops import window_attention_prefill
+
+    ring_dtypes = [torch.float32, torch.float16] if torch.float16 in h.dtypes else [torch.float32]
+    for name, b, t, heads, d, dv, window, dil, persistent, positions in WA_QUICK if quick else WA_CASES:
+        for dtype in h.dtypes:
+            for rdtype in ring_dtypes:
+                g = torch.Generator().manual_seed(len(name) + t)
+                rand = lambda *s: torch.randn(*s, generator=g, dtype=F64)  # noqa: E731
+                ring = window * max(dil)
+                q, k, v = rand(b, t, heads * d), rand(b, t, heads * d), rand(b, t, heads * dv)
+                pk, pv = rand(b, heads, persistent, d), rand(b, heads, persistent, dv)
+                rk, rv = rand(b, heads, ring, d), rand(b, heads, ring, dv)
+                pos = torch.tensor(positions, dtype=torch.int64).expand(b).contiguous()
+                kw = dict(num_heads=heads, window=window, dilation=list(dil), scale=d**-0.5)
+                want = window_attention_prefill(
+                    _seen(q, dtype), _seen(k, dtype), _seen(v, dtype), _seen(rk, rdtype), _seen(rv, rdtype), pos,
+                    persistent_key=_seen(pk, dtype) if persistent else None,
+                    persistent_value=_seen(pv, dtype) if persistent else None, **kw)
+                args = [h.put(x, dtype) for x in (q, k, v)] + [h.put(x, rdtype) for x in (rk, rv)] + [
+                    h.put(pos)] + [h.put(x, dtype) for x in (pk, pv)]
+                ref = None
+                if dtype == torch.float32 and rdtype == torch.float32:
+                    ref = h.ref.window_attention(*[_cpu(x) if x.is_floating_point() else x.cpu() for x in args], **kw)
+                case = f"{name} ring {_dt(rdtype)}"
+                got = h.dev.window_attention(*args, **kw)
+                h.record("WindowAttention", case, dtype, "prefill", got, want, ref)
+                rk2, rv2 = args[3].clone(), args[4].clone()
+                got = h.dev.window_attention(*args[:3], rk2, rv2, *args[5:], present_key=rk2, present_value=rv2, **kw)
+                h.record("WindowAttention", case, dtype, "in-place", got, want)
+                rk2, rv2 = args[3].clone(), args[4].clone()
+                outs = []
+                for i in range(t):
+                    tok = [x[:, i:i + 1].contiguous() for x in args[:3]]
+                    outs.append(h.dev.window_attention(*tok, rk2, rv2, args[5] + i, *args[6:], present_key=rk2,
+                                                       present_value=rv2, **kw)[0])
+                h.record("WindowAttention", case, dtype, "steps", (torch.cat(outs, 1), rk2, rv2), want)
+
+
+# ---------------------------------------------------------------------------------------------
+# BandedAttention
+
+BA_CASES = [  # name, b, t, heads, d, dv, window, dilation, persistent, global fraction
+    ("small", 2, 23, 3, 6, 5, 2, (1, 2, 3), 2, 0.15),
+    ("64 dims", 2, 130, 4, 64, 64, 16, (1, 1, 2, 4), 0, 0.02),
+    ("wide", 1, 300, 2, 128, 96, 32, (1, 3), 4, 0.01),
+    ("no globals", 1, 65, 2, 33, 17, 5, (2, 1), 0, 0.0),
+]
+BA_QUICK = [BA_CASES[0]]
+
+
+def check_banded_attention(h: Harness, quick: bool) -> None:
+    from edgemem.ops import banded_attention
+
+    for name, b, t, heads, d, dv, window, dil, persistent, frac in BA_QUICK if quick else BA_CASES:
+        for causal in (False, True):
+            for dtype in h.dtypes:
+                g = torch.Generator().manual_seed(t)
+                rand = lambda *s: torch.randn(*s, generator=g, dtype=F64)  # noqa: E731
+                q, k, v = rand(b, t, heads * d), rand(b, t, heads * d), rand(b, t, heads * dv)
+                pk, pv = rand(b, heads, persistent, d), rand(b, heads, persistent, dv)
+                mask = torch.rand(b, t, generator=g) < frac
+                kw = dict(num_heads=heads, window=window, dilation=list(dil), causal=causal, scale=d**-0.5)
+                want = banded_attention(_seen(q, dtype), _seen(k, dtype), _seen(v, dtype), global_mask=mask,
+                                        persistent_key=_seen(pk, dtype) if persistent else None,
+                                        persistent_value=_seen(pv, dtype) if persistent else None, **kw)
+                args = [h.put(x, dtype) for x in (q, k, v)] + [h.put(mask)] + [h.put(x, dtype) for x in (pk, pv)]
+                ref = None
+                if dtype == torch.float32:
+                    ref = [h.ref.banded_attention(*[_cpu(x) if x.is_floating_point() else x.cpu() for x in args], **kw)]
+                got = h.dev.banded_attention(*args, **kw)
+                h.record("BandedAttention", f"{name} {'causal' if causal else 'bidir'}", dtype, "prefill", [got],
+                         [want], ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# NeuralMemory
+
+NM_CASES = [  # name, b, t, heads, d, e, depth, chunk, activation, norm, positions
+    ("titans 64x128", 2, 9, 4, 64, 128, 2, 4, "silu", False, (0, 5)),
+    ("ttt-linear 64", 2, 6, 2, 64, 64, 1, 3, "identity", True, (0,)),
+    ("odd 6x10 gelu", 3, 7, 2, 6, 10, 2, 3, "gelu", True, (1, 2, 9)),
+    ("relu 100x256", 1, 5, 2, 100, 256, 2, 2, "relu", False, (3,)),
+    ("d 256 e 512", 1, 3, 1, 256, 512, 2, 16, "silu", True, (15,)),
+    ("depth1 odd", 2, 4, 3, 33, 33, 1, 1, "silu", False, (0, 1)),
+]
+NM_QUICK = [NM_CASES[2], NM_CASES[5]]
+
+
+def check_neural_memory(h: Harness, quick: bool) -> None:
+    from edgemem.ops import neural_memory_step
+
+    for name, b, t, heads, d, e, depth, chunk, act, norm, positions in NM_QUICK if quick else NM_CASES:
+        for dtype in h.dtypes:
+            g = torch.Generator().manual_seed(d + e)
+            rand = lambda *s: torch.randn(*s, generator=g, dtype=F64)  # noqa: E731
+            unit = lambda x: torch.nn.functional.normalize(x.view(b, t, heads, d), dim=-1).flatten(2)  # noqa: E731
+            q, k, v = unit(rand(b, t, heads * d)), unit(rand(b, t, heads * d)), rand(b, t, heads * d)
+            theta = torch.rand(b, t, heads, generator=g, dtype=F64) * 0.2
+            eta = torch.rand(b, t, heads, generator=g, dtype=F64)
+            alpha = torch.rand(b, t, heads, generator=g, dtype=F64) * 0.1
+            shapes = [(b, heads, d, d)] if depth == 1 else [(b, heads, d, e), (b, heads, e, d)]
+            w = [rand(*s) * 0.3 / math.sqrt(s[2]) for s in shapes]
+            s = [rand(*s) * 0.1 / math.sqrt(s[2]) for s in shapes]
+            c = [rand(*s) * 0.3 / math.sqrt(s[2]) for s in shapes]
+            nw = rand(heads, d) * 0.2 + 1 if norm else torch.ones(heads, d, dtype=F64)
+            nb = rand(heads, d) * 0.1 if norm else torch.zeros(heads, d, dtype=F64)
+            pos = torch.tensor(positions, dtype=torch.int64)
+            f32 = lambda xs: [x.float().double() for x in xs]  # noqa: E731  (state is float32)
+            want = neural_memory_step(*[_seen(x, dtype) for x in (q, k, v, theta, eta, alpha)], f32(w), f32(s), f32(c),
+                                      pos, num_heads=heads, chunk_size=chunk, activation=act,
+                                      norm_weight=nw.float().double() if norm else None,
+                                      norm_bias=nb.float().double() if norm else None)
+            want_flat = [want[0], *want[1], *want[2], *want[3]]
+            kw = dict(num_heads=heads, chunk_size=chunk, activation=act, residual_norm=norm)
+            args = [h.put(x, dtype) for x in (q, k, v, theta, eta, alpha)] + [h.put(pos)] + [
+                h.put(x, torch.float32) for x in (nw, nb)]
+            state = [[h.put(x, torch.float32) for x in xs] for xs in (w, s, c)]
+            ref = None
+            if dtype == torch.float32:
+                r = h.ref.neural_memory(*[_cpu(x) if x.is_floating_point() else x.cpu() for x in args],
+                                        *[[_cpu(x) for x in xs] for xs in state], **kw)
+                ref = [r[0], *r[2], *r[3], *r[4]]
+            got = h.dev.neural_memory(*args, *state, **kw)
+            pos_ok = torch.equal(got[1].cpu(), want[4])
+            h.record("NeuralMemory", name, dtype, "prefill", [got[0], *got[2], *got[3], *got[4]], want_flat, ref)
+            if not pos_ok:
+                h.errors.append(f"NeuralMemory {name}: present_position {got[1].cpu().tolist()} != {want[4].tolist()}")
+            # in place, then steps on one in-place state
+            st = [[x.clone() for x in xs] for xs in state]
+            p2 = args[6].clone()
+            got = h.dev.neural_memory(*args[:6], p2, *args[7:], *st, present=(p2, *st), **kw)
+            h.record("NeuralMemory", name, dtype, "in-place", [got[0], *st[0], *st[1], *st[2]], want_flat)
+            st = [[x.clone() for x in xs] for xs in state]
+            p2 = args[6].clone()
+            ys = []
+            for i in range(t):
+                tok = [x[:, i:i + 1].contiguous() for x in args[:6]]
+                ys.append(h.dev.neural_memory(*tok, p2, *args[7:], *st, present=(p2, *st), **kw)[0])
+            h.record("NeuralMemory", name, dtype, "steps", [torch.cat(ys, 1), *st[0], *st[1], *st[2]], want_flat)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing: decode steps against the memory floor
+
+
+def _time_us(fn, iters: int = 200, warmup: int = 20) -> float:
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def _copy_gbs(device) -> float:
+    x = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    us = _time_us(lambda: y.copy_(x), iters=20, warmup=3)
+    return 2 * x.numel() / (us * 1e-6) / 1e9
+
+
+def time_decode(h: Harness, peak: float) -> list[Timing]:
+    dev, out = h.device, []
+    copy = _copy_gbs(dev)
+    fp16 = torch.float16
+
+    def la(case, b, hq, hkv, dk, dv, dtype, rule="gated_delta"):
+        e = torch.tensor([], dtype=dtype).element_size()
+        q = torch.randn(b, 1, hq * dk, device=dev, dtype=dtype)
+        k = torch.nn.functional.normalize(torch.randn(b, 1, hkv, dk, device=dev), dim=-1).flatten(2).to(dtype)
+        v = torch.randn(b, 1, hkv * dv, device=dev, dtype=dtype)
+        s = torch.zeros(b, hkv, dk, dv, device=dev)
+        g = torch.full((b, 1, hkv), -0.01, device=dev, dtype=dtype)
+        beta = torch.full((b, 1, hkv), 0.5, device=dev, dtype=dtype)
+        o = torch.empty(b, 1, hq * dv, device=dev, dtype=dtype)
+        kw = dict(update_rule=rule, scale=dk**-0.5, q_num_heads=hq, kv_num_heads=hkv, output=o, present_state=s)
+        us = _time_us(lambda: h.dev.linear_attention(q, k, v, s, g, beta, **kw))
+        state = s.numel() * 4
+        io = (q.numel() + k.numel() + v.numel() + o.numel() + 2 * b * hkv) * e
+        out.append(Timing("LinearAttention", case, _dt(dtype), us, 2 * state + io, 2 * state, peak, copy))
+
+    def wa(case, b, heads, d, window, persistent, dtype):
+        e = torch.tensor([], dtype=dtype).element_size()
+        q, k, v = (torch.randn(b, 1, heads * d, device=dev, dtype=dtype) for _ in range(3))
+        rk, rv = (torch.randn(b, heads, window, d, device=dev, dtype=dtype) for _ in range(2))
+        pk, pv = (torch.randn(b, heads, persistent, d, device=dev, dtype=dtype) for _ in range(2))
+        pos = torch.full((b,), 10 * window, dtype=torch.int64, device=dev)
+        o = torch.empty_like(q)
+        kw = dict(num_heads=heads, window=window, dilation=[1] * heads, scale=d**-0.5, output=o, present_key=rk,
+                  present_value=rv)
+        us = _time_us(lambda: h.dev.window_attention(q, k, v, rk, rv, pos, pk, pv, **kw))
+        ring = 2 * rk.numel() * e  # every slot is read once (window keys) and one slot written
+        io = (4 * q.numel() + 2 * pk.numel()) * e
+        out.append(Timing("WindowAttention", case, _dt(dtype), us, ring + io, ring, peak, copy))
+
+    def nm(case, b, heads, d, e_, depth, dtype):
+        el = torch.tensor([], dtype=dtype).element_size()
+        x = [torch.randn(b, 1, heads * d, device=dev, dtype=dtype) * 0.1 for _ in range(3)]
+        gates = [torch.full((b, 1, heads), val, device=dev, dtype=dtype) for val in (0.01, 0.9, 0.001)]
+        pos = torch.full((b,), 1, dtype=torch.int64, device=dev)  # not a chunk start at chunk 16
+        nw, nb = torch.ones(heads, d, device=dev), torch.zeros(heads, d, device=dev)
+        shapes = [(b, heads, d, d)] if depth == 1 else [(b, heads, d, e_), (b, heads, e_, d)]
+        st = [[torch.randn(*s, device=dev) * 0.01 for s in shapes] for _ in range(3)]
+        o = torch.empty_like(x[0])
+        kw = dict(num_heads=heads, chunk_size=1 << 30, activation="silu", residual_norm=False, output=o,
+                  present=(pos, *st))
+        us = _time_us(lambda: h.dev.neural_memory(*x, *gates, pos, nw, nb, *st, **kw))
+        state = sum(t.numel() for xs in st for t in xs) * 4
+        moved = state // 3 * 5  # read C, W, S; write W, S (no chunk start)
+        out.append(Timing("NeuralMemory", case, _dt(dtype), us, moved + 4 * o.numel() * el, 2 * state, peak, copy))
+
+    for dtype in (torch.float32, fp16):
+        la("4 heads 64x64 (design figure)", 1, 4, 4, 64, 64, dtype)
+        la("16 heads 128x128", 1, 16, 16, 128, 128, dtype)
+        la("batch 8, 16 heads 128x128", 8, 16, 16, 128, 128, dtype)
+        la("GQA 32/8 heads 128x128", 1, 32, 8, 128, 128, dtype)
+        wa("titans-mag: 4 heads, window 64, 4 persistent", 1, 4, 64, 64, 4, dtype)
+        wa("16 heads d128, window 512", 1, 16, 128, 512, 0, dtype)
+        nm("titans-mag: 4 heads 64x128 depth 2", 1, 4, 64, 128, 2, dtype)
+        nm("ttt-linear: 4 heads 64x64 depth 1", 1, 4, 64, 64, 1, dtype)
+        nm("batch 8, 8 heads 128x512 depth 2", 8, 8, 128, 512, 2, dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def report(h: Harness, timings: list[Timing], device_name: str, elapsed: float) -> str:
+    lines = [f"# edgemem kernel check — {device_name}", ""]
+    failed = [r for r in h.rows if not r.ok]
+    lines.append(f"{len(h.rows) - len(failed)} of {len(h.rows)} numerical checks passed "
+                 f"({elapsed:.0f} s); tolerances: fp32 {TOL[torch.float32]:.0e}, fp16 {TOL[torch.float16]:.0e} "
+                 f"relative to truth, fp32 {REF_TOL:.0e} to the CPU reference.")
+    lines += ["", "| op | case | dtype | mode | err vs truth | err vs CPU ref | ok |", "|---|---|---|---|---|---|---|"]
+    for r in h.rows:
+        ref = f"{r.err_ref:.1e}" if r.err_ref is not None else "-"
+        lines.append(f"| {r.op} | {r.case} | {r.dtype} | {r.mode} | {r.err_truth:.1e} | {ref} | {'ok' if r.ok else 'FAIL'} |")
+    worst = {}
+    for r in h.rows:
+        key = (r.op, r.dtype)
+        worst[key] = max(worst.get(key, 0.0), r.err_truth)
+    lines += ["", "Worst error vs truth per op and dtype:", ""]
+    lines += [f"- {op} {dt}: {err:.1e}" for (op, dt), err in sorted(worst.items())]
+    for e in h.errors:
+        lines.append(f"- ERROR: {e}")
+    if timings:
+        t0 = timings[0]
+        lines += ["", f"## Decode timing (T = 1, state in place); peak {t0.peak_gbs:.0f} GB/s, "
+                      f"measured copy {t0.copy_gbs:.0f} GB/s", "",
+                  "| op | case | dtype | µs/step | bytes moved | achieved GB/s | % of copy | floor µs (2×state / copy) | "
+                  "step / floor |", "|---|---|---|---|---|---|---|---|---|"]
+        for t in timings:
+            floor_us = t.floor_bytes / (t.copy_gbs * 1e9) * 1e6
+            lines.append(f"| {t.op} | {t.case} | {t.dtype} | {t.us:.2f} | {t.bytes:,} | {t.achieved:.0f} | "
+                         f"{100 * t.achieved / t.copy_gbs:.0f}% | {floor_us:.2f} | {t.us / floor_us:.1f}× |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--build", type=Path, required=True, help="build dir with libedgemem_{kernels,reference}.so")
+    ap.add_argument("--quick", action="store_true", help="a few small cases (for compute-sanitizer)")
+    ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--report", type=Path, help="write the markdown report here too")
+    ap.add_argument("--cpu-self-test", action="store_true", help="check this script with the CPU reference")
+    args = ap.parse_args()
+
+    ref = Native(args.build / "libedgemem_reference.so")
+    if args.cpu_self_test:
+        h = Harness(ref, ref, torch.device("cpu"), [torch.float32])
+        device_name, args.no_timing = "CPU reference (self-test)", True
+    else:
+        if not torch.cuda.is_available():
+            print("error: PyTorch sees no CUDA device", file=sys.stderr)
+            return 2
+        h = Harness(Native(args.build / "libedgemem_kernels.so"), ref, torch.device("cuda"),
+                    [torch.float32, torch.float16])
+        device_name = torch.cuda.get_device_name()
+    t0 = time.time()
+    for check in (check_linear_attention, check_window_attention, check_banded_attention, check_neural_memory):
+        try:
+            check(h, args.quick)
+        except NativeError as e:
+            h.errors.append(f"{check.__name__}: {e}")
+    if h.device.type == "cuda":
+        torch.cuda.synchronize()
+    timings = []
+    if not args.no_timing:
+        peak = h.dev.lib.em_cuda_peak_bandwidth_gbs
+        peak.restype = __import__("ctypes").c_double
+        timings = time_decode(h, peak(torch.cuda.current_device()))
+    text = report(h, timings, device_name, time.time() - t0)
+    print(text)
+    if args.report:
+        args.report.write_text(text)
+    return 0 if all(r.ok for r in h.rows) and not h.errors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

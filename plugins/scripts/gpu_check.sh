@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# One command, one report: the edgemem CUDA kernels on this machine's GPU.
+#
+#   plugins/scripts/gpu_check.sh [BUILD_DIR]
+#
+# Needs an NVIDIA GPU with its driver, nvcc, CMake >= 3.25, and a Python with PyTorch (CUDA build)
+# and edgemem importable (e.g. the repository's virtual environment: PYTHON=.venv/bin/python).
+# TensorRT is not needed. Steps:
+#   1. builds plugins/ for this GPU's architecture (CUDA_ARCH=87 etc. to override);
+#   2. gpu_check.py: every op, float32 and float16 I/O, odd shapes, in-place state, step-by-step
+#      vs prefill, against edgemem.ops (float64) and the CPU reference; decode timing against
+#      the memory-bandwidth floor;
+#   3. compute-sanitizer memcheck and racecheck over the quick case set (skipped with a note if
+#      compute-sanitizer is not installed);
+# and writes BUILD_DIR/gpu_check_report.md. Exit status 0 only if every step passed.
+set -uo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+plugins=$(dirname "$here")
+repo=$(dirname "$plugins")
+build=${1:-$repo/build/gpu_check}
+python=${PYTHON:-python3}
+report=$build/gpu_check_report.md
+status=0
+
+note() { printf '\n== %s\n' "$*"; }
+
+# the GPU as PyTorch sees it (works on Jetson, which has no nvidia-smi)
+cap=$("$python" -c 'import torch; assert torch.cuda.is_available(); print("%d%d" % torch.cuda.get_device_capability())' 2>/dev/null)
+if [ -z "$cap" ]; then
+    echo "error: $python sees no CUDA GPU (needs PyTorch built with CUDA and a working driver)" >&2
+    exit 2
+fi
+arch=${CUDA_ARCH:-$cap}
+
+note "build (sm_$arch) in $build"
+mkdir -p "$build"
+if ! cmake -S "$plugins" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$arch" \
+        -DEDGEMEM_BUILD_TRT=OFF >"$build/configure.log" 2>&1 \
+   || ! cmake --build "$build" -j "$(nproc)" >"$build/build.log" 2>&1; then
+    tail -n 40 "$build/configure.log" "$build/build.log" >&2
+    echo "error: build failed (logs in $build)" >&2
+    exit 1
+fi
+grep -h -E "Compiling entry|Used|spill" "$build"/ptxas/*.log >"$build/ptxas_summary.txt" || true
+
+note "numerics and timing"
+"$python" "$here/gpu_check.py" --build "$build" --report "$report"
+rc=$?
+if [ $rc -ne 0 ]; then status=1; echo "gpu_check.py: FAILED (exit $rc)"; fi
+
+sanitizer=$(command -v compute-sanitizer || true)
+if [ -z "$sanitizer" ] && [ -x /usr/local/cuda/bin/compute-sanitizer ]; then sanitizer=/usr/local/cuda/bin/compute-sanitizer; fi
+{
+    echo
+    echo "## compute-sanitizer"
+    echo
+} >>"$report"
+if [ -z "$sanitizer" ]; then
+    echo "compute-sanitizer not found: memcheck and racecheck skipped" | tee -a "$report"
+else
+    for tool in memcheck racecheck; do
+        note "compute-sanitizer --tool $tool"
+        log=$build/sanitizer_$tool.log
+        # only the edgemem kernels (their mangled names contain "edgemem"), not PyTorch's
+        "$sanitizer" --tool "$tool" --error-exitcode 99 --kernel-name kns=edgemem \
+            "$python" "$here/gpu_check.py" --build "$build" --quick --no-timing >"$log" 2>&1
+        rc=$?
+        if grep -q -i -E "unrecognized option|invalid (value|option)|unknown option" "$log"; then
+            # an older compute-sanitizer without kernel filters: check every kernel
+            "$sanitizer" --tool "$tool" --error-exitcode 99 \
+                "$python" "$here/gpu_check.py" --build "$build" --quick --no-timing >"$log" 2>&1
+            rc=$?
+        fi
+        summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$log" | tail -n1)
+        if [ $rc -eq 0 ]; then
+            echo "- $tool: clean (${summary:-no summary line})" | tee -a "$report"
+        else
+            status=1
+            echo "- $tool: FAILED, exit $rc (${summary:-see log}); log: $log" | tee -a "$report"
+            grep -m 20 -E "=========" "$log" >&2 || true
+        fi
+    done
+fi
+
+note "report: $report"
+if [ $status -eq 0 ]; then echo "gpu_check: all passed"; else echo "gpu_check: FAILURES (see $report)"; fi
+exit $status

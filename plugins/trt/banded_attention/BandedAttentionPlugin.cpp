@@ -1,0 +1,205 @@
+#include "BandedAttentionPlugin.h"
+
+#include "launch.h"
+
+#include <algorithm>
+#include <cmath>
+
+using namespace nvinfer1;
+
+namespace edgemem
+{
+namespace trt
+{
+
+namespace
+{
+enum : int32_t
+{
+    kQuery,
+    kKey,
+    kValue,
+    kGlobalMask,
+    kPersistentKey,
+    kPersistentValue,
+    kInputs
+};
+constexpr int32_t kOutput = kInputs;
+} // namespace
+
+std::vector<FieldSpec> BandedAttentionPlugin::fieldSpecs()
+{
+    return {
+        {"num_heads", FieldKind::kInt, true},
+        {"window", FieldKind::kInt, true},
+        {"dilation", FieldKind::kInts, false},
+        {"causal", FieldKind::kInt, false},
+        {"scale", FieldKind::kFloat, false},
+    };
+}
+
+BandedAttentionPlugin::BandedAttentionPlugin(std::string layer, Attributes const& a)
+    : PluginBase(std::move(layer))
+    , mHeads(a.getInt("num_heads", 0))
+    , mWindow(a.getInt("window", 0))
+    , mDilation(a.getInts("dilation"))
+    , mCausal(a.getInt("causal", 0))
+    , mScale(a.getFloat("scale", 0.0f))
+{
+    if (mDilation.empty() && mHeads > 0)
+        mDilation.assign(size_t(mHeads), 1);
+}
+
+BandedAttentionPlugin* BandedAttentionPlugin::create(char const* layer, Attributes const& a)
+{
+    auto* p = new BandedAttentionPlugin(layer, a);
+    std::string why;
+    if (p->mHeads <= 0 || p->mWindow < 1)
+        why = "num_heads must be positive and window >= 1";
+    else if (int32_t(p->mDilation.size()) != p->mHeads
+        || *std::min_element(p->mDilation.begin(), p->mDilation.end()) < 1)
+        why = "dilation must hold one positive int per head";
+    else if (p->mCausal != 0 && p->mCausal != 1)
+        why = "causal must be 0 or 1";
+    else if (p->mHeads > 128)
+        why = "more than 128 heads is not supported";
+    if (!why.empty())
+    {
+        log(ILogger::Severity::kERROR, kName, layer, why);
+        delete p;
+        return nullptr;
+    }
+    return p;
+}
+
+IPluginV3* BandedAttentionPlugin::clone() noexcept
+{
+    try
+    {
+        return new BandedAttentionPlugin(*this);
+    }
+    catch (...)
+    {
+        error("clone failed");
+    }
+    return nullptr;
+}
+
+void BandedAttentionPlugin::writeAttributes(Attributes& out) const
+{
+    out.setInt("num_heads", mHeads);
+    out.setInt("window", mWindow);
+    out.setInts("dilation", mDilation);
+    out.setInt("causal", mCausal);
+    out.setFloat("scale", mScale);
+}
+
+int32_t BandedAttentionPlugin::getOutputDataTypes(
+    DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes, int32_t nbInputs) const noexcept
+{
+    if (nbInputs != kInputs || nbOutputs != 1)
+        return -1;
+    outputTypes[0] = inputTypes[kQuery];
+    return 0;
+}
+
+int32_t BandedAttentionPlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbInputs, DimsExprs const*, int32_t,
+    DimsExprs* outputs, int32_t nbOutputs, IExprBuilder&) noexcept
+{
+    if (nbInputs != kInputs || nbOutputs != 1 || inputs[kQuery].nbDims != 3 || inputs[kValue].nbDims != 3)
+    {
+        error("expected query, key, value [B, T, H*D]");
+        return -1;
+    }
+    outputs[0].nbDims = 3;
+    outputs[0].d[0] = inputs[kQuery].d[0];
+    outputs[0].d[1] = inputs[kQuery].d[1];
+    outputs[0].d[2] = inputs[kValue].d[2];
+    return 0;
+}
+
+bool BandedAttentionPlugin::supportsFormatCombination(
+    int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
+{
+    if (nbInputs != kInputs || nbOutputs != 1 || pos < 0 || pos > kOutput)
+        return false;
+    PluginTensorDesc const& d = inOut[pos].desc;
+    if (!isLinear(d))
+        return false;
+    switch (pos)
+    {
+    case kQuery:
+    case kPersistentKey: return isFloatType(d.type);
+    case kGlobalMask: return d.type == DataType::kBOOL;
+    case kPersistentValue: return d.type == inOut[kPersistentKey].desc.type;
+    default: return d.type == inOut[kQuery].desc.type; // key, value, output
+    }
+}
+
+std::string BandedAttentionPlugin::checkShapes(PluginTensorDesc const* in, int32_t) const
+{
+    Dims const& q = in[kQuery].dims;
+    Dims const& k = in[kKey].dims;
+    Dims const& v = in[kValue].dims;
+    Dims const& g = in[kGlobalMask].dims;
+    Dims const& pk = in[kPersistentKey].dims;
+    Dims const& pv = in[kPersistentValue].dims;
+    if (q.nbDims != 3 || k.nbDims != 3 || v.nbDims != 3 || g.nbDims != 2 || pk.nbDims != 4 || pv.nbDims != 4)
+        return "expected query/key/value rank 3, global_mask rank 2, persistent rank 4";
+    if (q.d[2] % mHeads != 0 || v.d[2] % mHeads != 0 || k.d[2] != q.d[2])
+        return "query/key/value widths must divide by num_heads and key must match query";
+    if (k.d[0] != q.d[0] || k.d[1] != q.d[1] || v.d[0] != q.d[0] || v.d[1] != q.d[1] || g.d[0] != q.d[0]
+        || g.d[1] != q.d[1])
+        return "key, value and global_mask must share query's [B, T]";
+    int64_t const d = q.d[2] / mHeads;
+    int64_t const dv = v.d[2] / mHeads;
+    if (pk.d[0] != q.d[0] || pk.d[1] != mHeads || pk.d[3] != d || pv.d[0] != q.d[0] || pv.d[1] != mHeads
+        || pv.d[2] != pk.d[2] || pv.d[3] != dv)
+        return "persistent_key/value must be [B, H, P, D] and [B, H, P, D_v]";
+    if (d > kMaxHeadDim || dv > kMaxHeadDim)
+        return "head dims above " + std::to_string(kMaxHeadDim) + " are not supported";
+    return {};
+}
+
+int32_t BandedAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const*,
+    void const* const* inputs, void* const* outputs, void*, cudaStream_t stream) noexcept
+{
+    try
+    {
+        std::string const why = checkShapes(inputDesc, kInputs);
+        if (!why.empty())
+        {
+            error(why);
+            return -1;
+        }
+        Dims const& q = inputDesc[kQuery].dims;
+        attn::BandedParams p{};
+        p.batch = int32_t(q.d[0]);
+        p.seq = int32_t(q.d[1]);
+        p.heads = mHeads;
+        p.d = int32_t(q.d[2] / mHeads);
+        p.dv = int32_t(inputDesc[kValue].dims.d[2] / mHeads);
+        p.window = mWindow;
+        p.causal = mCausal;
+        p.persistent = int32_t(inputDesc[kPersistentKey].dims.d[2]);
+        p.scale = mScale != 0.0f ? mScale : 1.0f / std::sqrt(float(p.d));
+        BandedAttentionIO io{};
+        io.query = inputs[kQuery];
+        io.key = inputs[kKey];
+        io.value = inputs[kValue];
+        io.global_mask = static_cast<bool const*>(inputs[kGlobalMask]);
+        io.persistent_key = inputs[kPersistentKey];
+        io.persistent_value = inputs[kPersistentValue];
+        io.output = outputs[0];
+        return status(cuda::bandedAttention(p, mDilation.data(), io, DType(dtypeOf(inputDesc[kQuery].type)),
+            DType(dtypeOf(inputDesc[kPersistentKey].type)), stream));
+    }
+    catch (std::exception const& e)
+    {
+        error(e.what());
+    }
+    return -1;
+}
+
+} // namespace trt
+} // namespace edgemem

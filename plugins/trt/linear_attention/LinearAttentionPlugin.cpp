@@ -1,0 +1,203 @@
+#include "LinearAttentionPlugin.h"
+
+#include "launch.h"
+
+#include <cmath>
+
+using namespace nvinfer1;
+
+namespace edgemem
+{
+namespace trt
+{
+
+namespace
+{
+// inputs
+enum : int32_t
+{
+    kQuery,
+    kKey,
+    kValue,
+    kPastState,
+    kDecay,
+    kBeta,
+    kInputs
+};
+char const* const kRules[] = {"linear", "gated", "delta", "gated_delta"};
+} // namespace
+
+std::vector<FieldSpec> LinearAttentionPlugin::fieldSpecs()
+{
+    return {
+        {"update_rule", FieldKind::kString, false},
+        {"scale", FieldKind::kFloat, false},
+        {"q_num_heads", FieldKind::kInt, true},
+        {"kv_num_heads", FieldKind::kInt, true},
+        {"chunk_size", FieldKind::kInt, false},
+    };
+}
+
+LinearAttentionPlugin* LinearAttentionPlugin::create(char const* layer, Attributes const& a)
+{
+    std::string const rule_name = a.getString("update_rule", "gated_delta"); // ONNX opset-27 default
+    int32_t rule = -1;
+    for (int32_t r = 0; r < 4; ++r)
+        if (rule_name == kRules[r])
+            rule = r;
+    int32_t const hq = a.getInt("q_num_heads", 0);
+    int32_t const hkv = a.getInt("kv_num_heads", 0);
+    std::string why;
+    if (rule < 0)
+        why = "update_rule must be linear, gated, delta or gated_delta; got '" + rule_name + "'";
+    else if (hq <= 0 || hkv <= 0 || hq % hkv != 0)
+        why = "q_num_heads (" + std::to_string(hq) + ") must be a positive multiple of kv_num_heads (" + std::to_string(hkv) + ")";
+    if (!why.empty())
+    {
+        log(ILogger::Severity::kERROR, kName, layer, why);
+        return nullptr;
+    }
+    return new LinearAttentionPlugin(layer, rule, a.getFloat("scale", 0.0f), hq, hkv, a.getInt("chunk_size", 64));
+}
+
+IPluginV3* LinearAttentionPlugin::clone() noexcept
+{
+    try
+    {
+        return new LinearAttentionPlugin(mLayer, mRule, mScale, mQHeads, mKvHeads, mChunk);
+    }
+    catch (...)
+    {
+        error("clone failed");
+    }
+    return nullptr;
+}
+
+void LinearAttentionPlugin::writeAttributes(Attributes& out) const
+{
+    out.setString("update_rule", kRules[mRule]);
+    out.setFloat("scale", mScale);
+    out.setInt("q_num_heads", mQHeads);
+    out.setInt("kv_num_heads", mKvHeads);
+    out.setInt("chunk_size", mChunk);
+}
+
+int32_t LinearAttentionPlugin::getOutputDataTypes(
+    DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes, int32_t nbInputs) const noexcept
+{
+    if (nbInputs != kInputs || nbOutputs != 2)
+        return -1;
+    outputTypes[0] = inputTypes[kQuery];
+    outputTypes[1] = DataType::kFLOAT;
+    return 0;
+}
+
+int32_t LinearAttentionPlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbInputs, DimsExprs const*, int32_t,
+    DimsExprs* outputs, int32_t nbOutputs, IExprBuilder& eb) noexcept
+{
+    if (nbInputs != kInputs || nbOutputs != 2 || inputs[kQuery].nbDims != 3 || inputs[kValue].nbDims != 3
+        || inputs[kPastState].nbDims != 4)
+    {
+        error("expected query, key, value [B, T, H*D] and past_state [B, H_kv, d_k, d_v]");
+        return -1;
+    }
+    // output [B, T, H_q * d_v] with d_v = value width / H_kv
+    auto const* dv = eb.operation(DimensionOperation::kFLOOR_DIV, *inputs[kValue].d[2], *eb.constant(mKvHeads));
+    outputs[0].nbDims = 3;
+    outputs[0].d[0] = inputs[kQuery].d[0];
+    outputs[0].d[1] = inputs[kQuery].d[1];
+    outputs[0].d[2] = eb.operation(DimensionOperation::kPROD, *dv, *eb.constant(mQHeads));
+    outputs[1] = inputs[kPastState];
+    return 0;
+}
+
+bool LinearAttentionPlugin::supportsFormatCombination(
+    int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
+{
+    if (nbInputs != kInputs || nbOutputs != 2 || pos < 0 || pos >= kInputs + 2)
+        return false;
+    PluginTensorDesc const& d = inOut[pos].desc;
+    if (!isLinear(d))
+        return false;
+    switch (pos)
+    {
+    case kQuery: return isFloatType(d.type);
+    case kPastState:
+    case kInputs + 1: return d.type == DataType::kFLOAT; // state is float32
+    default: return d.type == inOut[kQuery].desc.type;  // key, value, decay, beta, output
+    }
+}
+
+std::string LinearAttentionPlugin::checkShapes(PluginTensorDesc const* in, int32_t) const
+{
+    Dims const& q = in[kQuery].dims;
+    Dims const& k = in[kKey].dims;
+    Dims const& v = in[kValue].dims;
+    Dims const& s = in[kPastState].dims;
+    Dims const& g = in[kDecay].dims;
+    Dims const& b = in[kBeta].dims;
+    if (q.nbDims != 3 || k.nbDims != 3 || v.nbDims != 3 || s.nbDims != 4 || g.nbDims != 3 || b.nbDims != 3)
+        return "query/key/value/decay/beta must be rank 3 and past_state rank 4";
+    if (q.d[2] % mQHeads != 0 || v.d[2] % mKvHeads != 0)
+        return "query/value widths must divide by their head counts";
+    int64_t const dk = q.d[2] / mQHeads;
+    int64_t const dv = v.d[2] / mKvHeads;
+    for (Dims const* x : {&k, &v, &g, &b})
+        if (x->d[0] != q.d[0] || x->d[1] != q.d[1])
+            return "key/value/decay/beta must share query's [B, T]";
+    if (k.d[2] != mKvHeads * dk)
+        return "key width must be kv_num_heads * d_k";
+    if (s.d[0] != q.d[0] || s.d[1] != mKvHeads || s.d[2] != dk || s.d[3] != dv)
+        return "past_state must be [B, kv_num_heads, d_k, d_v]";
+    if (g.d[2] != mKvHeads && g.d[2] != mKvHeads * dk)
+        return "decay must be [B, T, H_kv] or [B, T, H_kv*d_k]";
+    if (b.d[2] != mKvHeads && b.d[2] != 1)
+        return "beta must be [B, T, H_kv] or [B, T, 1]";
+    if (dk > kMaxHeadDim)
+        return "d_k above " + std::to_string(kMaxHeadDim) + " is not supported";
+    return {};
+}
+
+int32_t LinearAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const*,
+    void const* const* inputs, void* const* outputs, void*, cudaStream_t stream) noexcept
+{
+    try
+    {
+        std::string const why = checkShapes(inputDesc, kInputs);
+        if (!why.empty())
+        {
+            error(why);
+            return -1;
+        }
+        Dims const& q = inputDesc[kQuery].dims;
+        la::Params p{};
+        p.batch = int32_t(q.d[0]);
+        p.seq = int32_t(q.d[1]);
+        p.q_heads = mQHeads;
+        p.kv_heads = mKvHeads;
+        p.dk = int32_t(q.d[2] / mQHeads);
+        p.dv = int32_t(inputDesc[kValue].dims.d[2] / mKvHeads);
+        p.rule = mRule;
+        p.scale = mScale != 0.0f ? mScale : 1.0f / std::sqrt(float(p.dk));
+        p.decay_per_key = inputDesc[kDecay].dims.d[2] == int64_t(mKvHeads) * p.dk && p.dk > 1;
+        p.beta_per_head = inputDesc[kBeta].dims.d[2] == mKvHeads;
+        LinearAttentionIO io{};
+        io.query = inputs[kQuery];
+        io.key = inputs[kKey];
+        io.value = inputs[kValue];
+        io.past_state = static_cast<float const*>(inputs[kPastState]);
+        io.decay = inputs[kDecay];
+        io.beta = inputs[kBeta];
+        io.output = outputs[0];
+        io.present_state = static_cast<float*>(outputs[1]);
+        return status(cuda::linearAttention(p, io, DType(dtypeOf(inputDesc[kQuery].type)), stream));
+    }
+    catch (std::exception const& e)
+    {
+        error(e.what());
+    }
+    return -1;
+}
+
+} // namespace trt
+} // namespace edgemem

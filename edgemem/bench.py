@@ -55,11 +55,15 @@ def main() -> None:
     parser.add_argument("--arch", action="append", choices=archs(), help="preset (repeatable; default: all)")
     parser.add_argument("--positions", default="0,1000", help="comma-separated positions to step at")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--json", help="save the rows to this file")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     info = {"torch": torch.__version__, "threads": torch.get_num_threads()}
     print(f"PyTorch eager step, batch 1, fp32, {info['threads']} threads, torch {info['torch']}")
-    rows = run(args.arch or archs(), [int(p) for p in args.positions.split(",")], args.steps)
+    streaming = [a for a in (args.arch or archs()) if build(a, seed=0).streaming]  # an encoder has no step
+    rows = run(streaming, [int(p) for p in args.positions.split(",")], args.steps)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"environment": info, "rows": rows}, f, indent=2)

@@ -172,3 +172,16 @@ def test_encoder_preset_is_bidirectional_and_has_no_step():
     assert (diff[:, 13:18] > 0).all()  # inside the window
     with pytest.raises(EdgememError, match="bidirectional: it has no step"):
         model.step(tokens[:, 0], model.init_state(2))
+
+
+def test_short_conv_is_a_causal_depthwise_convolution():
+    from edgemem.layers.common import ShortConv
+
+    torch.manual_seed(0)
+    conv = ShortConv(6, 4).double()
+    x = torch.randn(2, 9, 6, dtype=torch.float64)
+    y, state = conv(x, conv.init_state(2, None, torch.float64))
+    padded = torch.nn.functional.pad(x.transpose(1, 2), (3, 0))
+    expected = torch.nn.functional.silu(torch.nn.functional.conv1d(padded, conv.weight, groups=6)).transpose(1, 2)
+    torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(state, x[:, -3:].transpose(1, 2))

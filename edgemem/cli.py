@@ -128,9 +128,12 @@ def export_command(arch, out_dir, targets, seed, checkpoint, overrides, dtype, f
     with console.status(f"exporting {model.config.arch}"):
         manifest = export(model, out_dir, targets=[t.strip() for t in targets.split(",") if t.strip()],
                           dtype=dtype, force=force, extra_config=extra)
-    state = sum(_numel(s.shape) * (8 if s.dtype in ("int64", "float64") else 4) for s in manifest.state)
+    itemsize = {"int64": 8, "float64": 8, "float16": 2}
+    fixed = sum(_numel(s.shape) * itemsize.get(s.dtype, 4) for s in manifest.state if "past_sequence" not in s.shape)
+    growth = sum(_numel(s.shape) * itemsize.get(s.dtype, 4) for s in manifest.state if "past_sequence" in s.shape)
+    size = f"{_size(fixed)} per stream" + (f" + {_size(growth)} per token" if growth else "")
     click.echo(f"exported {manifest.arch} to {out_dir}: {', '.join(manifest.targets)}; "
-               f"{len(manifest.state)} state tensors, {_size(state)} per stream")
+               f"{len(manifest.state)} state tensors, {size}")
 
 
 def _numel(shape) -> int:
@@ -205,7 +208,8 @@ def run_command(directory, prompt, max_new_tokens, load_state, save_state, tempe
     out = sys.stdout.buffer  # bytes, not text: a byte-level model's output need not be UTF-8
     tokens, start = 0, time.perf_counter()
     try:
-        for token in stream.generate_iter(prompt.encode(), max_new_tokens, temperature, top_k, top_p, seed):
+        prompt_bytes = prompt.encode("utf-8", "surrogateescape")  # raw bytes from the command line survive
+        for token in stream.generate_iter(prompt_bytes, max_new_tokens, temperature, top_k, top_p, seed):
             out.write(bytes((token,)))
             out.flush()
             tokens += 1
@@ -288,3 +292,22 @@ def bench_command(directory, positions, batches, steps, time_limit, threads, tar
     if plot_path:
         bench.plot(result, plot_path)
         click.echo(f"wrote {plot_path}", err=True)
+
+
+@main.command("build")
+@click.argument("directory", type=click.Path(file_okay=False, exists=True))
+@click.option("--fp16", is_flag=True, help="Let TensorRT use FP16 kernels (state stays FP32).")
+@click.option("--plugins", "plugins", type=click.Path(dir_okay=False),
+              help="libedgemem_trt_plugins.so built for this TensorRT major (default: $EDGEMEM_TRT_PLUGINS).")
+@click.option("--max-batch", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Largest batch (streams) of the optimisation profile.")
+@click.option("--max-sequence", default=2048, show_default=True, type=click.IntRange(min=1),
+              help="Longest prompt of the prefill profile.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Engine directory (default: DIRECTORY/engines).")
+def build_command(directory, fp16, plugins, max_batch, max_sequence, out_dir) -> None:
+    """Build TensorRT engines from an export's trt target (needs TensorRT and an NVIDIA GPU)."""
+    from edgemem.trt_build import build_engines
+
+    paths = build_engines(directory, fp16=fp16, plugins=plugins, max_batch=max_batch, max_sequence=max_sequence,
+                          out=out_dir)
+    click.echo(f"built {len(paths)} engine(s): {', '.join(str(p) for p in paths)}")

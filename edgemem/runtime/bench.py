@@ -4,7 +4,7 @@ For every position p (ascending) one stream is brought to p by prefilling random
 with the prefill graph (stepping 100k tokens one by one would take minutes; without a prefill
 graph, e.g. titans-mac, it is stepped), then forked into `batch` streams whose steps are timed
 (`stream.step` at batch 1, `engine.step_batch` above). Reported per configuration: µs per token
-and tokens/s (median step time), state bytes per stream and the process RSS.
+and tokens/s (median step time), state bytes per stream at the position and the process RSS.
 
 Two baselines in the same run:
 - PyTorch eager `step` of the same model (rebuilt from the manifest), started from exactly the
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from edgemem.runtime.engine import Engine, Stream
+from edgemem.runtime.engine import Engine
 
 Progress = Callable[[str], None]
 
@@ -116,22 +116,15 @@ def run(
             if why:
                 row["skipped"] = why
                 continue
-            streams = [base.fork() for _ in range(batch)]
-            tokens = rng.integers(0, engine.vocab_size, (max(steps, 3) + warmup, batch))
-            if batch == 1:
-                stream = streams[0]
-                seconds, n = _time_steps(lambda i: stream.step(int(tokens[i, 0])), steps, warmup, time_limit)
-            else:
-                seconds, n = _time_steps(lambda i: engine.step_batch(streams, tokens[i]), steps, warmup, time_limit)
+            seconds, n, state_bytes, rss = _time_runtime(engine, base, batch, rng, steps, warmup, time_limit)
             row.update(
                 timed_steps=n,
                 us_per_step=round(seconds * 1e6, 1),
                 us_per_token=round(seconds * 1e6 / batch, 2),
                 tokens_per_s=round(batch / seconds, 1),
-                state_bytes=streams[0].state_bytes,
-                rss_bytes=rss_bytes(),
+                state_bytes=state_bytes,
+                rss_bytes=rss,
             )
-            del streams
     runtime_rss = max((r.get("rss_bytes", 0) for r in rows), default=0)
     del base
     model_info: dict[str, Any] = {
@@ -147,6 +140,20 @@ def run(
         "load_avg_after": os.getloadavg() if hasattr(os, "getloadavg") else None, "runtime_peak_rss_bytes": runtime_rss,
     }
     return {"environment": environment, "model": model_info, "rows": rows}
+
+
+def _time_runtime(engine: Engine, base: Any, batch: int, rng: np.random.Generator, steps: int, warmup: int,
+                  time_limit: float) -> tuple[float, int, int, int]:
+    """`batch` forks of `base` stepped together: (median s per step, timed steps, state bytes, RSS while alive)."""
+    streams = [base.fork() for _ in range(batch)]
+    state_bytes = streams[0].state_bytes  # at the position itself, before the timed steps
+    tokens = rng.integers(0, engine.vocab_size, (max(steps, 3) + warmup, batch))
+    if batch == 1:
+        stream = streams[0]
+        seconds, n = _time_steps(lambda i: stream.step(int(tokens[i, 0])), steps, warmup, time_limit)
+    else:
+        seconds, n = _time_steps(lambda i: engine.step_batch(streams, tokens[i]), steps, warmup, time_limit)
+    return seconds, n, state_bytes, rss_bytes()
 
 
 def _eager(engine: Engine, rows: list[dict[str, Any]], checkpoints: dict[int, Path], steps: int, warmup: int,
@@ -173,6 +180,8 @@ def _eager(engine: Engine, rows: list[dict[str, Any]], checkpoints: dict[int, Pa
     )
     keys = {s.input: s.input.removeprefix("past_key_values.") for s in engine.manifest.state}
     rng = np.random.default_rng(seed + 1)
+    with torch.inference_mode():  # first calls initialise torch's kernels: keep them out of the first row
+        _time_eager(model, model.init_state(1), torch.zeros(20, 1, dtype=torch.long), 15, 5, time_limit)
     for row in rows:
         row["softmax_kv_bytes"] = softmax["state_bytes_per_token"] * row["position"]
         if "skipped" in row:
@@ -183,17 +192,20 @@ def _eager(engine: Engine, rows: list[dict[str, Any]], checkpoints: dict[int, Pa
         state = {keys[name]: torch.from_numpy(a).expand(batch, *a.shape[1:]).contiguous()
                  for name, a in checkpoint.state.items()}
         tokens = torch.from_numpy(rng.integers(0, engine.vocab_size, (max(steps, 3) + warmup, batch)))
-
-        def step(i: int) -> None:
-            nonlocal state
-            _, state = model.step(tokens[i], state)
-
         with torch.inference_mode():
-            seconds, _ = _time_steps(step, steps, warmup, time_limit)
+            seconds = _time_eager(model, state, tokens, steps, warmup, time_limit)
         del state
         row["eager_us_per_token"] = round(seconds * 1e6 / batch, 2)
         row["eager_tokens_per_s"] = round(batch / seconds, 1)
         row["speedup_vs_eager"] = round(row["eager_us_per_token"] / row["us_per_token"], 2)
+
+
+def _time_eager(model: Any, state: dict[str, Any], tokens: Any, steps: int, warmup: int, time_limit: float) -> float:
+    def step(i: int) -> None:
+        nonlocal state
+        _, state = model.step(tokens[i], state)
+
+    return _time_steps(step, steps, warmup, time_limit)[0]
 
 
 def plot(result: dict[str, Any], path: str | Path) -> None:
@@ -217,7 +229,7 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
     one = sorted((r for r in rows if r["batch"] == min(r["batch"] for r in rows)), key=lambda r: r["position"])
     x = [r["position"] for r in one]
     right.plot(x, [r["state_bytes"] for r in one], "o-", label="state per stream (runtime)")
-    right.plot(x, [r["rss_bytes"] for r in one], "^-", label="process RSS (runtime)")
+    right.plot(x, [r["rss_bytes"] for r in one], "^-", label="process RSS (whole bench process)")
     if all("softmax_kv_bytes" in r for r in one):
         right.plot(x, [r["softmax_kv_bytes"] for r in one], "s--", label="softmax KV cache (same width)")
     right.set(xscale="log", yscale="log", xlabel="position (tokens)", ylabel="bytes", title="memory")

@@ -15,16 +15,23 @@ Growing state (a dim named "past_sequence": the softmax preset's KV cache). The 
 pre-allocated buffer. Here each step binds the current caches as inputs and leaves the cache
 outputs unallocated: onnxruntime allocates the new caches, which become the stream's state, and
 the old ones are freed when the step returns (a fresh binding per step, so no binding keeps an old
-cache alive). Cost: O(position) time and a transient 2× cache per step, which is the point of
-the comparison — recurrent presets do not grow.
+cache alive). onnxruntime's CPU arena is off for such models: it keeps its high-water mark and
+fragments on ever-larger requests, without bound. Cost: O(position) time, fresh pages and a
+transient 2× cache per step, which is the point of the comparison — recurrent presets do not grow.
 
-Batching (`Engine.step_batch`). Each stream keeps its own batch-1 state; a batched step gathers
-the streams' states into [n, ...] buffers, runs the step graph once and scatters the new states
-back into each stream's current buffers (2 × state bytes of copies per stream, no allocation:
-the [n, ...] buffers and their binding are kept for the last few batch sizes). Streams may be at
-different positions: every row carries its own state (Titans and Longformer keep a per-row
-position tensor). For growing state, rows must have KV caches of equal length (a rectangular
-tensor), else `BatchError`.
+Batching (`Engine.step_batch`). A batch slot per batch size n (the last few sizes are kept) holds
+[n, ...] state sides A and B with two pre-built bindings, the batch-level form of the same
+ping-pong. The first batched step of a set of streams copies their states into rows of the slot
+(gather); from then on their fixed-size state lives there, and stepping the same streams in the
+same order again runs the other binding with no copy at all. A stream used on its own again
+(step, prefill, reset) first copies its row back (`Stream._sync`); reads (save, fork, state_dict)
+view the row; a slot gives its members their rows back before it takes other streams or is
+dropped. Streams may be at different positions: every row carries its own state (Titans and
+Longformer keep a per-row position tensor). For growing state, rows must have KV caches of equal
+length (a rectangular tensor), else `BatchError`; the new [n, ...] caches are not copied out:
+each stream keeps a view of its row (`_Row`), the same streams batched again reuse the batch's
+output as input, and a stream stepped alone binds its row by address. A batch's caches are freed
+once every stream of it has moved on (stepped alone or in another batch, reset, or deleted).
 
 Prefill runs the prefill graph in chunks (`chunk_size` tokens per run, 512 by default) so that
 activations and logits stay bounded whatever the prompt length; prefilling in chunks equals
@@ -38,6 +45,7 @@ from __future__ import annotations
 
 import operator
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -98,7 +106,22 @@ class _Memory:
         return value
 
 
-def _first_line(e: BaseException) -> str:
+class _Row:
+    """Row `index` of a batched KV-cache tensor: a stream's cache after `step_batch`, not copied out."""
+
+    __slots__ = ("index", "rows", "value")
+
+    def __init__(self, value: ort.OrtValue, index: int, rows: int):
+        self.value, self.index, self.rows = value, index, rows
+
+    def shape(self) -> list[int]:
+        return [1, *self.value.shape()[1:]]
+
+    def nbytes(self) -> int:
+        return self.value.tensor_size_in_bytes() // self.rows
+
+
+def _summary(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[-1] if text else type(e).__name__
 
@@ -128,18 +151,18 @@ class Engine:
         self._growth = sum(  # bytes per token of the KV caches
             int(np.prod(concrete_shape(s, 1, 1))) * np.dtype(s.dtype).itemsize for s in self._growing
         )
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads or 0
-        options.inter_op_num_threads = 1
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        options.log_severity_level = 3
-        self._sessions = {kind: self._session(kind, options) for kind in ("step", "prefill")
-                          if manifest.graphs.get(kind)}
+        # A growing cache asks for larger tensors at every step and chunk. onnxruntime's CPU arena keeps
+        # its high-water mark and fragments on ever-larger requests (prefilling in chunks to 100k tokens
+        # grew it past 24 GB; with arena shrinkage, RSS still rose ~10x faster than the cache). Such
+        # models allocate from the system instead: memory follows the cache, at the price of fresh
+        # pages for every new cache (at 100k tokens a step takes ~2.8x longer than with the arena).
+        self._sessions = {kind: self._session(kind, self._options(arena=not self.grows))
+                          for kind in ("step", "prefill") if manifest.graphs.get(kind)}
         self._step_session = self._sessions["step"]
         logits = next(o for o in self._step_session.get_outputs() if o.name == manifest.outputs["logits"])
         self.logits_dtype = np.dtype(_ORT_TYPES.get(logits.type, np.float32))
         self._batch_slots: OrderedDict[int, _BatchSlot] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: a slot gives states back while a batch holds it
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -179,6 +202,15 @@ class Engine:
             )
         return cls(directory, manifest, backend, target, threads, chunk_size)
 
+    def _options(self, arena: bool) -> ort.SessionOptions:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = self.threads or 0
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.log_severity_level = 3
+        options.enable_cpu_mem_arena = arena
+        return options
+
     def _session(self, kind: str, options: ort.SessionOptions) -> ort.InferenceSession:
         path = self.directory / self.target / f"{kind}.onnx"
         providers: list[Any] = ["CPUExecutionProvider"]
@@ -186,8 +218,8 @@ class Engine:
             providers = [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
         try:
             session = ort.InferenceSession(str(path), options, providers=providers)
-        except Exception as e:  # onnxruntime's own exception types
-            raise BackendError(f"onnxruntime cannot load {path}: {_first_line(e)}") from None
+        except Exception as e:  # noqa: BLE001 — onnxruntime raises its own, varied exception types
+            raise BackendError(f"onnxruntime cannot load {path}: {_summary(e)}") from None
         if self.backend == "ort-cuda" and "CUDAExecutionProvider" not in session.get_providers():
             raise BackendError("onnxruntime's CUDAExecutionProvider failed to initialise (CUDA or cuDNN libraries "
                                "missing or no GPU visible); use backend 'ort'")
@@ -266,8 +298,8 @@ class Engine:
     def _run(self, kind: str, binding: ort.IOBinding) -> None:
         try:
             self._sessions[kind].run_with_iobinding(binding)
-        except Exception as e:
-            raise EdgememError(f"onnxruntime failed running the {kind} graph of {self.manifest.arch}: {_first_line(e)}") from None
+        except Exception as e:  # noqa: BLE001 — onnxruntime raises its own, varied exception types
+            raise EdgememError(f"onnxruntime failed running the {kind} graph of {self.manifest.arch}: {_summary(e)}") from None
 
     def step_batch(self, streams: Sequence[Stream], token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """One token for each stream in one run of the step graph; returns logits [n, V].
@@ -296,32 +328,23 @@ class Engine:
                 )
         with self._lock:
             slot = self._slot(n)
+            if not slot.holds(streams):
+                slot.adopt(streams)  # gather: the streams' states become the slot's rows
             slot.ids_view[:, 0] = tokens
-            memory = self._memory
-            for spec in self._fixed:  # gather
-                rows = [s._read(spec.input) for s in streams]
-                if memory.host:
-                    np.concatenate(rows, axis=0, out=slot.views[0][spec.input])
-                else:
-                    memory.write(slot.bufs[0][spec.input], np.concatenate(rows, axis=0))
-            binding = slot.binding
+            binding = slot.bindings[slot.side]
             if self.grows:
                 binding = self._step_session.io_binding()  # fresh: see the module docstring
-                slot.bind(binding, memory)
+                slot.bind(binding, slot.side)
                 for spec in self._growing:
-                    binding.bind_ortvalue_input(spec.input, memory.new(np.concatenate([s._read(spec.input) for s in streams])))
-                    binding.bind_output(spec.output, memory.device)
+                    binding.bind_ortvalue_input(spec.input, self._gather_cache(spec, streams))
+                    binding.bind_output(spec.output, self._memory.device)
             self._run("step", binding)
-            for spec in self._fixed:  # scatter into each stream's current buffers
-                out = slot.views[1][spec.input] if memory.host else memory.read(slot.bufs[1][spec.input])
-                for i, s in enumerate(streams):
-                    s._write(spec.input, out[i : i + 1])
+            slot.side ^= 1  # the members' states are now the other side's rows
             if self.grows:
                 outputs = dict(zip(slot.output_order + [s.output for s in self._growing], binding.get_outputs()))
-                for spec in self._growing:
-                    out = memory.read(outputs[spec.output])
+                for spec in self._growing:  # each stream views its row of the new cache
                     for i, s in enumerate(streams):
-                        s._grown[spec.input] = memory.new(out[i : i + 1])
+                        s._grown[spec.input] = _Row(outputs[spec.output], i, n)
             logits = slot.logits_view[:, 0].copy()
         for i, s in enumerate(streams):
             s._logits_view[0, 0] = logits[i]
@@ -329,12 +352,31 @@ class Engine:
             s._position += 1
         return logits
 
+    def _gather_cache(self, spec: Any, streams: list[Stream]) -> ort.OrtValue:
+        """The [n, ...] cache input: the previous batch's output itself when these streams are its rows in
+        order (the usual serving loop), else their caches copied into a new tensor."""
+        rows = [s._grown[spec.input] for s in streams]
+        first = rows[0]
+        if isinstance(first, _Row) and first.rows == len(rows) and all(
+            isinstance(r, _Row) and r.value is first.value and r.index == i for i, r in enumerate(rows)
+        ):
+            return first.value
+        memory = self._memory
+        shape = [len(rows), *rows[0].shape()[1:]]
+        if not memory.host:
+            return memory.new(np.concatenate([s._read(spec.input) for s in streams]))
+        value = memory.alloc(shape, spec.dtype)
+        view = value.numpy()
+        for i, s in enumerate(streams):
+            view[i] = s._read(spec.input)[0]
+        return value
+
     def _slot(self, n: int) -> _BatchSlot:
         slot = self._batch_slots.get(n)
         if slot is None:
             slot = self._batch_slots[n] = _BatchSlot(self, n)
             while len(self._batch_slots) > _BATCH_SLOTS:
-                self._batch_slots.popitem(last=False)
+                self._batch_slots.popitem(last=False)[1].release()
         else:
             self._batch_slots.move_to_end(n)
         return slot
@@ -351,30 +393,74 @@ class Engine:
 
 
 class _BatchSlot:
-    """[n, ...] state buffers A (gathered inputs) and B (outputs), token ids and logits, and their binding."""
+    """Batch-size-n buffers: state sides A and B [n, ...] with two bindings (A→B, B→A), token ids, logits.
+
+    The streams last batched here (`members`) keep their fixed-size state as rows of the current side:
+    batching the same streams again in the same order runs the other binding with no copy at all,
+    the batch-level form of a stream's ping-pong. A member that is used on its own (step, prefill,
+    reset) first copies its row back into its own buffers (`Stream._sync`); reads (save, fork) view
+    the row. Before the slot takes other streams, or is dropped, its members get their rows back.
+    """
 
     def __init__(self, engine: Engine, n: int):
         memory = engine._memory
+        self.engine, self.n, self.side = engine, n, 0
         self.bufs = [{s.input: memory.alloc(concrete_shape(s, n), s.dtype) for s in engine._fixed} for _ in range(2)]
-        self.views = [{k: v.numpy() for k, v in b.items()} for b in self.bufs] if memory.host else [{}, {}]
+        self.views = [{k: v.numpy() for k, v in b.items()} for b in self.bufs] if memory.host else None
         self.ids = ort.OrtValue.ortvalue_from_shape_and_type([n, 1], np.int64)
         self.ids_view = self.ids.numpy()
         self.ids_view.fill(0)
         self.logits = ort.OrtValue.ortvalue_from_shape_and_type([n, 1, engine.vocab_size], engine.logits_dtype)
         self.logits_view = self.logits.numpy()
-        self.engine = engine
-        self.output_order: list[str] = []
-        self.binding = engine._step_session.io_binding()
-        self.bind(self.binding, memory)
+        self.output_order = [engine.manifest.outputs["logits"], *(s.output for s in engine._fixed)]
+        self.bindings = []
+        for side in (0, 1):
+            binding = engine._step_session.io_binding()
+            self.bind(binding, side)
+            self.bindings.append(binding)
+        self.members: list[weakref.ref[Stream]] = []
 
-    def bind(self, binding: ort.IOBinding, memory: _Memory) -> None:
+    def bind(self, binding: ort.IOBinding, side: int) -> None:
         manifest = self.engine.manifest
         binding.bind_ortvalue_input(manifest.inputs["tokens"], self.ids)
         binding.bind_ortvalue_output(manifest.outputs["logits"], self.logits)
         for spec in self.engine._fixed:
-            binding.bind_ortvalue_input(spec.input, self.bufs[0][spec.input])
-            binding.bind_ortvalue_output(spec.output, self.bufs[1][spec.input])
-        self.output_order = [manifest.outputs["logits"], *(s.output for s in self.engine._fixed)]
+            binding.bind_ortvalue_input(spec.input, self.bufs[side][spec.input])
+            binding.bind_ortvalue_output(spec.output, self.bufs[1 - side][spec.input])
+
+    def row(self, name: str, index: int) -> np.ndarray:
+        """Row `index` of the current side: a view on the host."""
+        if self.views is not None:
+            return self.views[self.side][name][index : index + 1]
+        return self.engine._memory.read(self.bufs[self.side][name])[index : index + 1]
+
+    def holds(self, streams: list[Stream]) -> bool:
+        return len(self.members) == len(streams) and all(
+            s._batch_slot is self and s._row == i for i, s in enumerate(streams)
+        )
+
+    def adopt(self, streams: list[Stream]) -> None:
+        """Copy the streams' states into the current side's rows and make them the members."""
+        self.release()
+        memory = self.engine._memory
+        for spec in self.engine._fixed:
+            if self.views is not None:
+                rows = self.views[self.side][spec.input]
+                for i, s in enumerate(streams):
+                    rows[i] = s._read(spec.input)[0]
+            else:
+                memory.write(self.bufs[self.side][spec.input], np.concatenate([s._read(spec.input) for s in streams]))
+        for i, s in enumerate(streams):
+            s._batch_slot, s._row = self, i  # a member of another slot leaves it: that slot's row goes stale
+        self.members = [weakref.ref(s) for s in streams]
+
+    def release(self) -> None:
+        """Give every member still here its state back (into its own buffers)."""
+        for ref in self.members:
+            stream = ref()
+            if stream is not None and stream._batch_slot is self:
+                stream._sync()
+        self.members = []
 
 
 class Stream:
@@ -387,8 +473,10 @@ class Stream:
         # fixed-size state: two sides, A and B, ping-ponged by two pre-built bindings
         self._bufs = [{s.input: memory.alloc(concrete_shape(s, 1), s.dtype) for s in engine._fixed} for _ in range(2)]
         self._views = [{k: v.numpy() for k, v in b.items()} for b in self._bufs] if memory.host else None
-        self._grown: dict[str, ort.OrtValue] = {}  # KV caches: replaced every step
+        self._grown: dict[str, ort.OrtValue | _Row] = {}  # KV caches: replaced every step
         self._side = 0
+        self._batch_slot: _BatchSlot | None = None  # set while the fixed-size state is a row of a batch slot
+        self._row = 0
         self._ids = ort.OrtValue.ortvalue_from_shape_and_type([1, 1], np.int64)
         self._ids_view = self._ids.numpy()
         self._ids_view.fill(0)  # allocated memory is not initialised
@@ -411,10 +499,26 @@ class Stream:
     def _read(self, name: str) -> np.ndarray:
         """The current value of one state tensor: a view on the host (do not keep it across steps)."""
         if name in self._grown:
-            return self._engine._memory.read(self._grown[name])
+            value = self._grown[name]
+            if isinstance(value, _Row):
+                return self._engine._memory.read(value.value)[value.index : value.index + 1]
+            return self._engine._memory.read(value)
+        if self._batch_slot is not None:
+            return self._batch_slot.row(name, self._row)
         if self._views is not None:
             return self._views[self._side][name]
         return self._engine._memory.read(self._bufs[self._side][name])
+
+    def _sync(self) -> None:
+        """Take the fixed-size state back from a batch slot before using the stream on its own."""
+        slot = self._batch_slot
+        if slot is None:
+            return
+        with self._engine._lock:
+            if self._batch_slot is slot:
+                for spec in self._engine._fixed:
+                    self._write(spec.input, slot.row(spec.input, self._row))
+                self._batch_slot = None
 
     def _write(self, name: str, value: np.ndarray) -> None:
         if self._views is not None:
@@ -423,6 +527,7 @@ class Stream:
             self._engine._memory.write(self._bufs[self._side][name], value)
 
     def _assign(self, state: Mapping[str, np.ndarray], position: int, logits: np.ndarray | None) -> None:
+        self._batch_slot = None  # every tensor is overwritten: nothing to take back from a batch slot
         for spec in self._engine._fixed:
             self._write(spec.input, state[spec.input])
         self._grown = {s.input: self._engine._memory.new(np.ascontiguousarray(state[s.input])) for s in self._engine._growing}
@@ -433,7 +538,7 @@ class Stream:
 
     def _past_length(self) -> int:
         spec = self._engine._growing[0]
-        return self._grown[spec.input].shape()[spec.shape.index(GROWING)]
+        return self._grown[spec.input].shape()[spec.shape.index(GROWING)]  # OrtValue or _Row
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """A copy of every state tensor (batch 1), named as the graph inputs in edgemem.json."""
@@ -451,7 +556,9 @@ class Stream:
     @property
     def state_bytes(self) -> int:
         """Bytes of this stream's state (constant for recurrent models; grows with a KV cache)."""
-        return self._engine._fixed_bytes + sum(v.tensor_size_in_bytes() for v in self._grown.values())
+        return self._engine._fixed_bytes + sum(
+            v.nbytes() if isinstance(v, _Row) else v.tensor_size_in_bytes() for v in self._grown.values()
+        )
 
     @property
     def logits(self) -> np.ndarray | None:
@@ -463,6 +570,8 @@ class Stream:
         """Consume one token; returns the logits [V] for the next one."""
         engine = self._engine
         self._ids_view[0, 0] = engine._token(token_id)
+        if self._batch_slot is not None:
+            self._sync()
         binding = self._grow_binding() if engine.grows else self._bindings[self._side]
         engine._run("step", binding)
         if engine.grows:
@@ -484,9 +593,18 @@ class Stream:
             binding.bind_ortvalue_input(spec.input, self._bufs[self._side][spec.input])
             binding.bind_ortvalue_output(spec.output, self._bufs[1 - self._side][spec.input])
         for spec in engine._growing:
-            binding.bind_ortvalue_input(spec.input, self._grown[spec.input])
+            self._bind_cache(binding, spec)
             binding.bind_output(spec.output, engine._memory.device)
         return binding
+
+    def _bind_cache(self, binding: ort.IOBinding, spec: Any) -> None:
+        value = self._grown[spec.input]
+        if isinstance(value, _Row):  # a row of a batch's cache: bind it by address, no copy
+            row = value.value
+            binding.bind_input(spec.input, self._engine._memory.device, 0, np.dtype(spec.dtype), value.shape(),
+                               row.data_ptr() + value.index * value.nbytes())
+        else:
+            binding.bind_ortvalue_input(spec.input, value)
 
     def prefill(self, token_ids: TokenIds, *, chunk_size: int | None = None, all_logits: bool = True) -> np.ndarray:
         """Consume a block of tokens; returns logits [T, V] (or only the last row [V] with `all_logits=False`).
@@ -513,6 +631,7 @@ class Stream:
         return np.concatenate(rows) if all_logits else self._logits_view[0, 0].copy()
 
     def _prefill_chunk(self, ids: np.ndarray) -> np.ndarray:
+        self._sync()
         engine, memory = self._engine, self._engine._memory
         manifest = engine.manifest
         binding = engine._sessions["prefill"].io_binding()
@@ -524,7 +643,7 @@ class Stream:
             binding.bind_ortvalue_input(spec.input, self._bufs[self._side][spec.input])
             binding.bind_ortvalue_output(spec.output, self._bufs[1 - self._side][spec.input])
         for spec in engine._growing:
-            binding.bind_ortvalue_input(spec.input, self._grown[spec.input])
+            self._bind_cache(binding, spec)
             binding.bind_output(spec.output, memory.device)
         engine._run("prefill", binding)
         outputs = binding.get_outputs()

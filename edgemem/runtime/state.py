@@ -114,8 +114,8 @@ def _header(data: bytes, where: str) -> dict:
         raise StateFileError(f"{where} is not a valid edgemem state file (truncated: {len(data)} bytes)")
     size = int.from_bytes(data[:8], "little")
     if size > len(data) - 8:
-        raise StateFileError(f"{where} is not a valid edgemem state file (truncated: header of {size} bytes, "
-                             f"file of {len(data)})")
+        raise StateFileError(f"{where} is not a valid edgemem state file (truncated, or not safetensors at all: "
+                             f"its header claims {size} bytes, the file has {len(data)})")
     try:
         header = json.loads(data[8 : 8 + size])
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

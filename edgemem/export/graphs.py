@@ -74,6 +74,8 @@ def export_graph(model: nn.Module, kind: str, opset: int, dtype: torch.dtype | N
     ids_dims = {0: batch} if kind == "step" else {0: batch, 1: torch.export.Dim("sequence", min=1, max=1 << 20)}
     state_dims = tuple({0: batch, **{d: past for d in growing.get(n, [])}} for n in names)
     dynamic_shapes = (ids_dims, state_dims) if names else (ids_dims,)
+    # the exporter logs a warning per missing optional library (torchvision); not the user's concern
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from typing import Any
 
 import torch
 
 from edgemem.models import archs, build, state_bytes
 from edgemem.models.lm import LM
+from edgemem.runtime.bench import time_steps
 
 
 @torch.inference_mode()
@@ -26,13 +25,12 @@ def eager_step_us(model: LM, *, batch: int = 1, position: int = 0, steps: int = 
     if position:
         _, state = model.prefill(torch.zeros(batch, position, dtype=torch.long), state)
     token = torch.zeros(batch, dtype=torch.long)
-    times = []
-    for i in range(warmup + steps):
-        start = time.perf_counter()
+
+    def step(_: int) -> None:
+        nonlocal state
         _, state = model.step(token, state)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+
+    return time_steps(step, steps, warmup, time_limit=60.0)[0] * 1e6
 
 
 def run(names: list[str], positions: list[int], steps: int) -> list[dict[str, Any]]:

@@ -58,7 +58,7 @@ def available_bytes() -> int | None:
     return None
 
 
-def _time_steps(step: Callable[[int], Any], steps: int, warmup: int, time_limit: float) -> tuple[float, int]:
+def time_steps(step: Callable[[int], Any], steps: int, warmup: int, time_limit: float) -> tuple[float, int]:
     """Median seconds per call of `step(i)` over up to `steps` timed calls (at least 3, at most `time_limit` s)."""
     start = time.perf_counter()
     for i in range(warmup):
@@ -150,9 +150,9 @@ def _time_runtime(engine: Engine, base: Any, batch: int, rng: np.random.Generato
     tokens = rng.integers(0, engine.vocab_size, (max(steps, 3) + warmup, batch))
     if batch == 1:
         stream = streams[0]
-        seconds, n = _time_steps(lambda i: stream.step(int(tokens[i, 0])), steps, warmup, time_limit)
+        seconds, n = time_steps(lambda i: stream.step(int(tokens[i, 0])), steps, warmup, time_limit)
     else:
-        seconds, n = _time_steps(lambda i: engine.step_batch(streams, tokens[i]), steps, warmup, time_limit)
+        seconds, n = time_steps(lambda i: engine.step_batch(streams, tokens[i]), steps, warmup, time_limit)
     return seconds, n, state_bytes, rss_bytes()
 
 
@@ -205,7 +205,7 @@ def _time_eager(model: Any, state: dict[str, Any], tokens: Any, steps: int, warm
         nonlocal state
         _, state = model.step(tokens[i], state)
 
-    return _time_steps(step, steps, warmup, time_limit)[0]
+    return time_steps(step, steps, warmup, time_limit)[0]
 
 
 def plot(result: dict[str, Any], path: str | Path) -> None:

@@ -330,6 +330,16 @@ def _demangle(symbols: list[str]) -> dict[str, str]:
     return {sym: tidy(name).removeprefix("void ") for sym, name in zip(symbols, out)}
 
 
+def test_gpu_check_harness_passes_on_the_cpu_reference(ref, build_dir):
+    """gpu_check.py (the GPU acceptance script) run with the CPU reference standing in for the
+    kernels: its cases, truths and tolerances hold up, so a failure on a GPU is the kernels'."""
+    proc = subprocess.run([sys.executable, str(PLUGINS / "scripts" / "gpu_check.py"), "--build", str(build_dir),
+                           "--cpu-self-test", "--quick"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    passed, total = map(int, re.search(r"(\d+) of (\d+) numerical checks passed", proc.stdout).groups())
+    assert passed == total and total >= 30, proc.stdout[:500]
+
+
 def test_kernels_compile_without_spills(kernels_build):
     info = dict(line.split("=", 1) for line in (kernels_build / "edgemem_build.txt").read_text().splitlines())
     assert info["architectures"].split(";") == list(ARCHS)

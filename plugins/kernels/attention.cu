@@ -4,8 +4,9 @@
 // Both score keys one at a time with a warp: lanes split the head dim (lane l holds dims
 // l, l+32, ...; D, D_v <= 256 so 8 per lane), a warp all-reduce gives q.k, and an online
 // softmax (edgemem/common.h) accumulates the values, so no score vector is materialised.
-//  - WindowAttention: a block per (batch, head) owns that head's ring; its warps split the
-//    window+1+P keys of a token, merge their partial softmaxes in shared memory, and only then
+//  - WindowAttention: a block per (batch, head) owns that head's ring; its 16 warps split the
+//    window+1+P keys of a token (each warp's online softmax is a serial chain, so more warps
+//    mean shorter chains), merge their partial softmaxes in shared memory, and only then
 //    is the token's key/value written into ring slot position mod L (that slot may still hold
 //    a key the token attends). Tokens run in order; the ring may be updated in place.
 //  - BandedAttention: a warp per (batch, head, query row): the band keys, then the global keys
@@ -78,7 +79,7 @@ struct WarpAttention
 // ---------------------------------------------------------------------------------------------
 // WindowAttention
 
-constexpr int kWaWarps = 4;
+constexpr int kWaWarps = 16;
 constexpr int kWaThreads = kWaWarps * kWarp;
 
 template <typename T, typename S, typename P>

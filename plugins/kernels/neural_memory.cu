@@ -24,7 +24,7 @@ namespace cuda
 namespace
 {
 
-constexpr int kNmThreads = 256;
+constexpr int kNmThreads = 512;
 constexpr int kNmWarps = kNmThreads / kWarp;
 constexpr int kPerLane = kMaxHeadDim / kWarp; // 8: a row of D <= 256 over one warp
 
@@ -95,7 +95,7 @@ __device__ __forceinline__ float updateElement(Layer const& L, int64_t idx, floa
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kNmThreads, 2) neuralMemoryKernel(nm::Params const p, NeuralMemoryIO const io)
+__global__ void __launch_bounds__(kNmThreads, 1) neuralMemoryKernel(nm::Params const p, NeuralMemoryIO const io)
 {
     extern __shared__ float smem[];
     int const D = p.d;

@@ -63,10 +63,16 @@ class Timing:
     floor_bytes: int
     peak_gbs: float
     copy_gbs: float
+    graph_us: float | None  # the same calls replayed from a CUDA graph: device time, no launch overhead
+    fla: tuple[float, float | None] | None = None  # flash-linear-attention's fused_recurrent: (us, graph_us)
+
+    @property
+    def device_us(self) -> float:
+        return self.graph_us if self.graph_us is not None else self.us
 
     @property
     def achieved(self) -> float:
-        return self.bytes / (self.us * 1e-6) / 1e9
+        return self.bytes / (self.device_us * 1e-6) / 1e9
 
 
 @dataclass
@@ -77,12 +83,14 @@ class Harness:
     dtypes: list[torch.dtype]
     rows: list[Row] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
-    def record(self, op, case, dtype, mode, got, truth, ref=None):
+    def record(self, op, case, dtype, mode, got, truth, ref=None, storage=None):
+        """storage: the dtype state is kept in, when it may be narrower than the I/O (a float16 ring)."""
         got = [g.detach().to("cpu", F64) for g in got]
         errs = [_err(g, t) for g, t in zip(got, truth)]
         err_ref = max(_err(g, r) for g, r in zip(got, ref)) if ref is not None else None
-        tol = TOL[dtype]
+        tol = max(TOL[dtype], TOL[storage or dtype])
         ok = max(errs) <= tol and (err_ref is None or err_ref <= REF_TOL)
         self.rows.append(Row(op, case, _dt(dtype), mode, max(errs), err_ref, tol, ok))
 
@@ -210,17 +218,17 @@ def check_window_attention(h: Harness, quick: bool) -> None:
                     ref = h.ref.window_attention(*[_cpu(x) if x.is_floating_point() else x.cpu() for x in args], **kw)
                 case = f"{name} ring {_dt(rdtype)}"
                 got = h.dev.window_attention(*args, **kw)
-                h.record("WindowAttention", case, dtype, "prefill", got, want, ref)
+                h.record("WindowAttention", case, dtype, "prefill", got, want, ref, storage=rdtype)
                 rk2, rv2 = args[3].clone(), args[4].clone()
                 got = h.dev.window_attention(*args[:3], rk2, rv2, *args[5:], present_key=rk2, present_value=rv2, **kw)
-                h.record("WindowAttention", case, dtype, "in-place", got, want)
+                h.record("WindowAttention", case, dtype, "in-place", got, want, storage=rdtype)
                 rk2, rv2 = args[3].clone(), args[4].clone()
                 outs = []
                 for i in range(t):
                     tok = [x[:, i:i + 1].contiguous() for x in args[:3]]
                     outs.append(h.dev.window_attention(*tok, rk2, rv2, args[5] + i, *args[6:], present_key=rk2,
                                                        present_value=rv2, **kw)[0])
-                h.record("WindowAttention", case, dtype, "steps", (torch.cat(outs, 1), rk2, rv2), want)
+                h.record("WindowAttention", case, dtype, "steps", (torch.cat(outs, 1), rk2, rv2), want, storage=rdtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,6 +339,7 @@ def check_neural_memory(h: Harness, quick: bool) -> None:
 
 
 def _time_us(fn, iters: int = 200, warmup: int = 20) -> float:
+    """Host-timed µs per call of `fn` run back to back: device time plus launch overhead."""
     for _ in range(warmup):
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -342,6 +351,34 @@ def _time_us(fn, iters: int = 200, warmup: int = 20) -> float:
     return start.elapsed_time(end) * 1e3 / iters
 
 
+def _graph_us(fn, iters: int = 100, replays: int = 10) -> float | None:
+    """µs per call with `iters` calls captured in one CUDA graph: the kernel's device time without the
+    host's launch overhead (what a TensorRT engine or a CUDA-graph decode loop sees). None if `fn`
+    cannot be captured."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(iters):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+    except Exception:  # capture is not supported by every launcher
+        torch.cuda.synchronize()
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (iters * replays)
+
+
 def _copy_gbs(device) -> float:
     x = torch.empty(256 << 20, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
@@ -349,10 +386,22 @@ def _copy_gbs(device) -> float:
     return 2 * x.numel() / (us * 1e-6) / 1e9
 
 
+def _fla_step():
+    """flash-linear-attention's fused_recurrent gated delta rule, or None (with the reason) if not installed."""
+    try:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    except Exception as e:  # not installed, or built for another torch/triton
+        return None, f"{type(e).__name__}: {e}"
+    return fused_recurrent_gated_delta_rule, None
+
+
 def time_decode(h: Harness, peak: float) -> list[Timing]:
     dev, out = h.device, []
     copy = _copy_gbs(dev)
     fp16 = torch.float16
+    fla, why = _fla_step()
+    if fla is None:
+        h.notes.append(f"flash-linear-attention not compared ({why})")
 
     def la(case, b, hq, hkv, dk, dv, dtype, rule="gated_delta"):
         e = torch.tensor([], dtype=dtype).element_size()
@@ -364,10 +413,22 @@ def time_decode(h: Harness, peak: float) -> list[Timing]:
         beta = torch.full((b, 1, hkv), 0.5, device=dev, dtype=dtype)
         o = torch.empty(b, 1, hq * dv, device=dev, dtype=dtype)
         kw = dict(update_rule=rule, scale=dk**-0.5, q_num_heads=hq, kv_num_heads=hkv, output=o, present_state=s)
-        us = _time_us(lambda: h.dev.linear_attention(q, k, v, s, g, beta, **kw))
+        step = lambda: h.dev.linear_attention(q, k, v, s, g, beta, **kw)  # noqa: E731
+        us, graph_us = _time_us(step), _graph_us(step)
         state = s.numel() * 4
         io = (q.numel() + k.numel() + v.numel() + o.numel() + 2 * b * hkv) * e
-        out.append(Timing("LinearAttention", case, _dt(dtype), us, 2 * state + io, 2 * state, peak, copy))
+        fla_t = None
+        if fla is not None and hq == hkv:
+            fq, fk, fv = (x.view(b, 1, hkv, -1) for x in (q, k, v))
+            s0 = torch.zeros(b, hkv, dk, dv, device=dev)
+            fla_step = lambda: fla(fq, fk, fv, g, beta, scale=dk**-0.5, initial_state=s0,  # noqa: E731
+                                   output_final_state=True)
+            try:
+                fla_t = (_time_us(fla_step), _graph_us(fla_step))
+            except Exception as e:
+                h.notes.append(f"flash-linear-attention failed on {case} {_dt(dtype)}: {type(e).__name__}: {e}")
+        out.append(Timing("LinearAttention", case, _dt(dtype), us, 2 * state + io, 2 * state, peak, copy, graph_us,
+                          fla_t))
 
     def wa(case, b, heads, d, window, persistent, dtype):
         e = torch.tensor([], dtype=dtype).element_size()
@@ -378,10 +439,11 @@ def time_decode(h: Harness, peak: float) -> list[Timing]:
         o = torch.empty_like(q)
         kw = dict(num_heads=heads, window=window, dilation=[1] * heads, scale=d**-0.5, output=o, present_key=rk,
                   present_value=rv)
-        us = _time_us(lambda: h.dev.window_attention(q, k, v, rk, rv, pos, pk, pv, **kw))
+        step = lambda: h.dev.window_attention(q, k, v, rk, rv, pos, pk, pv, **kw)  # noqa: E731
+        us, graph_us = _time_us(step), _graph_us(step)
         ring = 2 * rk.numel() * e  # every slot is read once (window keys) and one slot written
         io = (4 * q.numel() + 2 * pk.numel()) * e
-        out.append(Timing("WindowAttention", case, _dt(dtype), us, ring + io, ring, peak, copy))
+        out.append(Timing("WindowAttention", case, _dt(dtype), us, ring + io, ring, peak, copy, graph_us))
 
     def nm(case, b, heads, d, e_, depth, dtype):
         el = torch.tensor([], dtype=dtype).element_size()
@@ -394,10 +456,12 @@ def time_decode(h: Harness, peak: float) -> list[Timing]:
         o = torch.empty_like(x[0])
         kw = dict(num_heads=heads, chunk_size=1 << 30, activation="silu", residual_norm=False, output=o,
                   present=(pos, *st))
-        us = _time_us(lambda: h.dev.neural_memory(*x, *gates, pos, nw, nb, *st, **kw))
+        step = lambda: h.dev.neural_memory(*x, *gates, pos, nw, nb, *st, **kw)  # noqa: E731
+        us, graph_us = _time_us(step), _graph_us(step)
         state = sum(t.numel() for xs in st for t in xs) * 4
         moved = state // 3 * 5  # read C, W, S; write W, S (no chunk start)
-        out.append(Timing("NeuralMemory", case, _dt(dtype), us, moved + 4 * o.numel() * el, 2 * state, peak, copy))
+        out.append(Timing("NeuralMemory", case, _dt(dtype), us, moved + 4 * o.numel() * el, 2 * state, peak, copy,
+                          graph_us))
 
     for dtype in (torch.float32, fp16):
         la("4 heads 64x64 (design figure)", 1, 4, 4, 64, 64, dtype)
@@ -437,12 +501,21 @@ def report(h: Harness, timings: list[Timing], device_name: str, elapsed: float) 
         t0 = timings[0]
         lines += ["", f"## Decode timing (T = 1, state in place); peak {t0.peak_gbs:.0f} GB/s, "
                       f"measured copy {t0.copy_gbs:.0f} GB/s", "",
-                  "| op | case | dtype | µs/step | bytes moved | achieved GB/s | % of copy | floor µs (2×state / copy) | "
-                  "step / floor |", "|---|---|---|---|---|---|---|---|---|"]
+                  "µs/step: device time from a CUDA graph of back-to-back steps; launched: one host launch "
+                  "per step (Python + ctypes overhead included). fla: flash-linear-attention's "
+                  "fused_recurrent_gated_delta_rule on the same step (graph / launched).", "",
+                  "| op | case | dtype | µs/step | launched µs | bytes moved | achieved GB/s | % of copy | "
+                  "floor µs (2×state / copy) | step / floor | fla µs (graph / launched) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        us = lambda x: f"{x:.2f}" if x is not None else "-"  # noqa: E731
         for t in timings:
             floor_us = t.floor_bytes / (t.copy_gbs * 1e9) * 1e6
-            lines.append(f"| {t.op} | {t.case} | {t.dtype} | {t.us:.2f} | {t.bytes:,} | {t.achieved:.0f} | "
-                         f"{100 * t.achieved / t.copy_gbs:.0f}% | {floor_us:.2f} | {t.us / floor_us:.1f}× |")
+            fla = f"{us(t.fla[1])} / {us(t.fla[0])}" if t.fla else "-"
+            lines.append(f"| {t.op} | {t.case} | {t.dtype} | {us(t.graph_us)} | {t.us:.2f} | {t.bytes:,} | "
+                         f"{t.achieved:.0f} | {100 * t.achieved / t.copy_gbs:.0f}% | {floor_us:.2f} | "
+                         f"{t.device_us / floor_us:.1f}× | {fla} |")
+    for n in h.notes:
+        lines.append(f"- note: {n}")
     return "\n".join(lines) + "\n"
 
 

@@ -476,10 +476,43 @@ def time_decode(h: Harness, peak: float) -> list[Timing]:
     return out
 
 
+def time_prefill(h: Harness) -> list[tuple[str, str, float, float | None]]:
+    """LinearAttention prefill (T tokens in one call, gated delta rule): the kernel's µs per call, and
+    flash-linear-attention's chunked form (chunk_gated_delta_rule) where installed."""
+    dev, rows = h.device, []
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+    except Exception:
+        fla_chunk = None
+    for b, heads, d, t in ((1, 4, 64, 64), (1, 16, 128, 512), (1, 16, 128, 4096)):
+        for dtype in (torch.float32, torch.float16):
+            q = torch.randn(b, t, heads * d, device=dev, dtype=dtype)
+            k = torch.nn.functional.normalize(torch.randn(b, t, heads, d, device=dev), dim=-1).flatten(2).to(dtype)
+            v = torch.randn(b, t, heads * d, device=dev, dtype=dtype)
+            g = torch.full((b, t, heads), -0.01, device=dev, dtype=dtype)
+            beta = torch.full((b, t, heads), 0.5, device=dev, dtype=dtype)
+            s0, s1 = torch.zeros(b, heads, d, d, device=dev), torch.zeros(b, heads, d, d, device=dev)
+            o = torch.empty_like(v)
+            kw = dict(update_rule="gated_delta", scale=d**-0.5, q_num_heads=heads, kv_num_heads=heads, output=o,
+                      present_state=s1)
+            ours = _graph_us(lambda: h.dev.linear_attention(q, k, v, s0, g, beta, **kw), iters=5, replays=4)
+            theirs = None
+            if fla_chunk is not None:
+                fq, fk, fv = (x.view(b, t, heads, d) for x in (q, k, v))
+                try:
+                    fn = lambda: fla_chunk(fq, fk, fv, g, beta, scale=d**-0.5, initial_state=s0,  # noqa: E731
+                                           output_final_state=True)
+                    theirs = _graph_us(fn, iters=5, replays=4) or _time_us(fn, iters=10, warmup=3)
+                except Exception as e:
+                    h.notes.append(f"fla chunk_gated_delta_rule failed at T={t}: {type(e).__name__}: {e}")
+            rows.append((f"{heads} heads {d}x{d}, T={t}", _dt(dtype), ours, theirs))
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------
 
 
-def report(h: Harness, timings: list[Timing], device_name: str, elapsed: float) -> str:
+def report(h: Harness, timings: list[Timing], prefill: list, device_name: str, elapsed: float) -> str:
     lines = [f"# edgemem kernel check — {device_name}", ""]
     failed = [r for r in h.rows if not r.ok]
     lines.append(f"{len(h.rows) - len(failed)} of {len(h.rows)} numerical checks passed "
@@ -514,6 +547,14 @@ def report(h: Harness, timings: list[Timing], device_name: str, elapsed: float) 
             lines.append(f"| {t.op} | {t.case} | {t.dtype} | {us(t.graph_us)} | {t.us:.2f} | {t.bytes:,} | "
                          f"{t.achieved:.0f} | {100 * t.achieved / t.copy_gbs:.0f}% | {floor_us:.2f} | "
                          f"{t.device_us / floor_us:.1f}× | {fla} |")
+    if prefill:
+        lines += ["", "## LinearAttention prefill (one call of T tokens, gated delta rule, CUDA-graph device time)", "",
+                  "The kernel runs the tokens in sequence with the state in registers; fla: chunk_gated_delta_rule.", "",
+                  "| case | dtype | µs | µs/token | fla chunked µs |", "|---|---|---|---|---|"]
+        for case, dt, ours, theirs in prefill:
+            t = int(case.rsplit("T=", 1)[1])
+            mine = f"{ours:.1f} | {ours / t:.3f}" if ours is not None else "- | -"
+            lines.append(f"| {case} | {dt} | {mine} | {f'{theirs:.1f}' if theirs is not None else '-'} |")
     for n in h.notes:
         lines.append(f"- note: {n}")
     return "\n".join(lines) + "\n"
@@ -547,12 +588,13 @@ def main() -> int:
             h.errors.append(f"{check.__name__}: {e}")
     if h.device.type == "cuda":
         torch.cuda.synchronize()
-    timings = []
+    timings, prefill = [], []
     if not args.no_timing:
         peak = h.dev.lib.em_cuda_peak_bandwidth_gbs
         peak.restype = __import__("ctypes").c_double
         timings = time_decode(h, peak(torch.cuda.current_device()))
-    text = report(h, timings, device_name, time.time() - t0)
+        prefill = time_prefill(h)
+    text = report(h, timings, prefill, device_name, time.time() - t0)
     print(text)
     if args.report:
         args.report.write_text(text)

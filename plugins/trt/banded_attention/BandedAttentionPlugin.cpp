@@ -2,7 +2,6 @@
 
 #include "launch.h"
 
-#include <algorithm>
 #include <cmath>
 
 using namespace nvinfer1;
@@ -22,9 +21,9 @@ enum : int32_t
     kGlobalMask,
     kPersistentKey,
     kPersistentValue,
-    kInputs
 };
-constexpr int32_t kOutput = kInputs;
+constexpr int32_t kOutput = BandedAttentionPlugin::kInputs;
+static_assert(kPersistentValue + 1 == BandedAttentionPlugin::kInputs, "one enumerator per input");
 } // namespace
 
 std::vector<FieldSpec> BandedAttentionPlugin::fieldSpecs()
@@ -39,7 +38,7 @@ std::vector<FieldSpec> BandedAttentionPlugin::fieldSpecs()
 }
 
 BandedAttentionPlugin::BandedAttentionPlugin(std::string layer, Attributes const& a)
-    : PluginBase(std::move(layer))
+    : PluginImpl(std::move(layer))
     , mHeads(a.getInt("num_heads", 0))
     , mWindow(a.getInt("window", 0))
     , mDilation(a.getInts("dilation"))
@@ -50,39 +49,11 @@ BandedAttentionPlugin::BandedAttentionPlugin(std::string layer, Attributes const
         mDilation.assign(size_t(mHeads), 1);
 }
 
-BandedAttentionPlugin* BandedAttentionPlugin::create(char const* layer, Attributes const& a)
+std::string BandedAttentionPlugin::invalid() const
 {
-    auto* p = new BandedAttentionPlugin(layer, a);
-    std::string why;
-    if (p->mHeads <= 0 || p->mWindow < 1)
-        why = "num_heads must be positive and window >= 1";
-    else if (int32_t(p->mDilation.size()) != p->mHeads
-        || *std::min_element(p->mDilation.begin(), p->mDilation.end()) < 1)
-        why = "dilation must hold one positive int per head";
-    else if (p->mCausal != 0 && p->mCausal != 1)
-        why = "causal must be 0 or 1";
-    else if (p->mHeads > 128)
-        why = "more than 128 heads is not supported";
-    if (!why.empty())
-    {
-        log(ILogger::Severity::kERROR, kName, layer, why);
-        delete p;
-        return nullptr;
-    }
-    return p;
-}
-
-IPluginV3* BandedAttentionPlugin::clone() noexcept
-{
-    try
-    {
-        return new BandedAttentionPlugin(*this);
-    }
-    catch (...)
-    {
-        error("clone failed");
-    }
-    return nullptr;
+    if (mCausal != 0 && mCausal != 1)
+        return "causal must be 0 or 1";
+    return checkHeadsWindowDilation(mHeads, mWindow, mDilation);
 }
 
 void BandedAttentionPlugin::writeAttributes(Attributes& out) const
@@ -94,38 +65,25 @@ void BandedAttentionPlugin::writeAttributes(Attributes& out) const
     out.setFloat("scale", mScale);
 }
 
-int32_t BandedAttentionPlugin::getOutputDataTypes(
-    DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes, int32_t nbInputs) const noexcept
+void BandedAttentionPlugin::outputTypes(DataType* out, DataType const* in) const
 {
-    if (nbInputs != kInputs || nbOutputs != 1)
-        return -1;
-    outputTypes[0] = inputTypes[kQuery];
-    return 0;
+    out[0] = in[kQuery];
 }
 
-int32_t BandedAttentionPlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbInputs, DimsExprs const*, int32_t,
-    DimsExprs* outputs, int32_t nbOutputs, IExprBuilder&) noexcept
+std::string BandedAttentionPlugin::outputShapes(DimsExprs const* in, DimsExprs* out, IExprBuilder&) const
 {
-    if (nbInputs != kInputs || nbOutputs != 1 || inputs[kQuery].nbDims != 3 || inputs[kValue].nbDims != 3)
-    {
-        error("expected query, key, value [B, T, H*D]");
-        return -1;
-    }
-    outputs[0].nbDims = 3;
-    outputs[0].d[0] = inputs[kQuery].d[0];
-    outputs[0].d[1] = inputs[kQuery].d[1];
-    outputs[0].d[2] = inputs[kValue].d[2];
-    return 0;
+    if (in[kQuery].nbDims != 3 || in[kValue].nbDims != 3)
+        return "expected query, key, value [B, T, H*D]";
+    out[0].nbDims = 3;
+    out[0].d[0] = in[kQuery].d[0];
+    out[0].d[1] = in[kQuery].d[1];
+    out[0].d[2] = in[kValue].d[2];
+    return {};
 }
 
-bool BandedAttentionPlugin::supportsFormatCombination(
-    int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
+bool BandedAttentionPlugin::supports(int32_t pos, DynamicPluginTensorDesc const* inOut) const
 {
-    if (nbInputs != kInputs || nbOutputs != 1 || pos < 0 || pos > kOutput)
-        return false;
     PluginTensorDesc const& d = inOut[pos].desc;
-    if (!isLinear(d))
-        return false;
     switch (pos)
     {
     case kQuery:
@@ -161,44 +119,30 @@ std::string BandedAttentionPlugin::checkShapes(PluginTensorDesc const* in, int32
     return {};
 }
 
-int32_t BandedAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const*,
-    void const* const* inputs, void* const* outputs, void*, cudaStream_t stream) noexcept
+int32_t BandedAttentionPlugin::launch(
+    PluginTensorDesc const* inputDesc, void const* const* inputs, void* const* outputs, cudaStream_t stream)
 {
-    try
-    {
-        std::string const why = checkShapes(inputDesc, kInputs);
-        if (!why.empty())
-        {
-            error(why);
-            return -1;
-        }
-        Dims const& q = inputDesc[kQuery].dims;
-        attn::BandedParams p{};
-        p.batch = int32_t(q.d[0]);
-        p.seq = int32_t(q.d[1]);
-        p.heads = mHeads;
-        p.d = int32_t(q.d[2] / mHeads);
-        p.dv = int32_t(inputDesc[kValue].dims.d[2] / mHeads);
-        p.window = mWindow;
-        p.causal = mCausal;
-        p.persistent = int32_t(inputDesc[kPersistentKey].dims.d[2]);
-        p.scale = mScale != 0.0f ? mScale : 1.0f / std::sqrt(float(p.d));
-        BandedAttentionIO io{};
-        io.query = inputs[kQuery];
-        io.key = inputs[kKey];
-        io.value = inputs[kValue];
-        io.global_mask = static_cast<bool const*>(inputs[kGlobalMask]);
-        io.persistent_key = inputs[kPersistentKey];
-        io.persistent_value = inputs[kPersistentValue];
-        io.output = outputs[0];
-        return status(cuda::bandedAttention(p, mDilation.data(), io, DType(dtypeOf(inputDesc[kQuery].type)),
-            DType(dtypeOf(inputDesc[kPersistentKey].type)), stream));
-    }
-    catch (std::exception const& e)
-    {
-        error(e.what());
-    }
-    return -1;
+    Dims const& q = inputDesc[kQuery].dims;
+    attn::BandedParams p{};
+    p.batch = int32_t(q.d[0]);
+    p.seq = int32_t(q.d[1]);
+    p.heads = mHeads;
+    p.d = int32_t(q.d[2] / mHeads);
+    p.dv = int32_t(inputDesc[kValue].dims.d[2] / mHeads);
+    p.window = mWindow;
+    p.causal = mCausal;
+    p.persistent = int32_t(inputDesc[kPersistentKey].dims.d[2]);
+    p.scale = mScale != 0.0f ? mScale : 1.0f / std::sqrt(float(p.d));
+    BandedAttentionIO io{};
+    io.query = inputs[kQuery];
+    io.key = inputs[kKey];
+    io.value = inputs[kValue];
+    io.global_mask = static_cast<bool const*>(inputs[kGlobalMask]);
+    io.persistent_key = inputs[kPersistentKey];
+    io.persistent_value = inputs[kPersistentValue];
+    io.output = outputs[0];
+    return status(cuda::bandedAttention(p, mDilation.data(), io, DType(dtypeOf(inputDesc[kQuery].type)),
+        DType(dtypeOf(inputDesc[kPersistentKey].type)), stream));
 }
 
 } // namespace trt

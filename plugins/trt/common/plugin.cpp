@@ -3,6 +3,7 @@
 #include "edgemem/common.h"
 #include "edgemem/io.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
@@ -389,6 +390,17 @@ int32_t PluginBase::status(int launch_status) const noexcept
 bool isLinear(PluginTensorDesc const& d) { return d.format == TensorFormat::kLINEAR; }
 bool isFloatType(DataType t) { return t == DataType::kFLOAT || t == DataType::kHALF; }
 int dtypeOf(DataType t) { return t == DataType::kHALF ? kFloat16 : kFloat32; }
+
+std::string checkHeadsWindowDilation(int32_t heads, int32_t window, std::vector<int32_t> const& dilation)
+{
+    if (heads <= 0 || window < 1)
+        return "num_heads must be positive and window >= 1";
+    if (heads > 128)
+        return "more than 128 heads is not supported";
+    if (int32_t(dilation.size()) != heads || *std::min_element(dilation.begin(), dilation.end()) < 1)
+        return "dilation must hold one positive int per head";
+    return {};
+}
 
 } // namespace trt
 } // namespace edgemem

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -153,14 +154,103 @@ protected:
     std::string mMetadata;
 };
 
+
 // Shared helpers for the build-phase methods.
 bool isLinear(nvinfer1::PluginTensorDesc const& d);
 bool isFloatType(nvinfer1::DataType t); // kFLOAT or kHALF
 int dtypeOf(nvinfer1::DataType t);      // edgemem::DType for kFLOAT / kHALF
+// The attention ops' common attributes: "" or what is wrong with num_heads, window, dilation.
+std::string checkHeadsWindowDilation(int32_t heads, int32_t window, std::vector<int32_t> const& dilation);
+
+// The IPluginV3 entry points every edgemem op implements the same way, for an op class P
+// deriving from PluginImpl<P> (and befriending it) that provides:
+//   static constexpr kName, kInputs, kOutputs; a copy constructor;
+//   void outputTypes(DataType* out, DataType const* in) const;
+//   std::string outputShapes(DimsExprs const* in, DimsExprs* out, IExprBuilder&) const;  // "" or what is wrong
+//   bool supports(int32_t pos, DynamicPluginTensorDesc const* inOut) const;  // pos in range, linear format
+//   int32_t launch(PluginTensorDesc const* in, void const* const* inputs, void* const* outputs, cudaStream_t);
+// The entry points check the tensor counts, catch every exception and log what went wrong.
+template <class P>
+class PluginImpl : public PluginBase
+{
+public:
+    using PluginBase::PluginBase;
+
+    nvinfer1::IPluginV3* clone() noexcept override
+    {
+        try
+        {
+            return new P(static_cast<P const&>(*this));
+        }
+        catch (...)
+        {
+            error("clone failed");
+        }
+        return nullptr;
+    }
+    char const* getPluginName() const noexcept override { return P::kName; }
+    int32_t getNbOutputs() const noexcept override { return P::kOutputs; }
+
+    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs, nvinfer1::DataType const* inputTypes,
+        int32_t nbInputs) const noexcept override
+    {
+        if (nbInputs != P::kInputs || nbOutputs != P::kOutputs)
+            return -1;
+        self().outputTypes(outputTypes, inputTypes);
+        return 0;
+    }
+    int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, nvinfer1::DimsExprs const*, int32_t,
+        nvinfer1::DimsExprs* outputs, int32_t nbOutputs, nvinfer1::IExprBuilder& exprBuilder) noexcept override
+    {
+        try
+        {
+            std::string const why = nbInputs != P::kInputs || nbOutputs != P::kOutputs
+                ? "expected " + std::to_string(P::kInputs) + " inputs and " + std::to_string(P::kOutputs) + " outputs"
+                : self().outputShapes(inputs, outputs, exprBuilder);
+            if (why.empty())
+                return 0;
+            error(why);
+        }
+        catch (std::exception const& e)
+        {
+            error(e.what());
+        }
+        return -1;
+    }
+    bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
+        int32_t nbOutputs) noexcept override
+    {
+        if (nbInputs != P::kInputs || nbOutputs != P::kOutputs || pos < 0 || pos >= P::kInputs + P::kOutputs)
+            return false;
+        return isLinear(inOut[pos].desc) && self().supports(pos, inOut);
+    }
+    int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const*,
+        void const* const* inputs, void* const* outputs, void*, cudaStream_t stream) noexcept override
+    {
+        try
+        {
+            std::string const why = checkShapes(inputDesc, P::kInputs);
+            if (why.empty())
+                return static_cast<P*>(this)->launch(inputDesc, inputs, outputs, stream);
+            error(why);
+        }
+        catch (std::exception const& e)
+        {
+            error(e.what());
+        }
+        return -1;
+    }
+
+protected:
+    int32_t expectedInputs() const override { return P::kInputs; }
+
+private:
+    P const& self() const { return static_cast<P const&>(*this); }
+};
 
 // Creator of one plugin type P, which provides:
 //   static char const* kName;  static std::vector<FieldSpec> fieldSpecs();
-//   static P* create(char const* layer, Attributes const& attrs) (nullptr + logged error if invalid)
+//   P(std::string layer, Attributes const& attrs);  std::string invalid() const ("" or what is wrong)
 template <class P>
 class Creator : public nvinfer1::IPluginCreatorV3One
 {
@@ -179,7 +269,11 @@ public:
             Attributes attrs;
             if (!attrs.parse(fc, mSpecs, P::kName, layer))
                 return nullptr;
-            return P::create(layer, attrs);
+            std::unique_ptr<P> plugin(new P(layer, attrs));
+            std::string const why = plugin->invalid();
+            if (why.empty())
+                return plugin.release();
+            log(nvinfer1::ILogger::Severity::kERROR, P::kName, layer, why);
         }
         catch (std::exception const& e)
         {

@@ -22,8 +22,8 @@ enum : int32_t
     kPastState,
     kDecay,
     kBeta,
-    kInputs
 };
+static_assert(kBeta + 1 == LinearAttentionPlugin::kInputs, "one enumerator per input");
 char const* const kRules[] = {"linear", "gated", "delta", "gated_delta"};
 } // namespace
 
@@ -38,92 +38,67 @@ std::vector<FieldSpec> LinearAttentionPlugin::fieldSpecs()
     };
 }
 
-LinearAttentionPlugin* LinearAttentionPlugin::create(char const* layer, Attributes const& a)
+LinearAttentionPlugin::LinearAttentionPlugin(std::string layer, Attributes const& a)
+    : PluginImpl(std::move(layer))
+    , mRule(-1)
+    , mRuleName(a.getString("update_rule", "gated_delta")) // the ONNX opset-27 default
+    , mScale(a.getFloat("scale", 0.0f))
+    , mQHeads(a.getInt("q_num_heads", 0))
+    , mKvHeads(a.getInt("kv_num_heads", 0))
+    , mChunk(a.getInt("chunk_size", 64))
 {
-    std::string const rule_name = a.getString("update_rule", "gated_delta"); // ONNX opset-27 default
-    int32_t rule = -1;
     for (int32_t r = 0; r < 4; ++r)
-        if (rule_name == kRules[r])
-            rule = r;
-    int32_t const hq = a.getInt("q_num_heads", 0);
-    int32_t const hkv = a.getInt("kv_num_heads", 0);
-    std::string why;
-    if (rule < 0)
-        why = "update_rule must be linear, gated, delta or gated_delta; got '" + rule_name + "'";
-    else if (hq <= 0 || hkv <= 0 || hq % hkv != 0)
-        why = "q_num_heads (" + std::to_string(hq) + ") must be a positive multiple of kv_num_heads (" + std::to_string(hkv) + ")";
-    if (!why.empty())
-    {
-        log(ILogger::Severity::kERROR, kName, layer, why);
-        return nullptr;
-    }
-    return new LinearAttentionPlugin(layer, rule, a.getFloat("scale", 0.0f), hq, hkv, a.getInt("chunk_size", 64));
+        if (mRuleName == kRules[r])
+            mRule = r;
 }
 
-IPluginV3* LinearAttentionPlugin::clone() noexcept
+std::string LinearAttentionPlugin::invalid() const
 {
-    try
-    {
-        return new LinearAttentionPlugin(mLayer, mRule, mScale, mQHeads, mKvHeads, mChunk);
-    }
-    catch (...)
-    {
-        error("clone failed");
-    }
-    return nullptr;
+    if (mRule < 0)
+        return "update_rule must be linear, gated, delta or gated_delta; got '" + mRuleName + "'";
+    if (mQHeads <= 0 || mKvHeads <= 0 || mQHeads % mKvHeads != 0)
+        return "q_num_heads (" + std::to_string(mQHeads) + ") must be a positive multiple of kv_num_heads ("
+            + std::to_string(mKvHeads) + ")";
+    return {};
 }
 
 void LinearAttentionPlugin::writeAttributes(Attributes& out) const
 {
-    out.setString("update_rule", kRules[mRule]);
+    out.setString("update_rule", mRuleName);
     out.setFloat("scale", mScale);
     out.setInt("q_num_heads", mQHeads);
     out.setInt("kv_num_heads", mKvHeads);
     out.setInt("chunk_size", mChunk);
 }
 
-int32_t LinearAttentionPlugin::getOutputDataTypes(
-    DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes, int32_t nbInputs) const noexcept
+void LinearAttentionPlugin::outputTypes(DataType* out, DataType const* in) const
 {
-    if (nbInputs != kInputs || nbOutputs != 2)
-        return -1;
-    outputTypes[0] = inputTypes[kQuery];
-    outputTypes[1] = DataType::kFLOAT;
-    return 0;
+    out[0] = in[kQuery];
+    out[1] = DataType::kFLOAT;
 }
 
-int32_t LinearAttentionPlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbInputs, DimsExprs const*, int32_t,
-    DimsExprs* outputs, int32_t nbOutputs, IExprBuilder& eb) noexcept
+std::string LinearAttentionPlugin::outputShapes(DimsExprs const* in, DimsExprs* out, IExprBuilder& eb) const
 {
-    if (nbInputs != kInputs || nbOutputs != 2 || inputs[kQuery].nbDims != 3 || inputs[kValue].nbDims != 3
-        || inputs[kPastState].nbDims != 4)
-    {
-        error("expected query, key, value [B, T, H*D] and past_state [B, H_kv, d_k, d_v]");
-        return -1;
-    }
+    if (in[kQuery].nbDims != 3 || in[kValue].nbDims != 3 || in[kPastState].nbDims != 4)
+        return "expected query, key, value [B, T, H*D] and past_state [B, H_kv, d_k, d_v]";
     // output [B, T, H_q * d_v] with d_v = value width / H_kv
-    auto const* dv = eb.operation(DimensionOperation::kFLOOR_DIV, *inputs[kValue].d[2], *eb.constant(mKvHeads));
-    outputs[0].nbDims = 3;
-    outputs[0].d[0] = inputs[kQuery].d[0];
-    outputs[0].d[1] = inputs[kQuery].d[1];
-    outputs[0].d[2] = eb.operation(DimensionOperation::kPROD, *dv, *eb.constant(mQHeads));
-    outputs[1] = inputs[kPastState];
-    return 0;
+    auto const* dv = eb.operation(DimensionOperation::kFLOOR_DIV, *in[kValue].d[2], *eb.constant(mKvHeads));
+    out[0].nbDims = 3;
+    out[0].d[0] = in[kQuery].d[0];
+    out[0].d[1] = in[kQuery].d[1];
+    out[0].d[2] = eb.operation(DimensionOperation::kPROD, *dv, *eb.constant(mQHeads));
+    out[1] = in[kPastState];
+    return {};
 }
 
-bool LinearAttentionPlugin::supportsFormatCombination(
-    int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
+bool LinearAttentionPlugin::supports(int32_t pos, DynamicPluginTensorDesc const* inOut) const
 {
-    if (nbInputs != kInputs || nbOutputs != 2 || pos < 0 || pos >= kInputs + 2)
-        return false;
     PluginTensorDesc const& d = inOut[pos].desc;
-    if (!isLinear(d))
-        return false;
     switch (pos)
     {
     case kQuery: return isFloatType(d.type);
     case kPastState:
-    case kInputs + 1: return d.type == DataType::kFLOAT; // state is float32
+    case kInputs + 1: return d.type == DataType::kFLOAT; // past/present state are float32
     default: return d.type == inOut[kQuery].desc.type;  // key, value, decay, beta, output
     }
 }
@@ -158,45 +133,31 @@ std::string LinearAttentionPlugin::checkShapes(PluginTensorDesc const* in, int32
     return {};
 }
 
-int32_t LinearAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const*,
-    void const* const* inputs, void* const* outputs, void*, cudaStream_t stream) noexcept
+int32_t LinearAttentionPlugin::launch(
+    PluginTensorDesc const* inputDesc, void const* const* inputs, void* const* outputs, cudaStream_t stream)
 {
-    try
-    {
-        std::string const why = checkShapes(inputDesc, kInputs);
-        if (!why.empty())
-        {
-            error(why);
-            return -1;
-        }
-        Dims const& q = inputDesc[kQuery].dims;
-        la::Params p{};
-        p.batch = int32_t(q.d[0]);
-        p.seq = int32_t(q.d[1]);
-        p.q_heads = mQHeads;
-        p.kv_heads = mKvHeads;
-        p.dk = int32_t(q.d[2] / mQHeads);
-        p.dv = int32_t(inputDesc[kValue].dims.d[2] / mKvHeads);
-        p.rule = mRule;
-        p.scale = mScale != 0.0f ? mScale : 1.0f / std::sqrt(float(p.dk));
-        p.decay_per_key = inputDesc[kDecay].dims.d[2] == int64_t(mKvHeads) * p.dk && p.dk > 1;
-        p.beta_per_head = inputDesc[kBeta].dims.d[2] == mKvHeads;
-        LinearAttentionIO io{};
-        io.query = inputs[kQuery];
-        io.key = inputs[kKey];
-        io.value = inputs[kValue];
-        io.past_state = static_cast<float const*>(inputs[kPastState]);
-        io.decay = inputs[kDecay];
-        io.beta = inputs[kBeta];
-        io.output = outputs[0];
-        io.present_state = static_cast<float*>(outputs[1]);
-        return status(cuda::linearAttention(p, io, DType(dtypeOf(inputDesc[kQuery].type)), stream));
-    }
-    catch (std::exception const& e)
-    {
-        error(e.what());
-    }
-    return -1;
+    Dims const& q = inputDesc[kQuery].dims;
+    la::Params p{};
+    p.batch = int32_t(q.d[0]);
+    p.seq = int32_t(q.d[1]);
+    p.q_heads = mQHeads;
+    p.kv_heads = mKvHeads;
+    p.dk = int32_t(q.d[2] / mQHeads);
+    p.dv = int32_t(inputDesc[kValue].dims.d[2] / mKvHeads);
+    p.rule = mRule;
+    p.scale = mScale != 0.0f ? mScale : 1.0f / std::sqrt(float(p.dk));
+    p.decay_per_key = inputDesc[kDecay].dims.d[2] == int64_t(mKvHeads) * p.dk && p.dk > 1;
+    p.beta_per_head = inputDesc[kBeta].dims.d[2] == mKvHeads;
+    LinearAttentionIO io{};
+    io.query = inputs[kQuery];
+    io.key = inputs[kKey];
+    io.value = inputs[kValue];
+    io.past_state = static_cast<float const*>(inputs[kPastState]);
+    io.decay = inputs[kDecay];
+    io.beta = inputs[kBeta];
+    io.output = outputs[0];
+    io.present_state = static_cast<float*>(outputs[1]);
+    return status(cuda::linearAttention(p, io, DType(dtypeOf(inputDesc[kQuery].type)), stream));
 }
 
 } // namespace trt

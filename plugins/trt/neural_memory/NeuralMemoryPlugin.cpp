@@ -28,14 +28,13 @@ enum : int32_t
     kWeights2,
     kMomentum2,
     kChunkWeights2,
-    kInputs
 };
+static_assert(kChunkWeights2 + 1 == NeuralMemoryPlugin::kInputs, "one enumerator per input");
 enum : int32_t
 {
-    kOutput = kInputs,
+    kOutput = NeuralMemoryPlugin::kInputs,
     kPresentPosition,
     kPresentWeights1, // .. kPresentChunkWeights2: the six state inputs in order
-    kOutputsEnd = kPresentWeights1 + 6,
 };
 char const* const kActivations[] = {"silu", "gelu", "relu", "identity"};
 } // namespace
@@ -52,51 +51,30 @@ std::vector<FieldSpec> NeuralMemoryPlugin::fieldSpecs()
 }
 
 NeuralMemoryPlugin::NeuralMemoryPlugin(std::string layer, Attributes const& a)
-    : PluginBase(std::move(layer))
+    : PluginImpl(std::move(layer))
     , mHeads(a.getInt("num_heads", 0))
     , mChunk(a.getInt("chunk_size", 1))
     , mDepth(a.getInt("depth", 0))
     , mResidualNorm(a.getInt("residual_norm", 0))
     , mActivation(-1)
+    , mActivationName(a.getString("activation", "silu"))
 {
-    std::string const act = a.getString("activation", "silu");
     for (int32_t i = 0; i < 4; ++i)
-        if (act == kActivations[i])
+        if (mActivationName == kActivations[i])
             mActivation = i;
 }
 
-NeuralMemoryPlugin* NeuralMemoryPlugin::create(char const* layer, Attributes const& a)
+std::string NeuralMemoryPlugin::invalid() const
 {
-    auto* p = new NeuralMemoryPlugin(layer, a);
-    std::string why;
-    if (p->mHeads <= 0 || p->mChunk < 1)
-        why = "num_heads and chunk_size must be positive";
-    else if (p->mDepth != 1 && p->mDepth != 2)
-        why = "depth must be 1 or 2";
-    else if (p->mResidualNorm != 0 && p->mResidualNorm != 1)
-        why = "residual_norm must be 0 or 1";
-    else if (p->mActivation < 0)
-        why = "activation must be silu, gelu, relu or identity; got '" + a.getString("activation", "") + "'";
-    if (!why.empty())
-    {
-        log(ILogger::Severity::kERROR, kName, layer, why);
-        delete p;
-        return nullptr;
-    }
-    return p;
-}
-
-IPluginV3* NeuralMemoryPlugin::clone() noexcept
-{
-    try
-    {
-        return new NeuralMemoryPlugin(*this);
-    }
-    catch (...)
-    {
-        error("clone failed");
-    }
-    return nullptr;
+    if (mHeads <= 0 || mChunk < 1)
+        return "num_heads and chunk_size must be positive";
+    if (mDepth != 1 && mDepth != 2)
+        return "depth must be 1 or 2";
+    if (mResidualNorm != 0 && mResidualNorm != 1)
+        return "residual_norm must be 0 or 1";
+    if (mActivation < 0)
+        return "activation must be silu, gelu, relu or identity; got '" + mActivationName + "'";
+    return {};
 }
 
 void NeuralMemoryPlugin::writeAttributes(Attributes& out) const
@@ -108,41 +86,26 @@ void NeuralMemoryPlugin::writeAttributes(Attributes& out) const
     out.setString("activation", kActivations[mActivation]);
 }
 
-int32_t NeuralMemoryPlugin::getOutputDataTypes(
-    DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes, int32_t nbInputs) const noexcept
+void NeuralMemoryPlugin::outputTypes(DataType* out, DataType const* in) const
 {
-    if (nbInputs != kInputs || nbOutputs != 8)
-        return -1;
-    outputTypes[0] = inputTypes[kQuery];
-    outputTypes[1] = inputTypes[kPosition];
-    for (int32_t i = 2; i < 8; ++i)
-        outputTypes[i] = DataType::kFLOAT;
-    return 0;
+    out[0] = in[kQuery];
+    out[1] = in[kPosition];
+    for (int32_t i = 2; i < kOutputs; ++i)
+        out[i] = DataType::kFLOAT;
 }
 
-int32_t NeuralMemoryPlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbInputs, DimsExprs const*, int32_t,
-    DimsExprs* outputs, int32_t nbOutputs, IExprBuilder&) noexcept
+std::string NeuralMemoryPlugin::outputShapes(DimsExprs const* in, DimsExprs* out, IExprBuilder&) const
 {
-    if (nbInputs != kInputs || nbOutputs != 8)
-    {
-        error("expected 15 inputs and 8 outputs");
-        return -1;
-    }
-    outputs[0] = inputs[kQuery];
-    outputs[1] = inputs[kPosition];
+    out[0] = in[kQuery];
+    out[1] = in[kPosition];
     for (int32_t i = 0; i < 6; ++i)
-        outputs[2 + i] = inputs[kWeights1 + i];
-    return 0;
+        out[2 + i] = in[kWeights1 + i];
+    return {};
 }
 
-bool NeuralMemoryPlugin::supportsFormatCombination(
-    int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
+bool NeuralMemoryPlugin::supports(int32_t pos, DynamicPluginTensorDesc const* inOut) const
 {
-    if (nbInputs != kInputs || nbOutputs != 8 || pos < 0 || pos >= kOutputsEnd)
-        return false;
     PluginTensorDesc const& d = inOut[pos].desc;
-    if (!isLinear(d))
-        return false;
     if (pos == kQuery)
         return isFloatType(d.type);
     if (pos <= kAlpha || pos == kOutput)
@@ -193,70 +156,56 @@ std::string NeuralMemoryPlugin::checkShapes(PluginTensorDesc const* in, int32_t)
     return {};
 }
 
-int32_t NeuralMemoryPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const*,
-    void const* const* inputs, void* const* outputs, void*, cudaStream_t stream) noexcept
+int32_t NeuralMemoryPlugin::launch(
+    PluginTensorDesc const* inputDesc, void const* const* inputs, void* const* outputs, cudaStream_t stream)
 {
-    try
+    Dims const& q = inputDesc[kQuery].dims;
+    nm::Params p{};
+    p.batch = int32_t(q.d[0]);
+    p.seq = int32_t(q.d[1]);
+    p.heads = mHeads;
+    p.d = int32_t(q.d[2] / mHeads);
+    p.e = int32_t(inputDesc[kWeights1].dims.d[3]);
+    p.depth = mDepth;
+    p.chunk = mChunk;
+    p.activation = mActivation;
+    p.residual_norm = mResidualNorm;
+    p.position_per_batch = inputDesc[kPosition].dims.d[0] == q.d[0];
+    if (mDepth == 1)
     {
-        std::string const why = checkShapes(inputDesc, kInputs);
-        if (!why.empty())
+        // the second-layer outputs pass the (unread) second-layer inputs through; copy
+        // them first, as those inputs may be the first layer's tensors updated below
+        for (int32_t i = 0; i < 3; ++i)
         {
-            error(why);
-            return -1;
+            void const* src = inputs[kWeights2 + i];
+            void* dst = outputs[2 + 3 + i];
+            size_t const bytes = size_t(p.batch) * p.heads * p.d * p.d * sizeof(float);
+            if (dst != src && cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream) != cudaSuccess)
+                return status(kCudaError);
         }
-        Dims const& q = inputDesc[kQuery].dims;
-        nm::Params p{};
-        p.batch = int32_t(q.d[0]);
-        p.seq = int32_t(q.d[1]);
-        p.heads = mHeads;
-        p.d = int32_t(q.d[2] / mHeads);
-        p.e = int32_t(inputDesc[kWeights1].dims.d[3]);
-        p.depth = mDepth;
-        p.chunk = mChunk;
-        p.activation = mActivation;
-        p.residual_norm = mResidualNorm;
-        p.position_per_batch = inputDesc[kPosition].dims.d[0] == q.d[0];
-        if (mDepth == 1)
-        {
-            // the second-layer outputs pass the (unread) second-layer inputs through; copy
-            // them first, as those inputs may be the first layer's tensors updated below
-            for (int32_t i = 0; i < 3; ++i)
-            {
-                void const* src = inputs[kWeights2 + i];
-                void* dst = outputs[2 + 3 + i];
-                size_t const bytes = size_t(p.batch) * p.heads * p.d * p.d * sizeof(float);
-                if (dst != src && cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream) != cudaSuccess)
-                    return status(kCudaError);
-            }
-        }
-        NeuralMemoryIO io{};
-        io.query = inputs[kQuery];
-        io.key = inputs[kKey];
-        io.value = inputs[kValue];
-        io.theta = inputs[kTheta];
-        io.eta = inputs[kEta];
-        io.alpha = inputs[kAlpha];
-        io.position = static_cast<int64_t const*>(inputs[kPosition]);
-        io.norm_weight = static_cast<float const*>(inputs[kNormWeight]);
-        io.norm_bias = static_cast<float const*>(inputs[kNormBias]);
-        io.output = outputs[0];
-        io.present_position = static_cast<int64_t*>(outputs[1]);
-        for (int32_t l = 0; l < mDepth; ++l)
-        {
-            io.weights[l] = static_cast<float const*>(inputs[kWeights1 + 3 * l]);
-            io.momentum[l] = static_cast<float const*>(inputs[kMomentum1 + 3 * l]);
-            io.chunk_weights[l] = static_cast<float const*>(inputs[kChunkWeights1 + 3 * l]);
-            io.present_weights[l] = static_cast<float*>(outputs[2 + 3 * l]);
-            io.present_momentum[l] = static_cast<float*>(outputs[3 + 3 * l]);
-            io.present_chunk_weights[l] = static_cast<float*>(outputs[4 + 3 * l]);
-        }
-        return status(cuda::neuralMemory(p, io, DType(dtypeOf(inputDesc[kQuery].type)), stream));
     }
-    catch (std::exception const& e)
+    NeuralMemoryIO io{};
+    io.query = inputs[kQuery];
+    io.key = inputs[kKey];
+    io.value = inputs[kValue];
+    io.theta = inputs[kTheta];
+    io.eta = inputs[kEta];
+    io.alpha = inputs[kAlpha];
+    io.position = static_cast<int64_t const*>(inputs[kPosition]);
+    io.norm_weight = static_cast<float const*>(inputs[kNormWeight]);
+    io.norm_bias = static_cast<float const*>(inputs[kNormBias]);
+    io.output = outputs[0];
+    io.present_position = static_cast<int64_t*>(outputs[1]);
+    for (int32_t l = 0; l < mDepth; ++l)
     {
-        error(e.what());
+        io.weights[l] = static_cast<float const*>(inputs[kWeights1 + 3 * l]);
+        io.momentum[l] = static_cast<float const*>(inputs[kMomentum1 + 3 * l]);
+        io.chunk_weights[l] = static_cast<float const*>(inputs[kChunkWeights1 + 3 * l]);
+        io.present_weights[l] = static_cast<float*>(outputs[2 + 3 * l]);
+        io.present_momentum[l] = static_cast<float*>(outputs[3 + 3 * l]);
+        io.present_chunk_weights[l] = static_cast<float*>(outputs[4 + 3 * l]);
     }
-    return -1;
+    return status(cuda::neuralMemory(p, io, DType(dtypeOf(inputDesc[kQuery].type)), stream));
 }
 
 } // namespace trt

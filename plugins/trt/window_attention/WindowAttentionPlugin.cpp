@@ -24,11 +24,11 @@ enum : int32_t
     kPosition,
     kPersistentKey,
     kPersistentValue,
-    kInputs
 };
+static_assert(kPersistentValue + 1 == WindowAttentionPlugin::kInputs, "one enumerator per input");
 enum : int32_t
 {
-    kOutput = kInputs,
+    kOutput = WindowAttentionPlugin::kInputs,
     kPresentKey,
     kPresentValue,
 };
@@ -45,7 +45,7 @@ std::vector<FieldSpec> WindowAttentionPlugin::fieldSpecs()
 }
 
 WindowAttentionPlugin::WindowAttentionPlugin(std::string layer, Attributes const& a)
-    : PluginBase(std::move(layer))
+    : PluginImpl(std::move(layer))
     , mHeads(a.getInt("num_heads", 0))
     , mWindow(a.getInt("window", 0))
     , mDilation(a.getInts("dilation"))
@@ -55,37 +55,9 @@ WindowAttentionPlugin::WindowAttentionPlugin(std::string layer, Attributes const
         mDilation.assign(size_t(mHeads), 1);
 }
 
-WindowAttentionPlugin* WindowAttentionPlugin::create(char const* layer, Attributes const& a)
+std::string WindowAttentionPlugin::invalid() const
 {
-    auto* p = new WindowAttentionPlugin(layer, a);
-    std::string why;
-    if (p->mHeads <= 0 || p->mWindow < 1)
-        why = "num_heads must be positive and window >= 1";
-    else if (int32_t(p->mDilation.size()) != p->mHeads
-        || *std::min_element(p->mDilation.begin(), p->mDilation.end()) < 1)
-        why = "dilation must hold one positive int per head";
-    else if (p->mHeads > 128)
-        why = "more than 128 heads is not supported";
-    if (!why.empty())
-    {
-        log(ILogger::Severity::kERROR, kName, layer, why);
-        delete p;
-        return nullptr;
-    }
-    return p;
-}
-
-IPluginV3* WindowAttentionPlugin::clone() noexcept
-{
-    try
-    {
-        return new WindowAttentionPlugin(*this);
-    }
-    catch (...)
-    {
-        error("clone failed");
-    }
-    return nullptr;
+    return checkHeadsWindowDilation(mHeads, mWindow, mDilation);
 }
 
 void WindowAttentionPlugin::writeAttributes(Attributes& out) const
@@ -96,42 +68,29 @@ void WindowAttentionPlugin::writeAttributes(Attributes& out) const
     out.setFloat("scale", mScale);
 }
 
-int32_t WindowAttentionPlugin::getOutputDataTypes(
-    DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes, int32_t nbInputs) const noexcept
+void WindowAttentionPlugin::outputTypes(DataType* out, DataType const* in) const
 {
-    if (nbInputs != kInputs || nbOutputs != 3)
-        return -1;
-    outputTypes[0] = inputTypes[kQuery];
-    outputTypes[1] = inputTypes[kPastKey];
-    outputTypes[2] = inputTypes[kPastValue];
-    return 0;
+    out[0] = in[kQuery];
+    out[1] = in[kPastKey];
+    out[2] = in[kPastValue];
 }
 
-int32_t WindowAttentionPlugin::getOutputShapes(DimsExprs const* inputs, int32_t nbInputs, DimsExprs const*, int32_t,
-    DimsExprs* outputs, int32_t nbOutputs, IExprBuilder&) noexcept
+std::string WindowAttentionPlugin::outputShapes(DimsExprs const* in, DimsExprs* out, IExprBuilder&) const
 {
-    if (nbInputs != kInputs || nbOutputs != 3 || inputs[kQuery].nbDims != 3 || inputs[kValue].nbDims != 3)
-    {
-        error("expected query, key, value [B, T, H*D]");
-        return -1;
-    }
-    outputs[0].nbDims = 3;
-    outputs[0].d[0] = inputs[kQuery].d[0];
-    outputs[0].d[1] = inputs[kQuery].d[1];
-    outputs[0].d[2] = inputs[kValue].d[2];
-    outputs[1] = inputs[kPastKey];
-    outputs[2] = inputs[kPastValue];
-    return 0;
+    if (in[kQuery].nbDims != 3 || in[kValue].nbDims != 3)
+        return "expected query, key, value [B, T, H*D]";
+    out[0].nbDims = 3;
+    out[0].d[0] = in[kQuery].d[0];
+    out[0].d[1] = in[kQuery].d[1];
+    out[0].d[2] = in[kValue].d[2];
+    out[1] = in[kPastKey];
+    out[2] = in[kPastValue];
+    return {};
 }
 
-bool WindowAttentionPlugin::supportsFormatCombination(
-    int32_t pos, DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
+bool WindowAttentionPlugin::supports(int32_t pos, DynamicPluginTensorDesc const* inOut) const
 {
-    if (nbInputs != kInputs || nbOutputs != 3 || pos < 0 || pos >= kInputs + 3)
-        return false;
     PluginTensorDesc const& d = inOut[pos].desc;
-    if (!isLinear(d))
-        return false;
     switch (pos)
     {
     case kQuery:
@@ -181,48 +140,34 @@ std::string WindowAttentionPlugin::checkShapes(PluginTensorDesc const* in, int32
     return {};
 }
 
-int32_t WindowAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const*,
-    void const* const* inputs, void* const* outputs, void*, cudaStream_t stream) noexcept
+int32_t WindowAttentionPlugin::launch(
+    PluginTensorDesc const* inputDesc, void const* const* inputs, void* const* outputs, cudaStream_t stream)
 {
-    try
-    {
-        std::string const why = checkShapes(inputDesc, kInputs);
-        if (!why.empty())
-        {
-            error(why);
-            return -1;
-        }
-        Dims const& q = inputDesc[kQuery].dims;
-        attn::WindowParams p{};
-        p.batch = int32_t(q.d[0]);
-        p.seq = int32_t(q.d[1]);
-        p.heads = mHeads;
-        p.d = int32_t(q.d[2] / mHeads);
-        p.dv = int32_t(inputDesc[kValue].dims.d[2] / mHeads);
-        p.window = mWindow;
-        p.ring = int32_t(inputDesc[kPastKey].dims.d[2]);
-        p.persistent = int32_t(inputDesc[kPersistentKey].dims.d[2]);
-        p.scale = mScale != 0.0f ? mScale : 1.0f / std::sqrt(float(p.d));
-        WindowAttentionIO io{};
-        io.query = inputs[kQuery];
-        io.key = inputs[kKey];
-        io.value = inputs[kValue];
-        io.past_key = inputs[kPastKey];
-        io.past_value = inputs[kPastValue];
-        io.position = static_cast<int64_t const*>(inputs[kPosition]);
-        io.persistent_key = inputs[kPersistentKey];
-        io.persistent_value = inputs[kPersistentValue];
-        io.output = outputs[0];
-        io.present_key = outputs[1];
-        io.present_value = outputs[2];
-        return status(cuda::windowAttention(p, mDilation.data(), io, DType(dtypeOf(inputDesc[kQuery].type)),
-            DType(dtypeOf(inputDesc[kPastKey].type)), DType(dtypeOf(inputDesc[kPersistentKey].type)), stream));
-    }
-    catch (std::exception const& e)
-    {
-        error(e.what());
-    }
-    return -1;
+    Dims const& q = inputDesc[kQuery].dims;
+    attn::WindowParams p{};
+    p.batch = int32_t(q.d[0]);
+    p.seq = int32_t(q.d[1]);
+    p.heads = mHeads;
+    p.d = int32_t(q.d[2] / mHeads);
+    p.dv = int32_t(inputDesc[kValue].dims.d[2] / mHeads);
+    p.window = mWindow;
+    p.ring = int32_t(inputDesc[kPastKey].dims.d[2]);
+    p.persistent = int32_t(inputDesc[kPersistentKey].dims.d[2]);
+    p.scale = mScale != 0.0f ? mScale : 1.0f / std::sqrt(float(p.d));
+    WindowAttentionIO io{};
+    io.query = inputs[kQuery];
+    io.key = inputs[kKey];
+    io.value = inputs[kValue];
+    io.past_key = inputs[kPastKey];
+    io.past_value = inputs[kPastValue];
+    io.position = static_cast<int64_t const*>(inputs[kPosition]);
+    io.persistent_key = inputs[kPersistentKey];
+    io.persistent_value = inputs[kPersistentValue];
+    io.output = outputs[0];
+    io.present_key = outputs[1];
+    io.present_value = outputs[2];
+    return status(cuda::windowAttention(p, mDilation.data(), io, DType(dtypeOf(inputDesc[kQuery].type)),
+        DType(dtypeOf(inputDesc[kPastKey].type)), DType(dtypeOf(inputDesc[kPersistentKey].type)), stream));
 }
 
 } // namespace trt

@@ -8,34 +8,29 @@ namespace edgemem
 namespace trt
 {
 
-class WindowAttentionPlugin : public PluginBase
+class WindowAttentionPlugin : public PluginImpl<WindowAttentionPlugin>
 {
 public:
     static constexpr char const* kName = "WindowAttention";
+    static constexpr int32_t kInputs = 8;
+    static constexpr int32_t kOutputs = 3;
     static std::vector<FieldSpec> fieldSpecs();
-    static WindowAttentionPlugin* create(char const* layer, Attributes const& attrs);
-
-    nvinfer1::IPluginV3* clone() noexcept override;
-    char const* getPluginName() const noexcept override { return kName; }
-    int32_t getNbOutputs() const noexcept override { return 3; }
-    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs, nvinfer1::DataType const* inputTypes,
-        int32_t nbInputs) const noexcept override;
-    int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs, nvinfer1::DimsExprs const* shapeInputs,
-        int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs, int32_t nbOutputs,
-        nvinfer1::IExprBuilder& exprBuilder) noexcept override;
-    bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
-        int32_t nbOutputs) noexcept override;
-    int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
-        void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
 
 protected:
-    int32_t expectedInputs() const override { return 8; }
     void writeAttributes(Attributes& out) const override;
     std::string checkShapes(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs) const override;
 
 private:
+    friend class PluginImpl<WindowAttentionPlugin>;
+    friend class Creator<WindowAttentionPlugin>;
     WindowAttentionPlugin(std::string layer, Attributes const& attrs);
-    // attributes
+    std::string invalid() const;
+    void outputTypes(nvinfer1::DataType* out, nvinfer1::DataType const* in) const;
+    std::string outputShapes(nvinfer1::DimsExprs const* in, nvinfer1::DimsExprs* out, nvinfer1::IExprBuilder& eb) const;
+    bool supports(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut) const;
+    int32_t launch(nvinfer1::PluginTensorDesc const* in, void const* const* inputs, void* const* outputs,
+        cudaStream_t stream);
+
     int32_t mHeads;
     int32_t mWindow;
     std::vector<int32_t> mDilation;

@@ -56,13 +56,17 @@ class Manifest:
     inputs: dict[str, str] = field(default_factory=lambda: {"tokens": "input_ids"})
     outputs: dict[str, str] = field(default_factory=lambda: {"logits": "logits"})
     format: str = FORMAT
+    quantization: dict[str, Any] | None = None  # how an INT8 export was made (edgemem.quant); None: not quantized
 
     @property
     def vocab_size(self) -> int:
         return int(self.config["vocab_size"])
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2) + "\n"
+        data = asdict(self)
+        if data["quantization"] is None:
+            del data["quantization"]  # float exports read as before by tools that predate quantization
+        return json.dumps(data, indent=2) + "\n"
 
     def identity(self) -> str:
         """A hash of the model files: what a state checkpoint must match."""

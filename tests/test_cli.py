@@ -76,11 +76,16 @@ def test_overrides_reach_the_model():
 
 
 def test_wheel_ships_every_subpackage():
-    """pyproject lists packages explicitly (export/ is mapped to edgemem.recipes): none may be missing."""
+    """pyproject lists packages explicitly (export/ and calib/ are mapped to edgemem.recipes and
+    edgemem.calib): none may be missing."""
     import pathlib
     import tomllib
 
     root = pathlib.Path(__file__).parents[1]
-    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
     found = {".".join(p.parent.relative_to(root).parts) for p in (root / "edgemem").rglob("__init__.py")}
-    assert found | {"edgemem.recipes"} == listed
+    mapped = set(setuptools["package-dir"])
+    assert {"edgemem.recipes", "edgemem.calib"} <= mapped
+    assert all((root / d / "__init__.py").exists() for d in setuptools["package-dir"].values())
+    assert found | mapped == listed

@@ -551,13 +551,20 @@ def test_build_command_says_what_is_missing(tmp_path):
     from click.testing import CliRunner
 
     from edgemem.cli import main
+    from edgemem.manifest import Manifest
 
     runner = CliRunner()
     result = runner.invoke(main, ["build", str(tmp_path)])
     assert result.exit_code == 2 and "no trt target" in result.output and "--target trt" in result.output
     (tmp_path / "trt").mkdir()
     (tmp_path / "trt" / "step.onnx").write_bytes(b"")
-    result = runner.invoke(main, ["build", str(tmp_path), "--fp16", "--max-batch", "4"])
+    result = runner.invoke(main, ["build", str(tmp_path)])
+    assert result.exit_code == 2 and "edgemem.json is missing" in result.output
+    manifest = Manifest("custom", {"vocab_size": 4, "dtype": "fp32"}, 20, ["trt"], [], {"step": True})
+    (tmp_path / "edgemem.json").write_text(manifest.to_json())
+    result = runner.invoke(main, ["build", str(tmp_path), "--fp16"])  # strongly typed: FP16 comes from the export
+    assert result.exit_code == 2 and "fp32 export" in result.output and "--dtype fp16" in result.output
+    result = runner.invoke(main, ["build", str(tmp_path), "--max-batch", "4"])
     assert result.exit_code == 2, result.output
     if importlib.util.find_spec("tensorrt") is None:
         assert "TensorRT's Python package is not installed" in result.output

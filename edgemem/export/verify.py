@@ -76,6 +76,12 @@ def verify(
     """Compare every runnable target with PyTorch; returns the checks and the skipped targets."""
     directory = Path(directory)
     manifest = load(directory)
+    if manifest.quantization:
+        source = manifest.quantization.get("source", {}).get("directory", "the float export")
+        raise EdgememError(
+            f"{directory} is an INT8 export ({manifest.quantization.get('method')} quantization): verify compares "
+            f"float exports with PyTorch at float tolerances. Verify {source} instead, and judge the INT8 export by "
+            "its drift report (`edgemem calibrate SOURCE --report drift.json`)")
     model = rebuild(manifest, checkpoint)
     tolerance = TOLERANCE[manifest.config.get("dtype", "fp32")]
     rng = torch.Generator().manual_seed(seed)

@@ -43,13 +43,12 @@ Streams are not thread-safe; different streams may be stepped from different thr
 
 from __future__ import annotations
 
-import operator
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnxruntime as ort
@@ -57,27 +56,20 @@ import onnxruntime as ort
 from edgemem.errors import ConfigError, EdgememError
 from edgemem.manifest import Manifest
 from edgemem.manifest import load as load_manifest
-from edgemem.runtime.errors import BackendError, BatchError, StateFileError, TokenError
-from edgemem.runtime.sampling import check_sampling, sample
-from edgemem.runtime.state import (
-    GROWING,
-    check_state,
-    concrete_shape,
-    decode_checkpoint,
-    initial_state,
-    is_growing,
-    save_checkpoint,
-)
+from edgemem.runtime.base import DEFAULT_CHUNK, EngineBase, StreamBase
+from edgemem.runtime.errors import BackendError, BatchError
+from edgemem.runtime.state import GROWING, concrete_shape, initial_state, is_growing
 
-BACKENDS = ("ort", "ort-cuda")
-DEFAULT_CHUNK = 512
+BACKENDS = ("ort", "ort-cuda", "trt")
 _BATCH_SLOTS = 4  # batch sizes whose [n, ...] buffers are kept
 _ORT_TYPES = {
     "tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
     "tensor(int64)": np.int64, "tensor(int32)": np.int32,
 }
 
-TokenIds = Sequence[int] | np.ndarray | bytes | bytearray
+if TYPE_CHECKING:
+    from edgemem.runtime.trt import TrtEngine
+
 
 
 class _Memory:
@@ -126,7 +118,7 @@ def _summary(e: BaseException) -> str:
     return text[-1] if text else type(e).__name__
 
 
-class Engine:
+class Engine(EngineBase):
     """An exported model loaded into onnxruntime; makes streams and steps batches of them.
 
     Use `Engine.load(directory)`. One engine serves any number of streams.
@@ -167,15 +159,25 @@ class Engine:
     # ------------------------------------------------------------------ loading
     @classmethod
     def load(cls, directory: str | Path, backend: str = "ort", target: str | None = None, threads: int | None = None,
-             *, chunk_size: int = DEFAULT_CHUNK, check_files: bool = True) -> Engine:
+             *, chunk_size: int = DEFAULT_CHUNK, check_files: bool = True, engines: str | Path | None = None,
+             plugins: str | Path | None = None) -> Engine | TrtEngine:
         """Load the export in `directory` (its `edgemem.json`; every file's sha256 is checked).
 
-        backend: "ort" (CPU) or "ort-cuda" (onnxruntime's CUDA execution provider).
+        backend: "ort" (CPU), "ort-cuda" (onnxruntime's CUDA execution provider) or "trt" (the TensorRT
+            engines of `edgemem build` in DIR/engines or `engines`, with the plugin library `plugins` or
+            $EDGEMEM_TRT_PLUGINS: `edgemem.runtime.trt`).
         target: which lowered graphs to run; default "ort" if the export has it, else "generic".
         threads: onnxruntime intra-op threads (default: onnxruntime's choice, one per core).
         chunk_size: tokens per prefill-graph run.
         """
         directory = Path(directory)
+        if backend == "trt":
+            from edgemem.runtime.trt import TrtEngine  # noqa: PLC0415 — imports TensorRT lazily itself
+
+            return TrtEngine.load(directory, target, threads, chunk_size=chunk_size, check_files=check_files,
+                                  engines=engines, plugins=plugins)
+        if engines is not None or plugins is not None:
+            raise ConfigError("engines= and plugins= are for backend 'trt'")
         manifest = load_manifest(directory, check_files=check_files)
         if backend not in BACKENDS:
             raise BackendError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
@@ -216,8 +218,13 @@ class Engine:
         providers: list[Any] = ["CPUExecutionProvider"]
         if self.backend == "ort-cuda":
             providers = [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
+        # In a QDQ graph, common-subexpression elimination merges the QuantizeLinear nodes of
+        # projections that read one input, and the merged node no longer fuses into an integer
+        # MatMul: static INT8 then ran ~4x slower than float on CPU.
+        static_int8 = (self.manifest.quantization or {}).get("method") == "static"
+        disabled = ["CommonSubexpressionElimination"] if static_int8 else None
         try:
-            session = ort.InferenceSession(str(path), options, providers=providers)
+            session = ort.InferenceSession(str(path), options, providers=providers, disabled_optimizers=disabled)
         except Exception as e:  # noqa: BLE001 — onnxruntime raises its own, varied exception types
             raise BackendError(f"onnxruntime cannot load {path}: {_summary(e)}") from None
         if self.backend == "ort-cuda" and "CUDAExecutionProvider" not in session.get_providers():
@@ -233,66 +240,8 @@ class Engine:
         return session
 
     # ------------------------------------------------------------------ streams
-    def new_stream(self) -> Stream:
-        """A fresh stream at position 0 (Titans' memory starts from `state_init.safetensors`)."""
-        return Stream(self, self._initial, 0, None)
-
-    def load_stream(self, path: str | Path) -> Stream:
-        """A stream restored from `Stream.save`: refused unless it is this model's, intact and well-formed."""
-        path = Path(path)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise StateFileError(f"{path}: no such state file") from None
-        except OSError as e:
-            raise StateFileError(f"{path}: cannot read ({e.strerror})") from None
-        checkpoint = decode_checkpoint(data, self.manifest, str(path))
-        return Stream(self, checkpoint.state, checkpoint.position, checkpoint.logits)
-
-    def stream_from_state(self, state: Mapping[str, np.ndarray], position: int = 0,
-                          logits: np.ndarray | None = None) -> Stream:
-        """A stream from numpy state tensors of batch 1 (names as in edgemem.json), checked like a checkpoint."""
-        check_state(self.manifest, state)
-        return Stream(self, state, int(position), logits)
-
-    def state_bytes(self, position: int = 0) -> int:
-        """Bytes of one stream's state at `position` (constant unless the model has a KV cache)."""
-        return self._fixed_bytes + self._growth * position
-
-    @property
-    def state_bytes_per_token(self) -> int:
-        return self._growth
-
-    # ------------------------------------------------------------------ tokens
-    def _token(self, token: Any) -> int:
-        if type(token) is int and 0 <= token < self.vocab_size:  # the fast path
-            return token
-        if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
-            raise TokenError(f"a token id must be an integer; got {type(token).__name__} {token!r}")
-        token = operator.index(token)
-        if not 0 <= token < self.vocab_size:
-            raise TokenError(f"token id {token} is outside the vocabulary [0, {self.vocab_size})")
-        return token
-
-    def _tokens(self, token_ids: Any, what: str = "prompt") -> np.ndarray:
-        if isinstance(token_ids, (bytes, bytearray, memoryview)):
-            ids = np.frombuffer(bytes(token_ids), dtype=np.uint8).astype(np.int64)
-        elif isinstance(token_ids, str):
-            raise TokenError(f"the {what} is text: pass token ids (for a byte-level model, text.encode())")
-        else:
-            ids = np.asarray(token_ids)
-            if ids.dtype == object or (ids.size and ids.dtype.kind not in "iu"):
-                raise TokenError(f"the {what} must hold integer token ids; got dtype {ids.dtype}")
-            ids = ids.astype(np.int64, copy=False).reshape(-1) if ids.ndim <= 1 else None
-            if ids is None:
-                raise TokenError(f"the {what} must be one sequence of token ids (1-D)")
-        if ids.size == 0:
-            raise TokenError(f"the {what} is empty: give at least one token")
-        bad = np.flatnonzero((ids < 0) | (ids >= self.vocab_size))
-        if bad.size:
-            raise TokenError(f"token id {int(ids[bad[0]])} at index {int(bad[0])} of the {what} is outside the "
-                             f"vocabulary [0, {self.vocab_size})")
-        return ids
+    def _new(self, state: Mapping[str, np.ndarray], position: int, logits: np.ndarray | None) -> Stream:
+        return Stream(self, state, position, logits)
 
     # ------------------------------------------------------------------ running
     def _run(self, kind: str, binding: ort.IOBinding) -> None:
@@ -381,12 +330,6 @@ class Engine:
             self._batch_slots.move_to_end(n)
         return slot
 
-    # ------------------------------------------------------------------ convenience
-    def generate(self, prompt: bytes | str | Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> bytes | list[int]:
-        """Generate from a fresh stream (see `Stream.generate`)."""
-        return self.new_stream().generate(prompt, max_new_tokens, temperature, top_k, top_p, seed)
-
     def __repr__(self) -> str:
         return (f"Engine({self.manifest.arch}, {self.directory}, backend={self.backend}, target={self.target}, "
                 f"threads={self.threads or 'auto'})")
@@ -463,7 +406,7 @@ class _BatchSlot:
         self.members = []
 
 
-class Stream:
+class Stream(StreamBase):
     """One sequence's state and position. Make it with `engine.new_stream()` or `engine.load_stream(path)`."""
 
     def __init__(self, engine: Engine, state: Mapping[str, np.ndarray], position: int, logits: np.ndarray | None):
@@ -540,30 +483,12 @@ class Stream:
         spec = self._engine._growing[0]
         return self._grown[spec.input].shape()[spec.shape.index(GROWING)]  # OrtValue or _Row
 
-    def state_dict(self) -> dict[str, np.ndarray]:
-        """A copy of every state tensor (batch 1), named as the graph inputs in edgemem.json."""
-        return {s.input: np.array(self._read(s.input), copy=True) for s in self._engine._specs}
-
-    @property
-    def engine(self) -> Engine:
-        return self._engine
-
-    @property
-    def position(self) -> int:
-        """Tokens consumed since the stream started (kept through save/load and fork)."""
-        return self._position
-
     @property
     def state_bytes(self) -> int:
         """Bytes of this stream's state (constant for recurrent models; grows with a KV cache)."""
         return self._engine._fixed_bytes + sum(
             v.nbytes() if isinstance(v, _Row) else v.tensor_size_in_bytes() for v in self._grown.values()
         )
-
-    @property
-    def logits(self) -> np.ndarray | None:
-        """Logits [V] for the next token (after the last prefill or step), or None for a fresh stream."""
-        return self._logits_view[0, 0].copy() if self._has_logits else None
 
     # ------------------------------------------------------------------ running
     def step(self, token_id: int) -> np.ndarray:
@@ -606,30 +531,6 @@ class Stream:
         else:
             binding.bind_ortvalue_input(spec.input, value)
 
-    def prefill(self, token_ids: TokenIds, *, chunk_size: int | None = None, all_logits: bool = True) -> np.ndarray:
-        """Consume a block of tokens; returns logits [T, V] (or only the last row [V] with `all_logits=False`).
-
-        Runs the prefill graph on chunks of `chunk_size` tokens (default: the engine's), or steps
-        through the tokens when the export has no prefill graph.
-        """
-        engine = self._engine
-        ids = engine._tokens(token_ids)
-        chunk = chunk_size or engine.chunk_size
-        if not isinstance(chunk, int) or chunk < 1:
-            raise ConfigError(f"chunk_size must be a positive integer; got {chunk!r}")
-        rows: list[np.ndarray] = []
-        if not engine.has_prefill:
-            for token in ids.tolist():
-                logits = self.step(token)
-                if all_logits:
-                    rows.append(logits)
-            return np.stack(rows) if all_logits else logits
-        for start in range(0, ids.size, chunk):
-            part = self._prefill_chunk(ids[start : start + chunk])
-            if all_logits:
-                rows.append(part)
-        return np.concatenate(rows) if all_logits else self._logits_view[0, 0].copy()
-
     def _prefill_chunk(self, ids: np.ndarray) -> np.ndarray:
         self._sync()
         engine, memory = self._engine, self._engine._memory
@@ -665,44 +566,3 @@ class Stream:
     def reset(self) -> None:
         """Back to a fresh stream at position 0 (buffers are reused)."""
         self._assign(self._engine._initial, 0, None)
-
-    def save(self, path: str | Path) -> None:
-        """Checkpoint to a safetensors file, atomically (see `edgemem.runtime.state`)."""
-        save_checkpoint(path, self._engine.manifest, {s.input: self._read(s.input) for s in self._engine._specs},
-                        self._position, self.logits)
-
-    # ------------------------------------------------------------------ generation
-    def generate_iter(self, prompt: bytes | str | Sequence[int] = b"", max_new_tokens: int = 64,
-                      temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                      seed: int | None = None) -> Iterator[int]:
-        """Yield new token ids one by one. Each yielded token has already been fed to the stream, so
-        stopping early leaves a stream ready to continue. An empty prompt continues from the stream's
-        last logits (e.g. after `engine.load_stream`)."""
-        check_sampling(temperature, top_k, top_p)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ConfigError(f"max_new_tokens must be a non-negative integer; got {max_new_tokens!r}")
-        if isinstance(prompt, str):
-            if self._engine.vocab_size != 256:
-                raise TokenError("text prompts need a byte-level model (vocab 256); pass token ids")
-            prompt = prompt.encode()
-        if len(prompt):
-            logits = self.prefill(prompt, all_logits=False)
-        elif self._has_logits:
-            logits = self._logits_view[0, 0].copy()
-        else:
-            raise TokenError("nothing to continue from: the stream is fresh, give a prompt")
-        rng = np.random.default_rng(seed)
-        for _ in range(max_new_tokens):
-            token = sample(logits, temperature, top_k, top_p, rng)
-            logits = self.step(token)
-            yield token
-
-    def generate(self, prompt: bytes | str | Sequence[int] = b"", max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> bytes | list[int]:
-        """The new tokens after `prompt`: bytes for a byte-level model (vocab 256), else a list of ids.
-        Greedy at temperature 0; otherwise sampled with top-k / top-p, reproducibly with `seed`."""
-        tokens = list(self.generate_iter(prompt, max_new_tokens, temperature, top_k, top_p, seed))
-        return bytes(tokens) if self._engine.vocab_size == 256 else tokens
-
-    def __repr__(self) -> str:
-        return f"Stream({self._engine.manifest.arch}, position={self._position}, state_bytes={self.state_bytes})"

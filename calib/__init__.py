@@ -1,0 +1,1 @@
+"""Calibration recipes: one TOML file per recipe (importable as `edgemem.calib`)."""

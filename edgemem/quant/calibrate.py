@@ -1,0 +1,270 @@
+"""`calibrate`: an fp32 export directory → an INT8 export directory (projections only, state float).
+
+dynamic: onnxruntime `quantize_dynamic` (MatMulInteger with per-channel INT8 weights, activations
+  quantized at run time); no calibration data. Targets: the onnxruntime-runnable ones (ort, generic,
+  onnx27). The trt target is left out: TensorRT takes explicit Q/DQ, not MatMulInteger.
+static: onnxruntime `quantize_static` in QDQ format, symmetric INT8 activations, symmetric per-channel
+  INT8 weights (a layout TensorRT's explicit quantization accepts), MinMax ranges from states that the
+  edgemem runtime rolls out at the recipe's log-spaced positions. Ranges are calibrated once per graph
+  (prefill, step) on the first runnable target and reused, by tensor name, for the other targets,
+  trt included (its MatMuls are the same nodes; the plugin nodes stay float).
+
+Only the recipe-approved projections (see `edgemem.quant.graph`) are quantized; outputs of MatMul/Gemm
+are never quantized, so nothing downstream (gates, decays, norms, custom nodes, state) sees INT8.
+The output directory is built beside its final place and renamed into it, like `edgemem export`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnxruntime.quantization import (
+    CalibrationDataReader,
+    CalibrationMethod,
+    QuantFormat,
+    QuantType,
+    quantize_dynamic,
+    quantize_static,
+)
+
+from edgemem.errors import ConfigError, EdgememError
+from edgemem.manifest import MANIFEST, STATE_INIT, Manifest, sha256, write_atomic
+from edgemem.manifest import load as load_manifest
+from edgemem.quant.graph import (
+    PROJECTION_OPS,
+    Projection,
+    boundary_violations,
+    isolate_inputs,
+    projections,
+    quantized_projections,
+)
+from edgemem.quant.recipe import Recipe, RecipeError, load_recipe
+
+log = logging.getLogger(__name__)
+
+METHODS = ("dynamic", "static")
+RUNNABLE = ("ort", "generic", "onnx27")  # targets onnxruntime runs, in order of preference
+GRAPHS = ("prefill", "step")
+
+
+def default_out(directory: str | Path, method: str) -> Path:
+    """Where `edgemem calibrate DIR --method M` writes by default: `DIR-int8-M` beside DIR."""
+    directory = Path(directory).resolve()
+    return directory.with_name(f"{directory.name}-int8-{method}")
+
+
+class _Reader(CalibrationDataReader):
+    """Feeds onnxruntime's calibrator a list of prepared inputs."""
+
+    def __init__(self, feeds: list[dict[str, np.ndarray]]):
+        self.feeds = feeds
+        self._iter: Iterator[dict[str, np.ndarray]] = iter(feeds)
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        return next(self._iter, None)
+
+    def __len__(self) -> int:
+        return len(self.feeds)
+
+
+def calibration_feeds(directory: Path, manifest: Manifest, recipe: Recipe, threads: int | None) -> dict[str, list]:
+    """Inputs of the prefill and step graphs at the recipe's positions: `streams` held-out streams of the
+    recipe's task rolled out by the fp32 runtime (chunked prefill), batched as one [streams, ...] feed
+    per position. The step sample is the next token, the prefill sample the next `prefill_tokens`."""
+    from edgemem.runtime import Engine
+
+    engine = Engine.load(directory, threads=threads, check_files=False)
+    length = max(recipe.positions) + recipe.prefill_tokens
+    tokens = recipe.make_task().stream(recipe.streams, length, recipe.seed).tokens
+    streams = [engine.new_stream() for _ in range(recipe.streams)]
+    feeds: dict[str, list] = {kind: [] for kind in GRAPHS}
+    ids = manifest.inputs["tokens"]
+    for position in recipe.positions:
+        if position > streams[0].position:
+            for row, stream in zip(tokens, streams):
+                stream.prefill(row[stream.position : position], all_logits=False)
+        states = [s.state_dict() for s in streams]
+        state = {spec.input: np.concatenate([st[spec.input] for st in states]) for spec in manifest.state}
+        feeds["step"].append({ids: tokens[:, position : position + 1], **state})
+        feeds["prefill"].append({ids: tokens[:, position : position + recipe.prefill_tokens], **state})
+        log.info("calibration states at position %d", position)
+    return feeds
+
+
+def _select(paths: dict[tuple[str, str], Path], state_names: set[str],
+            recipe: Recipe) -> tuple[dict[tuple[str, str], list[Projection]], dict[tuple[str, str], list[str]]]:
+    """Every projection per (target, graph) and the node names to quantize; each recipe exclusion must
+    name a projection of some graph."""
+    found: dict[tuple[str, str], list[Projection]] = {
+        key: projections(onnx.load(str(path), load_external_data=False), state_names) for key, path in paths.items()
+    }
+    everything = [p for ps in found.values() for p in ps]
+    unknown = [pattern for pattern in recipe.exclude if not any(p.matches(pattern) for p in everything)]
+    if unknown:
+        modules = sorted({p.module or p.node for p in everything})
+        raise RecipeError(f"{recipe.source}: quantize.exclude names no MatMul/Gemm of this export: {', '.join(unknown)} "
+                          f"(known projections: {', '.join(modules)})")
+    selected = {
+        key: [p.node for p in ps if p.quantizable and not any(p.matches(x) for x in recipe.exclude)]
+        for key, ps in found.items()
+    }
+    return found, selected
+
+
+class _QuietQuantizer(logging.Filter):
+    """onnxruntime.quantization logs on the root logger (pre-processing advice, a line per tensor): debug here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "onnxruntime" in record.pathname and record.levelno < logging.ERROR:
+            log.debug("onnxruntime: %s", record.getMessage())
+            return False
+        return True
+
+
+def _quantize(method: str, source: Path, dest: Path, nodes: list[str], feeds: list | None, cache: Path) -> None:
+    """onnxruntime.quantization on `nodes`; static ranges come from `feeds`, or from `cache` when None."""
+    common = dict(op_types_to_quantize=list(PROJECTION_OPS), per_channel=True, nodes_to_quantize=nodes,
+                  weight_type=QuantType.QInt8)
+    quiet = _QuietQuantizer()
+    logging.getLogger().addFilter(quiet)
+    try:
+        if method == "dynamic":
+            quantize_dynamic(source, dest, extra_options={"MatMulConstBOnly": True}, **common)
+            return
+        quantize_static(
+            source, dest, _Reader(feeds) if feeds is not None else None, quant_format=QuantFormat.QDQ,
+            activation_type=QuantType.QInt8, calibrate_method=CalibrationMethod.MinMax, calibration_cache_path=cache,
+            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "MatMulConstBOnly": True,
+                           "OpTypesToExcludeOutputQuantization": list(PROJECTION_OPS)},
+            **common,
+        )
+    except Exception as e:  # noqa: BLE001 — onnxruntime.quantization raises varied exception types
+        raise EdgememError(f"onnxruntime.quantization failed on {dest.parent.name}/{dest.name} ({method}): {type(e).__name__}: {e}") from e
+    finally:
+        logging.getLogger().removeFilter(quiet)
+
+
+def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Recipe | None = None,
+              out: str | Path | None = None, *, force: bool = False, threads: int | None = 1) -> Manifest:
+    """Quantize the export in `directory` to INT8 (see the module docstring); returns the new manifest."""
+    directory = Path(directory)
+    manifest = load_manifest(directory)
+    if method not in METHODS:
+        raise ConfigError(f"unknown quantization method {method!r}; choose from {', '.join(METHODS)}")
+    if manifest.quantization:
+        raise EdgememError(f"{directory} is already quantized ({manifest.quantization['method']}); "
+                           "calibrate the fp32 export")
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    runnable = [t for t in RUNNABLE if t in manifest.targets]
+    if not runnable:
+        raise EdgememError(f"{directory} has no target onnxruntime can run (it has {', '.join(manifest.targets)}); "
+                           "calibration needs ort or generic")
+    targets = runnable + (["trt"] if method == "static" and "trt" in manifest.targets else [])
+    if method == "dynamic" and "trt" in manifest.targets:
+        log.warning("dynamic INT8 leaves the trt target out (TensorRT needs explicit Q/DQ: use --method static)")
+    kinds = [k for k in GRAPHS if manifest.graphs.get(k)]
+    out = Path(out) if out is not None else default_out(directory, method)
+    if out.resolve() == directory.resolve():
+        raise EdgememError("the output directory must differ from the export being calibrated")
+    if out.exists() and not out.is_dir():
+        raise EdgememError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise EdgememError(f"{out} is not empty; pass --force (force=True) to replace it")
+
+    state_names = {n for s in manifest.state for n in (s.input, s.output)}
+    sources = {(t, k): directory / t / f"{k}.onnx" for t in targets for k in kinds}
+    found, selected = _select(sources, state_names, recipe)
+    feeds = calibration_feeds(directory, manifest, recipe, threads) if method == "static" else None
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        files: dict[str, str] = {}
+        counts: dict[str, int] = {}
+        for kind in kinds:
+            cache = tmp / f".{kind}.calibration.json"  # ranges of the first target, reused by the others
+            for i, target in enumerate(targets):
+                dest = tmp / target / f"{kind}.onnx"
+                dest.parent.mkdir(exist_ok=True)
+                nodes = selected[(target, kind)]
+                log.info("quantizing %s/%s: %d projections (%s)", target, kind, len(nodes), method)
+                if nodes:
+                    source = sources[(target, kind)]
+                    if method == "static":  # QDQ rewires every reader of a quantized tensor: isolate them first
+                        model = onnx.load(str(source))
+                        isolate_inputs(model, nodes)
+                        source = tmp / f".{target}-{kind}.isolated.onnx"
+                        onnx.save(model, source)
+                    _quantize(method, source, dest, nodes, feeds[kind] if feeds is not None and i == 0 else None, cache)
+                    if method == "static":
+                        source.unlink()
+                else:
+                    shutil.copyfile(sources[(target, kind)], dest)
+                _check(dest, state_names, len(nodes))
+                name = f"{target}/{kind}.onnx"
+                files[name], counts[name] = sha256(dest), len(nodes)
+            cache.unlink(missing_ok=True)
+        if STATE_INIT in manifest.files:
+            shutil.copyfile(directory / STATE_INIT, tmp / STATE_INIT)
+            files[STATE_INIT] = sha256(tmp / STATE_INIT)
+        quantized = Manifest(
+            arch=manifest.arch, config=dict(manifest.config), opset=manifest.opset, targets=targets,
+            state=manifest.state, graphs=manifest.graphs, files=files, inputs=manifest.inputs, outputs=manifest.outputs,
+            quantization=_record(directory, manifest, method, recipe, found, selected, counts),
+        )
+        write_atomic(tmp / MANIFEST, quantized.to_json().encode())
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("wrote %s", out)
+    return quantized
+
+
+def _check(path: Path, state_names: set[str], expected: int) -> None:
+    """The written graph keeps state and custom nodes float and quantizes every selected projection."""
+    model = onnx.load(str(path))
+    problems = boundary_violations(model, state_names)
+    if problems:
+        raise EdgememError(f"{path.name}: quantization reached float-only tensors: {'; '.join(problems[:3])}")
+    count = quantized_projections(model)
+    if count != expected:
+        raise EdgememError(f"{path.name}: {count} projections quantized, {expected} selected")
+
+
+def _record(directory: Path, manifest: Manifest, method: str, recipe: Recipe, found: dict, selected: dict,
+            counts: dict[str, int]) -> dict[str, Any]:
+    """The manifest's record of how this export was quantized."""
+    kept = {p.module or p.node for key, ps in found.items() for p in ps if p.node not in selected[key]}
+    return {
+        "method": method,
+        "scheme": {"weights": "int8 symmetric per-channel", "activations": "int8 dynamic per-tensor"
+                   if method == "dynamic" else "int8 symmetric per-tensor (QDQ, MinMax calibration)",
+                   "ops": list(PROJECTION_OPS)},
+        "recipe": recipe.to_dict(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "source": {"directory": str(directory.resolve()), "identity": manifest.identity()},
+        "quantized_projections": counts,
+        "excluded": {"state": [s.input for s in manifest.state] + [s.output for s in manifest.state],
+                     "projections_kept_float": sorted(kept), "patterns": recipe.exclude},
+    }
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Rename `new` to `target`; an existing target is moved aside first and removed after (as export does,
+    without importing torch)."""
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.old-{new.name.rsplit('-', 1)[-1]}")
+        target.rename(old)
+    new.rename(target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

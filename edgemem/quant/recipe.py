@@ -1,0 +1,172 @@
+"""Calibration recipes: TOML files in the top-level `calib/` folder (shipped as `edgemem.calib`).
+
+    [data]                     what the calibration rolls out
+    task = "bytes"             an `edgemem.tasks` task: mqar, copy, bytes
+    params = {}                its parameters (`edgemem.tasks.get_task`), e.g. {length = 64, pairs = 8}
+    streams = 4                calibration streams (one batch)
+    positions = {first = 16, last = 4096, count = 9}   log-spaced positions (or a list)
+    prefill_tokens = 64        tokens per prefill-graph sample, fed from each position
+    seed = 1                   seed of the calibration streams
+
+    [quantize]
+    exclude = []               MatMul/Gemm nodes kept float: module paths (model.blocks.0.mixer.beta),
+                               node, tensor or weight names; fnmatch patterns; each must match a node
+
+    [drift]
+    horizons = [32, 512, 4096, 32768]
+    streams = 2                held-out streams (seeds differ from the calibration's)
+    seed = 1000
+    window = 64                positions before a horizon whose logits are compared
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgemem.errors import ConfigError
+from edgemem.tasks import Task, get_task
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT = "default"
+_SECTIONS = {
+    "data": {"task", "params", "streams", "positions", "prefill_tokens", "seed"},
+    "quantize": {"exclude"},
+    "drift": {"horizons", "streams", "seed", "window"},
+}
+
+
+class RecipeError(ConfigError):
+    """A calibration recipe that is missing, malformed or names tensors the export does not have."""
+
+
+@dataclass
+class Recipe:
+    name: str
+    task: str = "bytes"
+    params: dict[str, Any] = field(default_factory=dict)
+    streams: int = 4
+    positions: list[int] = field(default_factory=lambda: log_positions(16, 4096, 9))
+    prefill_tokens: int = 64
+    seed: int = 1
+    exclude: list[str] = field(default_factory=list)
+    horizons: list[int] = field(default_factory=lambda: [32, 512, 4096, 32768])
+    drift_streams: int = 2
+    drift_seed: int = 1000
+    window: int = 64
+    source: str = ""
+
+    def make_task(self) -> Task:
+        """The `edgemem.tasks` task the recipe rolls out."""
+        return get_task(self.task, **self.params)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The recipe as recorded in a quantized export's manifest."""
+        return {
+            "name": self.name, "source": self.source, "task": self.task, "params": self.params,
+            "streams": self.streams, "positions": self.positions, "prefill_tokens": self.prefill_tokens,
+            "seed": self.seed, "exclude": self.exclude, "horizons": self.horizons,
+        }
+
+
+def log_positions(first: int, last: int, count: int) -> list[int]:
+    """`count` log-spaced integer positions from `first` to `last` (duplicates dropped)."""
+    return sorted({int(round(p)) for p in np.geomspace(first, last, count)})
+
+
+def recipes() -> list[str]:
+    """Names of the shipped recipes, sorted."""
+    return sorted(f.name[: -len(".toml")] for f in resources.files("edgemem.calib").iterdir() if f.name.endswith(".toml"))
+
+
+def _read(spec: str) -> tuple[str, str, str]:
+    """(name, source, text) of a recipe given as a shipped name, `calib/<name>` or a path to a TOML file."""
+    path = Path(spec)
+    for candidate in (path, path.with_name(path.name + ".toml")):
+        if candidate.is_file():
+            return candidate.stem, str(candidate), candidate.read_text()
+    name = spec.removeprefix("calib/").removesuffix(".toml")
+    shipped = resources.files("edgemem.calib") / f"{name}.toml"
+    if "/" not in name and shipped.is_file():
+        return name, f"calib/{name}.toml", shipped.read_text()
+    raise RecipeError(f"no calibration recipe {spec!r}: not a file, and not one of the shipped recipes "
+                      f"({', '.join(recipes())})")
+
+
+def _int_list(value: Any, key: str, minimum: int) -> list[int]:
+    if isinstance(value, dict):
+        unknown = set(value) - {"first", "last", "count"}
+        if unknown or not all(isinstance(value.get(k), int) for k in ("first", "last", "count")):
+            raise RecipeError(f"{key} must be a list of integers or {{first, last, count}}; got {value!r}")
+        if not 1 <= value["first"] <= value["last"] or value["count"] < 1:
+            raise RecipeError(f"{key}: need 1 <= first <= last and count >= 1; got {value!r}")
+        return log_positions(value["first"], value["last"], value["count"])
+    if not isinstance(value, list) or not value or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise RecipeError(f"{key} must be a non-empty list of integers; got {value!r}")
+    if min(value) < minimum:
+        raise RecipeError(f"{key} must be at least {minimum}; got {value!r}")
+    return sorted(set(value))
+
+
+def _positive(value: Any, key: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise RecipeError(f"{key} must be a positive integer; got {value!r}")
+    return value
+
+
+def load_recipe(spec: str | None = None) -> Recipe:
+    """Read and validate a recipe: a shipped name (`mqar`, `calib/mqar`) or a TOML file; default `default`."""
+    name, source, text = _read(spec or DEFAULT)
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise RecipeError(f"{source} is not valid TOML: {e}") from None
+    for section, value in raw.items():
+        if section not in _SECTIONS or not isinstance(value, dict):
+            raise RecipeError(f"{source}: unknown section [{section}]; expected {', '.join(_SECTIONS)}")
+        unknown = set(value) - _SECTIONS[section]
+        if unknown:
+            raise RecipeError(f"{source}: unknown key(s) {', '.join(sorted(unknown))} in [{section}]; "
+                              f"expected {', '.join(sorted(_SECTIONS[section]))}")
+    data, quantize, drift = raw.get("data", {}), raw.get("quantize", {}), raw.get("drift", {})
+    recipe = Recipe(name=name, source=source)
+    try:
+        if "task" in data:
+            if not isinstance(data["task"], str):
+                raise RecipeError(f"data.task must be a string; got {data['task']!r}")
+            recipe.task = data["task"]
+        if "params" in data:
+            if not isinstance(data["params"], dict):
+                raise RecipeError(f"data.params must be a table; got {data['params']!r}")
+            recipe.params = data["params"]
+        try:
+            get_task(recipe.task, **recipe.params)
+        except ConfigError as e:
+            raise RecipeError(f"[data]: {e}") from None
+        for key, attr in (("streams", "streams"), ("prefill_tokens", "prefill_tokens"), ("seed", "seed")):
+            if key in data:
+                setattr(recipe, attr, _positive(data[key], f"data.{key}"))
+        if "positions" in data:
+            recipe.positions = _int_list(data["positions"], "data.positions", 1)
+        if "exclude" in quantize:
+            exclude = quantize["exclude"]
+            if not isinstance(exclude, list) or not all(isinstance(p, str) and p for p in exclude):
+                raise RecipeError(f"quantize.exclude must be a list of names or patterns; got {exclude!r}")
+            recipe.exclude = exclude
+        if "horizons" in drift:
+            recipe.horizons = _int_list(drift["horizons"], "drift.horizons", 1)
+        for key, attr in (("streams", "drift_streams"), ("seed", "drift_seed"), ("window", "window")):
+            if key in drift:
+                setattr(recipe, attr, _positive(drift[key], f"drift.{key}"))
+    except RecipeError as e:
+        raise RecipeError(f"{source}: {e}") from None
+    return recipe

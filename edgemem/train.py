@@ -1,0 +1,177 @@
+"""Train a preset on a task (`edgemem.tasks`) and evaluate checkpoints.
+
+Training uses the model's parallel `forward`, cross-entropy over the scored targets, AdamW
+with a linear warmup and a cosine decay to a tenth of the peak rate, and gradient clipping
+at norm 1. Evaluation streams held-out data through `prefill` in chunks (constant memory for
+recurrent models), the stateful path a deployed model runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from edgemem.errors import ConfigError
+from edgemem.models import LM, build, load_checkpoint, save_checkpoint
+from edgemem.tasks import Task, get_task, train_rng
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    model: LM
+    losses: list[float] = field(default_factory=list)  # one per step
+    seconds: float = 0.0
+
+
+def _task(task: str | Task, params: dict[str, Any] | None = None) -> Task:
+    return task if isinstance(task, Task) else get_task(task, **(params or {}))
+
+
+def _loss(model: LM, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+
+
+def train(
+    arch: str,
+    task: str | Task,
+    steps: int,
+    out: str | Path | None = None,
+    *,
+    seed: int = 0,
+    overrides: dict[str, Any] | None = None,
+    task_params: dict[str, Any] | None = None,
+    batch: int = 64,
+    length: int | None = None,
+    lr: float = 3e-3,
+    weight_decay: float = 0.1,
+    warmup: int | None = None,
+    progress: bool = True,
+    device: str = "cpu",
+) -> TrainResult:
+    """Train `build(arch, seed=seed, **overrides)` on `task` for `steps` steps of `batch` sequences
+    of `length` tokens (default: the task's episode length) on `device` (a torch device: "cpu",
+    "cuda"); save to `out` if given. The returned model is on the CPU."""
+    if steps < 1 or batch < 1:
+        raise ConfigError(f"steps and batch must be positive; got steps={steps}, batch={batch}")
+    if not lr > 0 or weight_decay < 0:
+        raise ConfigError(f"lr must be positive and weight_decay ≥ 0; got lr={lr}, weight_decay={weight_decay}")
+    task = _task(task, task_params)
+    length = length or task.length
+    try:
+        device = torch.device(device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:
+        raise ConfigError(f"cannot train on device {str(device)!r}: {str(e).splitlines()[0]}") from None
+    model = build(arch, seed=seed, **(overrides or {})).to(device)
+    model.train()
+    rng = train_rng(seed)
+    warmup = min(steps // 10, 200) if warmup is None else warmup
+    if not 0 <= warmup <= steps:
+        raise ConfigError(f"warmup must be in 0..steps ({steps}); got {warmup}")
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * t))
+
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.95),
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    log.info("training %s on %s: %d steps × %d × %d tokens, %d parameters", arch, task.name, steps, batch, length,
+             sum(p.numel() for p in model.parameters()))
+    result = TrainResult(model)
+    start = time.perf_counter()
+    with _progress(progress, f"{arch} on {task.name}", steps) as advance:
+        for step in range(steps):
+            sample = task.batch(batch, length, rng)
+            loss = _loss(model, torch.from_numpy(sample.tokens).to(device), torch.from_numpy(sample.targets).to(device))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            result.losses.append(loss.item())
+            advance(result.losses[-1])
+            if (step + 1) % max(1, steps // 10) == 0:
+                log.info("step %d/%d: loss %.4f", step + 1, steps, result.losses[-1])
+    result.seconds = time.perf_counter() - start
+    model.to("cpu").eval()
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        save_checkpoint(model, out)
+        log.info("saved %s after %.0f s", out, result.seconds)
+    return result
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool, description: str, total: int) -> Iterator[Callable[[float], None]]:
+    """A rich progress bar on stderr showing the loss (or nothing); yields `advance(loss)`."""
+    if not enabled:
+        yield lambda loss: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(description, total=total, loss="-")
+        yield lambda loss: bar.update(task, advance=1, loss=f"{loss:.4f}")
+
+
+@torch.no_grad()
+def evaluate(
+    checkpoint_or_model: str | Path | LM,
+    task: str | Task,
+    length: int | None = None,
+    batch: int = 64,
+    seed: int = 0,
+    *,
+    task_params: dict[str, Any] | None = None,
+    chunk: int = 1024,
+) -> dict[str, Any]:
+    """The task's metric on `batch` held-out streams of `length` tokens (default: the task's
+    episode length): `{"task", "arch", "length", <metric>}`."""
+    task = _task(task, task_params)
+    length = length or task.length
+    if batch < 1 or length < 1 or chunk < 1:
+        raise ConfigError(f"batch, length and chunk must be positive; got {batch}, {length}, {chunk}")
+    model = checkpoint_or_model if isinstance(checkpoint_or_model, LM) else load_checkpoint(checkpoint_or_model)
+    model.eval()
+    sample = task.stream(batch, length, seed)
+    if model.streaming:
+        state = model.init_state(batch)
+        pieces = []
+        for begin in range(0, length, chunk):
+            logits, state = model.prefill(torch.from_numpy(sample.tokens[:, begin : begin + chunk]), state)
+            pieces.append(_chunk_score(task, logits.numpy(), sample.targets[:, begin : begin + chunk]))
+    else:
+        logits = model(torch.from_numpy(sample.tokens))
+        pieces = [_chunk_score(task, logits.numpy(), sample.targets)]
+    count = sum(n for _, n in pieces)
+    if not count:
+        raise ConfigError(f"a {task.name} stream of {length} tokens has no scored position")
+    value = sum(s * n for s, n in pieces) / count
+    return {"task": task.name, "arch": model.config.arch, "length": length, task.metric: value}
+
+
+def _chunk_score(task: Task, logits: np.ndarray, targets: np.ndarray) -> tuple[float, int]:
+    """(metric, scored positions) of one chunk; every metric is a mean, so chunks combine by weight."""
+    n = int((targets >= 0).sum())
+    return (task.score(logits, targets) if n else 0.0), n

@@ -1,0 +1,317 @@
+"""INT8 calibration (`edgemem calibrate`, edgemem.quant): artifacts that run, float state, drift reports.
+
+A small random-weight deltanet is exported once per module and quantized both ways; the trained
+MQAR deltanet (checkpoints/deltanet-mqar.safetensors) is checked for drift when it exists.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from edgemem.cli import main
+from edgemem.manifest import ManifestError
+from edgemem.manifest import load as load_manifest
+from edgemem.runtime import Engine
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKPOINT = ROOT / "checkpoints" / "deltanet-mqar.safetensors"
+HORIZONS = ["32", "512", "4096", "32768"]
+QUANT_OPS = {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger", "MatMulIntegerToFloat",
+             "DynamicQuantizeMatMul", "QLinearMatMul", "QGemm"}
+# a short calibration and one held-out stream: enough for every property below but the trained-model one
+FAST_RECIPE = """
+[data]
+task = "bytes"
+streams = 2
+positions = { first = 16, last = 1024, count = 4 }
+prefill_tokens = 32
+[drift]
+horizons = [32, 512, 4096, 32768]
+streams = 1
+window = 32
+"""
+
+
+def _invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def fp32(tmp_path_factory):
+    from edgemem.export import export
+    from edgemem.models import build
+
+    out = tmp_path_factory.mktemp("quant") / "deltanet"
+    export(build("deltanet", seed=0, d_model=64, mlp_hidden=64, n_layers=2), out, targets=["generic", "ort", "trt"],
+           extra_config={"seed": 0})
+    return out
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("recipes") / "fast.toml"
+    path.write_text(FAST_RECIPE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def quantized(fp32, recipe):
+    """{method: directory}: dynamic through the Python API, static through the CLI (with its drift report)."""
+    from edgemem.quant import calibrate
+
+    dynamic = fp32.with_name("deltanet-dyn")
+    calibrate(fp32, "dynamic", str(recipe), dynamic, threads=1)
+    report = fp32.with_name("static-report.json")
+    result = _invoke("calibrate", fp32, "--method", "static", "--recipe", recipe, "--report", report)
+    assert result.exit_code == 0, result.output
+    return {"dynamic": dynamic, "static": fp32.with_name("deltanet-int8-static"), "report": report,
+            "output": result.output}
+
+
+def _graphs(model):
+    """(where, nodes) of the main graph, subgraphs in attributes, and every local function's body."""
+
+    def walk(where, nodes):
+        yield where, nodes
+        for node in nodes:
+            for attr in node.attribute:
+                subgraphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+                for graph in subgraphs:
+                    yield from walk(f"{where}/{node.name}", list(graph.node))
+
+    yield from walk("main", list(model.graph.node))
+    for function in model.functions:
+        yield from walk(f"function {function.name}", list(function.node))
+
+
+def _graph_files(directory):
+    manifest = load_manifest(directory)
+    return manifest, [directory / name for name in manifest.files if name.endswith(".onnx")]
+
+
+# ---------------------------------------------------------------- artifacts
+
+
+@pytest.mark.parametrize("method", ["dynamic", "static"])
+def test_quantized_export_runs_in_onnxruntime_close_to_fp32(fp32, quantized, method):
+    ids = np.random.default_rng(0).integers(0, 256, 300)
+    reference = Engine.load(fp32, threads=1).new_stream().prefill(ids)
+    manifest = load_manifest(quantized[method])
+    assert manifest.targets == (["ort", "generic", "trt"] if method == "static" else ["ort", "generic"])
+    for target in ("ort", "generic"):
+        engine = Engine.load(quantized[method], threads=1, target=target)
+        stream = engine.new_stream()
+        prefilled = stream.prefill(ids[:200])
+        stepped = np.stack([stream.step(int(t)) for t in ids[200:]])
+        logits = np.concatenate([prefilled, stepped])
+        err = np.linalg.norm(logits - reference) / np.linalg.norm(reference)
+        assert 0 < err < 0.1, (target, err)  # quantized (not a copy), and still the same model
+        assert all(v.dtype == np.float32 for v in stream.state_dict().values())
+
+
+@pytest.mark.parametrize("method", ["dynamic", "static"])
+def test_no_quantization_node_touches_state_or_custom_ops(quantized, method):
+    manifest, files = _graph_files(quantized[method])
+    state = {n for s in manifest.state for n in (s.input, s.output)}
+    for path in files:
+        model = onnx.load(str(path))
+        custom = set()
+        for _, nodes in _graphs(model):
+            for node in nodes:
+                if node.domain not in ("", "ai.onnx") and node.op_type not in QUANT_OPS:
+                    custom.update(n for n in (*node.input, *node.output) if n)
+        if path.parent.name == "generic":
+            assert model.functions, f"{path}: the edgemem ops' local functions were lost"
+        for where, nodes in _graphs(model):
+            for node in nodes:
+                if node.op_type not in QUANT_OPS:
+                    continue
+                assert not where.startswith("function"), f"{path} {where}: {node.op_type} inside a custom op's body"
+                touched = {*node.input, *node.output} & (state | custom)
+                assert not touched, f"{path} {where}: {node.op_type} {node.name} touches {sorted(touched)}"
+
+
+@pytest.mark.parametrize("method", ["dynamic", "static"])
+def test_every_weight_projection_is_int8(fp32, quantized, method):
+    _, files = _graph_files(quantized[method])
+    for path in files:
+        source = onnx.load(str(fp32 / path.parent.name / path.name))
+        weights = {i.name for i in source.graph.initializer}
+        expected = sum(n.op_type == "MatMul" and n.input[1] in weights for n in source.graph.node)
+        model = onnx.load(str(path))
+        produced = {o: n.op_type for n in model.graph.node for o in n.output}
+        if method == "dynamic":
+            count = sum(n.op_type == "MatMulInteger" for n in model.graph.node)
+        else:  # QDQ: activation and weight both come from DequantizeLinear; the weight is stored as int8
+            count = sum(n.op_type == "MatMul" and produced.get(n.input[0]) == produced.get(n.input[1]) == "DequantizeLinear"
+                        for n in model.graph.node)
+            int8 = {i.name for i in model.graph.initializer if i.data_type == onnx.TensorProto.INT8}
+            assert sum(n.op_type == "DequantizeLinear" and n.input[0] in int8 for n in model.graph.node) == expected
+        assert expected == 11 and count == expected, (path, count, expected)  # 2 × (qkv, beta, out, up, down) + head
+        if method == "static":  # symmetric int8 activations: zero points are int8 zeros
+            values = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+            zero_points = [values[n.input[2]] for n in model.graph.node if n.op_type == "QuantizeLinear"]
+            assert zero_points and all(z.dtype == np.int8 and not z.any() for z in zero_points)
+
+
+def test_static_trt_graphs_use_the_ort_calibration(quantized):
+    for kind in ("prefill", "step"):
+        scales = {}
+        for target in ("ort", "trt"):
+            model = onnx.load(str(quantized["static"] / target / f"{kind}.onnx"))
+            values = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+            scales[target] = {n.input[0]: float(values[n.input[1]]) for n in model.graph.node if n.op_type == "QuantizeLinear"}
+            if target == "trt":
+                assert any(n.domain == "edgemem" for n in model.graph.node) and not model.functions
+        assert scales["ort"] and scales["ort"] == scales["trt"]
+
+
+@pytest.mark.parametrize("method", ["dynamic", "static"])
+def test_manifest_records_quantization_and_hashes_verify(fp32, quantized, method):
+    directory = quantized[method]
+    manifest = load_manifest(directory, check_files=True)
+    record = manifest.quantization
+    assert record["method"] == method and record["recipe"]["name"] == "fast" and record["date"]
+    assert record["source"]["identity"] == load_manifest(fp32).identity()
+    assert set(record["excluded"]["state"]) == {n for s in manifest.state for n in (s.input, s.output)}
+    assert sum(record["quantized_projections"].values()) == 11 * len(manifest.files)
+    assert not any(p.name.startswith(".") for p in directory.parent.iterdir() if "tmp" in p.name)  # no temp dir left
+    path = directory / "ort" / "step.onnx"
+    original = path.read_bytes()
+    try:
+        path.write_bytes(original + b"\0")
+        with pytest.raises(ManifestError, match="sha256"):
+            Engine.load(directory)
+    finally:
+        path.write_bytes(original)
+
+
+def test_cli_run_and_bench_take_the_quantized_export(quantized):
+    result = _invoke("run", quantized["static"], "--prompt", "def ", "--max-new-tokens", "8", "--threads", "1")
+    assert result.exit_code == 0, result.output
+    result = _invoke("bench", quantized["dynamic"], "--positions", "64", "--batch", "1,2", "--steps", "3",
+                     "--time-limit", "0.2", "--no-eager")
+    assert result.exit_code == 0, result.output
+
+
+# ---------------------------------------------------------------- drift report
+
+
+def test_drift_report_json_has_the_documented_shape(fp32, quantized):
+    report = json.loads(quantized["report"].read_text())
+    kinds = {s.kind for s in load_manifest(fp32).state}
+    assert list(report["horizons"]) == HORIZONS
+    for row in report["horizons"].values():
+        assert set(row) == {"logits_rel_err", "state_rel_err", "metric"}
+        assert set(row["state_rel_err"]) == kinds == {"recurrent_state", "conv_state"}
+        assert all(0 < v < 0.2 for v in (row["logits_rel_err"], *row["state_rel_err"].values()))
+        assert isinstance(row["metric"], float)
+    assert list(report["fp32_metric"]) == HORIZONS and report["metric_name"] == "bits_per_byte"
+    assert report["us_per_token"]["fp32"] > 0 and report["us_per_token"]["quantized"] > 0
+    assert report["size_bytes"]["quantized"] < 0.7 * report["size_bytes"]["fp32"]  # int8 weights (embedding stays fp32)
+    assert "32,768" in quantized["output"]  # the table
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _clean_failure(result, message):
+    assert result.exit_code != 0
+    assert "Traceback" not in result.output and isinstance(result.exception, SystemExit), result.output
+    assert message in result.output, result.output
+
+
+def test_not_an_export_is_a_clean_error(tmp_path):
+    _clean_failure(_invoke("calibrate", tmp_path), "is not an edgemem export")
+
+
+def test_unknown_method_is_a_clean_error(fp32):
+    _clean_failure(_invoke("calibrate", fp32, "--method", "int4"), "'int4' is not one of")
+    from edgemem.errors import ConfigError
+    from edgemem.quant import calibrate
+
+    with pytest.raises(ConfigError, match="unknown quantization method"):
+        calibrate(fp32, "int4")
+
+
+def test_missing_recipe_is_a_clean_error(fp32):
+    _clean_failure(_invoke("calibrate", fp32, "--recipe", "calib/nope"), "no calibration recipe 'calib/nope'")
+
+
+def test_recipe_naming_unknown_tensors_is_a_clean_error(fp32, tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('[quantize]\nexclude = ["model.blocks.0.mixer.beta", "model.blocks.*.mixer.no_such_proj"]\n')
+    result = _invoke("calibrate", fp32, "--recipe", path, "--out", tmp_path / "q")
+    _clean_failure(result, "names no MatMul/Gemm of this export: model.blocks.*.mixer.no_such_proj (known")
+    assert not (tmp_path / "q").exists()
+
+
+def test_malformed_recipe_is_a_clean_error(fp32, tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('[data]\ntask = "bytes"\nstreems = 3\n')
+    _clean_failure(_invoke("calibrate", fp32, "--recipe", path), "unknown key(s) streems")
+
+
+def test_existing_output_needs_force(fp32, quantized, recipe):
+    _clean_failure(_invoke("calibrate", fp32, "--out", quantized["dynamic"], "--recipe", recipe, "--no-drift"),
+                   "--force")
+
+
+def test_verify_refuses_an_int8_export_and_names_the_source(fp32, quantized):
+    _clean_failure(_invoke("verify", quantized["dynamic"]), f"Verify {fp32.resolve()} instead")
+
+
+def test_recipe_exclusions_keep_projections_float(fp32, tmp_path):
+    from edgemem.quant import calibrate
+
+    path = tmp_path / "keep.toml"
+    path.write_text('[quantize]\nexclude = ["model.blocks.*.mixer.beta", "model.head"]\n')
+    manifest = calibrate(fp32, "dynamic", str(path), tmp_path / "q")
+    assert set(manifest.quantization["quantized_projections"].values()) == {8}
+    assert {"model.blocks.0.mixer.beta", "model.blocks.1.mixer.beta", "model.head"} <= set(
+        manifest.quantization["excluded"]["projections_kept_float"])
+
+
+def test_shipped_recipes_load():
+    from edgemem.quant import load_recipe, recipes
+
+    assert {"default", "mqar", "bytes"} <= set(recipes())
+    for name in recipes():
+        recipe = load_recipe(f"calib/{name}")
+        assert recipe.horizons == [32, 512, 4096, 32768] and recipe.positions[-1] > 1000
+        recipe.make_task()
+
+
+# ---------------------------------------------------------------- trained model
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    if not CHECKPOINT.is_file():
+        pytest.skip(f"no trained checkpoint at {CHECKPOINT} (edgemem train deltanet on mqar)")
+    from edgemem.export import export
+    from edgemem.models import load_checkpoint
+
+    out = tmp_path_factory.mktemp("trained") / "deltanet-mqar"
+    export(load_checkpoint(CHECKPOINT), out, targets=["ort"], extra_config={"checkpoint": str(CHECKPOINT)})
+    return out
+
+
+@pytest.mark.parametrize("method", ["dynamic", "static"])
+def test_trained_deltanet_does_not_drift(trained, method):
+    """Error at 32K at most twice the error at 512 (no growth with the horizon); accuracy within a point."""
+    from edgemem.quant import calibrate, drift_report, load_recipe
+
+    recipe = load_recipe("calib/mqar")
+    recipe.drift_streams = 2
+    out = trained.with_name(f"deltanet-mqar-{method}")
+    calibrate(trained, method, recipe, out)
+    report = drift_report(trained, out, recipe, timing_steps=20)
+    rows = report["horizons"]
+    assert rows["32768"]["logits_rel_err"] <= 2 * rows["512"]["logits_rel_err"], rows
+    for horizon in HORIZONS:
+        assert abs(rows[horizon]["metric"] - report["fp32_metric"][horizon]) <= 0.01, (horizon, report)

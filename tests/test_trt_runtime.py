@@ -1,0 +1,390 @@
+"""The TensorRT backend (`edgemem.runtime.trt`) and what `edgemem build` records for it (engines.json).
+
+Without TensorRT and a GPU: the checks made before TensorRT is touched (engines directory,
+engines.json against the export and the engine files, the plugin library), the binding plan
+(which state tensors share one buffer, shapes per batch and block), and the stream logic itself
+on a stand-in device — host memory addressed by integers, and "engines" that run the same export's
+generic graphs in onnxruntime at the addresses the runtime binds — compared with the onnxruntime
+engine. With TensorRT, cuda-python, a GPU and $EDGEMEM_TRT_PLUGINS: real engines, built and run.
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from edgemem.errors import ConfigError, EdgememError
+from edgemem.manifest import Manifest, StateSpec
+from edgemem.manifest import load as load_manifest
+from edgemem.runtime import BackendError, BatchError, Engine
+from edgemem.runtime import trt as trt_runtime
+from edgemem.runtime.engine import _ORT_TYPES
+from edgemem.trt_build import (
+    ENGINES_JSON,
+    build_engines,
+    dim_names,
+    engine_entry,
+    in_place_states,
+    profile,
+    write_engines_json,
+)
+
+RECURRENT = "past_key_values.0.recurrent_state"
+CONV = "past_key_values.0.conv_state"
+
+_EXPORT = textwrap.dedent("""
+    import sys
+    from edgemem.export import export
+    from edgemem.models import build
+    export(build("gated-deltanet", seed=0, d_model=32, mlp_hidden=32, n_layers=1), sys.argv[1],
+           targets=["generic", "trt"], extra_config={"seed": 0})
+""")
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory) -> Path:
+    """A small gated DeltaNet (recurrent_state: plugin, in place; conv_state: Concat+Slice, ping-pong)."""
+    out = tmp_path_factory.mktemp("trt-runtime") / "gated-deltanet"
+    subprocess.run([sys.executable, "-c", _EXPORT, str(out)], check=True, capture_output=True)
+    return out
+
+
+def _fake_engines(export: Path, folder: Path, max_batch: int = 4, max_sequence: int = 5) -> Path:
+    """engines.json as `edgemem build` writes it, over placeholder engine files and a placeholder plugin library."""
+    folder.mkdir(parents=True, exist_ok=True)
+    manifest = load_manifest(export)
+    library = folder / "libedgemem_trt_plugins.so"
+    library.write_bytes(b"placeholder plugin library")
+    entries = {}
+    for kind in ("step", "prefill"):
+        model = onnx.load(str(export / "trt" / f"{kind}.onnx"))
+        path = folder / f"{kind}.engine"
+        path.write_bytes(f"placeholder {kind} engine".encode())
+        entries[kind] = engine_entry(path, model, manifest, profile(dim_names(model), max_batch, max_sequence))
+    write_engines_json(folder, manifest, "10.13.0", library, max_batch, max_sequence, entries)
+    return library
+
+
+# ---------------------------------------------------------------------- what the build records
+def test_in_place_only_for_state_a_plugin_alone_reads_and_writes(export_dir):
+    manifest = load_manifest(export_dir)
+    for kind in ("step", "prefill"):
+        assert in_place_states(onnx.load(str(export_dir / "trt" / f"{kind}.onnx")), manifest) == [RECURRENT]
+    # a state that another node also reads (Titans' position: Unsqueeze, Reshape) is not updated in place
+    specs = [StateSpec("past.a", "present.a", ["batch", 2], "float32", "0", "memory.0", "zeros"),
+             StateSpec("past.p", "present.p", ["batch"], "int64", "0", "position", "zeros")]
+    nodes = [helper.make_node("NeuralMemory", ["x", "past.a", "past.p"], ["y", "present.a", "present.p"], domain="edgemem"),
+             helper.make_node("Shape", ["past.a"], ["s"]),  # dims only: no reader
+             helper.make_node("Unsqueeze", ["past.p", "s"], ["u"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+                                           for n in ("x", "past.a", "past.p")],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+                               for n in ("y", "u", "present.a", "present.p")])
+    manifest = Manifest("custom", {"vocab_size": 4}, 20, ["trt"], specs, {"step": True})
+    assert in_place_states(helper.make_model(graph), manifest) == ["past.a"]
+
+
+def test_profile_ranges():
+    dims = {"input_ids": ["batch", "sequence"], "past": ["batch", 4, 8], "fixed": [1, 4]}
+    assert profile(dims, 8, 100) == {"input_ids": [[1, 1], [8, 64], [8, 100]], "past": [[1, 4, 8], [8, 4, 8], [8, 4, 8]]}
+
+
+def test_fp16_needs_an_fp16_export(export_dir):
+    with pytest.raises(EdgememError, match=r"fp32 export.*strongly typed.*--dtype fp16"):
+        build_engines(export_dir, fp16=True, plugins="/nonexistent.so")
+
+
+# ---------------------------------------------------------------------- the binding plan
+def test_binding_plan_aliases_in_place_state_and_ping_pongs_the_rest():
+    specs = [StateSpec(RECURRENT, "present.0.recurrent_state", ["batch", 4, 8, 8], "float32", "0", "recurrent_state",
+                       "zeros"),
+             StateSpec(CONV, "present.0.conv_state", ["batch", 96, 3], "float32", "0", "conv_state", "zeros")]
+    shared = {RECURRENT}
+    assert [trt_runtime.buffer_count(s, shared) for s in specs] == [1, 2]
+    for side in (0, 1):
+        plan = trt_runtime.binding_plan(specs, shared, side)
+        assert plan[RECURRENT] == plan["present.0.recurrent_state"] == (RECURRENT, 0)
+        assert plan[CONV] == (CONV, side) and plan["present.0.conv_state"] == (CONV, 1 - side)
+    info = {"engines": {"step": {"in_place": [RECURRENT, CONV]}, "prefill": {"in_place": [RECURRENT]}}}
+    assert trt_runtime.in_place(info, ["step"]) == {RECURRENT, CONV}
+    assert trt_runtime.in_place(info, ["step", "prefill"]) == {RECURRENT}  # a stream's buffers serve both engines
+
+
+def test_shapes_and_profile_limits(export_dir, tmp_path):
+    manifest = load_manifest(export_dir)
+    shapes = trt_runtime.io_shapes(manifest, 3, 7)
+    assert shapes["input_ids"] == [3, 7] and shapes["logits"] == [3, 7, manifest.vocab_size]
+    assert shapes[RECURRENT] == shapes["present.0.recurrent_state"] == [3, 4, 8, 8]
+    assert shapes[CONV] == [3, 96, 3]
+    _fake_engines(export_dir, tmp_path / "engines", max_batch=4, max_sequence=5)
+    info = json.loads((tmp_path / "engines" / ENGINES_JSON).read_text())
+    trt_runtime.check_profile(info, "prefill", trt_runtime.io_shapes(manifest, 4, 5))
+    assert trt_runtime.max_tokens(info, "prefill", "input_ids") == 5
+    assert trt_runtime.max_tokens(info, "step", "input_ids") == 1
+    with pytest.raises(BackendError,
+                       match=r"step engine takes input_ids from \[1, 1\] to \[4, 1\], this run needs \[5, 1\].*--max-batch 4"):
+        trt_runtime.check_profile(info, "step", trt_runtime.io_shapes(manifest, 5, 1))
+
+
+# ---------------------------------------------------------------------- errors before TensorRT
+def test_load_says_what_is_missing(export_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("EDGEMEM_TRT_PLUGINS", raising=False)
+    export = tmp_path / "export"
+    shutil.copytree(export_dir, export)
+    with pytest.raises(BackendError, match=r"engines: no TensorRT engines; build them with `edgemem build"):
+        Engine.load(export, backend="trt")
+    library = _fake_engines(export, export / "engines")
+    with pytest.raises(ConfigError, match="threads is an onnxruntime setting"):
+        Engine.load(export, backend="trt", threads=2)
+    with pytest.raises(BackendError, match="runs the engines built from the trt target, not 'ort'"):
+        Engine.load(export, backend="trt", target="ort")
+    with pytest.raises(EdgememError, match="engines= and plugins= are for backend 'trt'"):
+        Engine.load(export, plugins=library)
+    with pytest.raises(BackendError, match=r"no plugin library: pass plugins=.*EDGEMEM_TRT_PLUGINS"):
+        Engine.load(export, backend="trt")
+    with pytest.raises(BackendError, match=r"plugin library .*missing.so does not exist"):
+        Engine.load(export, backend="trt", plugins=tmp_path / "missing.so")
+    other = tmp_path / "other.so"
+    other.write_bytes(b"another build")
+    with pytest.raises(BackendError, match="is not the one the engines were built with"):
+        Engine.load(export, backend="trt", plugins=other)
+    monkeypatch.setenv("EDGEMEM_TRT_PLUGINS", str(library))
+    if importlib.util.find_spec("tensorrt") is None:  # every check passed: TensorRT itself is what is missing
+        with pytest.raises(BackendError, match=r"needs TensorRT's Python package.*pip install 'edgemem\[gpu\]'"):
+            Engine.load(export, backend="trt")
+    (export / "engines" / "step.engine").write_bytes(b"changed")
+    with pytest.raises(BackendError, match=r"step.engine does not match its sha256 in engines.json"):
+        Engine.load(export, backend="trt")
+    (export / "engines" / "step.engine").unlink()
+    with pytest.raises(BackendError, match="step engine step.engine listed in engines.json is missing"):
+        Engine.load(export, backend="trt")
+    (export / "engines" / ENGINES_JSON).write_text("{")
+    with pytest.raises(BackendError, match="is not a valid engines.json"):
+        Engine.load(export, backend="trt")
+    (export / "engines" / ENGINES_JSON).unlink()
+    with pytest.raises(BackendError, match="has no engines.json"):
+        Engine.load(export, backend="trt")
+
+
+def test_engines_of_another_export_are_refused(export_dir, tmp_path):
+    _fake_engines(export_dir, tmp_path / "engines")
+    other = tmp_path / "other"
+    shutil.copytree(export_dir, other)
+    manifest = json.loads((other / "edgemem.json").read_text())
+    manifest["files"]["extra.bin"] = "0" * 64  # another set of files: another identity
+    (other / "edgemem.json").write_text(json.dumps(manifest))
+    with pytest.raises(BackendError, match=r"engines built from another export \(arch gated-deltanet.*rebuild"):
+        Engine.load(other, backend="trt", engines=tmp_path / "engines", check_files=False)
+
+
+def test_models_the_backend_cannot_run():
+    growing = StateSpec("past_key_values.0.key", "present.0.key", ["batch", 2, "past_sequence", 8], "float32", "0",
+                        "key", "zeros")
+    manifest = Manifest("softmax", {"vocab_size": 4}, 20, ["trt"], [growing], {"step": True, "prefill": True})
+    with pytest.raises(BackendError, match=r"state grows .*use backend 'ort'"):
+        trt_runtime.check_model(manifest, Path("x"))
+    manifest.targets = ["ort"]
+    with pytest.raises(BackendError, match="has no trt target.*--target trt"):
+        trt_runtime.check_model(manifest, Path("x"))
+
+
+# ---------------------------------------------------------------------- the stream logic on a stand-in device
+class HostDevice:
+    """Device memory in host arrays addressed by integers, as cuda-python hands out pointers."""
+
+    handle = 0
+
+    def __init__(self):
+        self.blocks: dict[int, np.ndarray] = {}
+        self._next = 1 << 20
+
+    def alloc(self, nbytes: int) -> int:
+        pointer, self._next = self._next, self._next + ((nbytes + 255) // 256 + 1) * 256
+        self.blocks[pointer] = np.zeros(nbytes, np.uint8)
+        return pointer
+
+    def free(self, pointers):
+        for pointer in pointers:
+            del self.blocks[pointer]
+
+    def view(self, pointer: int, nbytes: int) -> np.ndarray:
+        base = max(p for p in self.blocks if p <= pointer)
+        assert pointer + nbytes <= base + self.blocks[base].size, "out of bounds"
+        return self.blocks[base][pointer - base : pointer - base + nbytes]
+
+    def upload(self, pointer, array):
+        self.view(pointer, array.nbytes)[:] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+
+    def download(self, array, pointer):
+        array.reshape(-1).view(np.uint8)[:] = self.view(pointer, array.nbytes)
+
+    def copy(self, dst, src, nbytes):
+        self.view(dst, nbytes)[:] = self.view(src, nbytes).copy()
+
+
+class OrtGraph:
+    """A stand-in engine: the export's generic graph in onnxruntime, reading and writing at bound addresses."""
+
+    def __init__(self, path: Path, device: HostDevice):
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        self.session, self.device = ort.InferenceSession(str(path), options), device
+        self.inputs = frozenset(i.name for i in self.session.get_inputs())
+        self.outputs = frozenset(o.name for o in self.session.get_outputs())
+        tensors = [*self.session.get_inputs(), *self.session.get_outputs()]
+        self.dtypes = {t.name: np.dtype(_ORT_TYPES[t.type]) for t in tensors}
+        self.calls: list[dict[str, int]] = []
+
+    def run(self, shapes, addresses, stream):
+        def read(name):
+            array = np.empty(shapes[name], self.dtypes[name])
+            self.device.download(array, addresses[name])
+            return array
+
+        outputs = self.session.run(None, {n: read(n) for n in self.inputs})  # every input read before any write
+        for output, value in zip(self.session.get_outputs(), outputs):
+            assert list(value.shape) == list(shapes[output.name])
+            self.device.upload(addresses[output.name], value)
+        self.calls.append(dict(addresses))
+
+
+@pytest.fixture(scope="module")
+def stand_in(export_dir, tmp_path_factory):
+    """A TrtEngine over the stand-in device, and the onnxruntime engine of the same export."""
+    folder = tmp_path_factory.mktemp("engines")
+    _fake_engines(export_dir, folder, max_batch=4, max_sequence=5)
+    info = json.loads((folder / ENGINES_JSON).read_text())
+    device = HostDevice()
+    graphs = {kind: OrtGraph(export_dir / "generic" / f"{kind}.onnx", device) for kind in ("step", "prefill")}
+    engine = trt_runtime.TrtEngine(export_dir, load_manifest(export_dir), info, graphs, device, chunk_size=512)
+    return engine, Engine.load(export_dir, target="generic", threads=1), device
+
+
+def _close(a, b, tol=1e-5):
+    return np.abs(np.asarray(a) - np.asarray(b)).max() <= tol * max(1.0, np.abs(np.asarray(b)).max())
+
+
+def test_stream_binds_one_buffer_in_place_and_two_for_conv_state(stand_in):
+    engine, _, device = stand_in
+    stream = engine.new_stream()
+    assert len(stream._bufs[RECURRENT]) == 1 and len(stream._bufs[CONV]) == 2
+    step = engine._graphs["step"]
+    before = len(step.calls)
+    for token in (1, 2, 3):
+        stream.step(token)
+    calls = step.calls[before:]
+    assert all(c[RECURRENT] == c["present.0.recurrent_state"] == stream._bufs[RECURRENT][0] for c in calls)
+    assert [c[CONV] for c in calls] == [stream._bufs[CONV][i] for i in (0, 1, 0)]
+    assert [c["present.0.conv_state"] for c in calls] == [stream._bufs[CONV][i] for i in (1, 0, 1)]
+    blocks = len(device.blocks)
+    stream.step(4)
+    assert len(device.blocks) == blocks  # no allocation per step
+    del stream, calls
+    assert len(device.blocks) == blocks - 5  # 3 state buffers, token ids, logits freed with the stream
+
+
+def test_stream_matches_the_onnxruntime_engine(stand_in, tmp_path):
+    engine, reference, _ = stand_in
+    prompt = bytes(range(40, 52))  # 12 tokens: prefill runs in blocks of the profile's 5
+    ours, theirs = engine.new_stream(), reference.new_stream()
+    assert _close(ours.prefill(prompt), theirs.prefill(prompt))
+    for token in (7, 8, 9):
+        assert _close(ours.step(token), theirs.step(token))
+    assert ours.position == theirs.position == 15
+    for name, value in theirs.state_dict().items():
+        assert _close(ours.state_dict()[name], value)
+    ours.save(tmp_path / "trt.safetensors")  # one checkpoint format for both backends
+    restored = reference.load_stream(tmp_path / "trt.safetensors")
+    assert _close(restored.step(5), engine.load_stream(tmp_path / "trt.safetensors").step(5))
+    fork = ours.fork()
+    assert _close(fork.step(3), ours.step(3))
+    assert ours.generate(b"ab", max_new_tokens=6) == theirs.generate(b"ab", max_new_tokens=6)
+    ours.reset()
+    assert ours.position == 0 and ours.logits is None and not ours.state_dict()[RECURRENT].any()
+    assert engine.generate(b"xy", max_new_tokens=5) == reference.generate(b"xy", max_new_tokens=5)
+    assert engine.state_bytes() == reference.state_bytes() == ours.state_bytes
+
+
+def test_step_batch_equals_single_steps(stand_in):
+    engine, _, _ = stand_in
+    streams = [engine.new_stream() for _ in range(3)]
+    for i, s in enumerate(streams):
+        s.prefill(bytes([65 + i] * (i + 1)))  # different positions
+    singles = [s.fork() for s in streams]
+    for tokens in ([1, 2, 3], [4, 5, 6]):
+        batch = engine.step_batch(streams, tokens)
+        assert _close(batch, np.stack([s.step(t) for s, t in zip(singles, tokens)]))
+    for s, single in zip(streams, singles):
+        assert s.position == single.position and _close(s.state_dict()[CONV], single.state_dict()[CONV])
+    with pytest.raises(BackendError, match="--max-batch"):
+        engine.step_batch([engine.new_stream() for _ in range(5)], [1] * 5)
+    with pytest.raises(BatchError, match="more than once"):
+        engine.step_batch([streams[0], streams[0]], [1, 2])
+
+
+# ---------------------------------------------------------------------- a real GPU
+def _cuda_reason() -> str | None:
+    if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
+        return "cuda-python is not installed"
+    from cuda.bindings import runtime as cudart
+
+    err, count = cudart.cudaGetDeviceCount()
+    if err != cudart.cudaError_t.cudaSuccess or count < 1:
+        return "no NVIDIA GPU"
+    return None
+
+
+def _gpu_reason() -> str | None:
+    if importlib.util.find_spec("tensorrt") is None:
+        return "TensorRT's Python package is not installed"
+    if not os.environ.get("EDGEMEM_TRT_PLUGINS"):
+        return "EDGEMEM_TRT_PLUGINS does not name a plugin library built from plugins/"
+    return _cuda_reason()
+
+
+@pytest.mark.skipif(_cuda_reason() is not None, reason=f"needs cuda-python and a GPU: {_cuda_reason()}")
+def test_state_on_a_real_cuda_device(export_dir, tmp_path):
+    """The runtime's cuda-python calls (memory, copies, the stream) with stand-in engines: no TensorRT needed."""
+    from cuda.bindings import runtime as cudart
+
+    _fake_engines(export_dir, tmp_path, max_batch=4, max_sequence=5)
+    device = trt_runtime._Cuda(cudart)
+    graphs = {kind: OrtGraph(export_dir / "generic" / f"{kind}.onnx", device) for kind in ("step", "prefill")}
+    engine = trt_runtime.TrtEngine(export_dir, load_manifest(export_dir), json.loads((tmp_path / ENGINES_JSON).read_text()),
+                                   graphs, device, chunk_size=512)
+    reference = Engine.load(export_dir, target="generic", threads=1)
+    ours, theirs = engine.new_stream(), reference.new_stream()
+    assert _close(ours.prefill(b"hello world"), theirs.prefill(b"hello world"))
+    for token in (1, 2, 3):
+        assert _close(ours.step(token), theirs.step(token))
+    other = ours.fork()
+    assert _close(engine.step_batch([ours, other], [4, 4]), np.stack([theirs.step(4)] * 2))
+    assert _close(ours.state_dict()[CONV], theirs.state_dict()[CONV])
+    with pytest.raises(BackendError, match="CUDA cudaMalloc failed"):
+        device.alloc(1 << 60)
+
+
+@pytest.mark.skipif(_gpu_reason() is not None, reason=f"needs TensorRT, cuda-python, a GPU and the plugins: {_gpu_reason()}")
+def test_real_engines_step_like_onnxruntime(export_dir, tmp_path):
+    export = tmp_path / "export"
+    shutil.copytree(export_dir, export)
+    build_engines(export, max_batch=2, max_sequence=64)
+    engine = Engine.load(export, backend="trt")
+    reference = Engine.load(export, target="generic", threads=1)
+    ours, theirs = engine.new_stream(), reference.new_stream()
+    assert len(ours._bufs[RECURRENT]) == 1  # state-in and state-out bound to one device buffer
+    assert _close(ours.prefill(b"hello world"), theirs.prefill(b"hello world"), 1e-4)
+    for token in range(20):
+        assert _close(ours.step(token), theirs.step(token), 1e-4)
+    assert _close(ours.state_dict()[RECURRENT], theirs.state_dict()[RECURRENT], 1e-4)
+    assert _close(engine.step_batch([ours, engine.new_stream()], [1, 2])[0], theirs.step(1), 1e-4)

@@ -11,7 +11,7 @@ takes torch tensors in the ONNX node's layout and returns new output tensors, or
 from __future__ import annotations
 
 import ctypes
-from ctypes import POINTER, c_bool, c_float, c_int32, c_void_p
+from ctypes import POINTER, c_float, c_int32, c_void_p
 
 import torch
 

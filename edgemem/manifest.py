@@ -13,10 +13,13 @@ Pure Python (json, hashlib): the runtime reads it without torch or onnx.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,6 +95,27 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def staged_directory(out: Path) -> Iterator[Path]:
+    """A temporary directory beside `out` to write an export into; on success it replaces `out`
+    (an existing one is moved aside first, then removed), on any error it is removed: readers see
+    the old directory or the whole new one, never a half-written one."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        yield tmp
+        old = None
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{tmp.name.rsplit('-', 1)[-1]}")
+            out.rename(old)
+        tmp.rename(out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 

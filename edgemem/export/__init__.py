@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,7 @@ from torch import nn
 from edgemem.errors import EdgememError
 from edgemem.export.graphs import export_graph, growing_dims, input_name, output_name
 from edgemem.export.lower import lower
-from edgemem.manifest import MANIFEST, STATE_INIT, TARGETS, Manifest, StateSpec, sha256, write_atomic
+from edgemem.manifest import MANIFEST, STATE_INIT, TARGETS, Manifest, StateSpec, sha256, staged_directory, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -94,15 +92,13 @@ def export(
         raise EdgememError(f"{out_dir} exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
         raise EdgememError(f"{out_dir} is not empty; pass --force (force=True) to replace it")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
 
     model = model.eval()
     if dtype == "fp16":
         model = copy.deepcopy(model).half()
     state_dtype = torch.float32  # state stays fp32 whatever the weights
     graphs = {"prefill": bool(getattr(model, "parallel_prefill", True)), "step": bool(getattr(model, "streaming", True))}
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
-    try:
+    with staged_directory(out_dir) as tmp:
         files: dict[str, str] = {}
         for kind in [k for k, present in graphs.items() if present]:
             log.info("exporting the %s graph", kind)
@@ -124,23 +120,8 @@ def export(
             state=specs, graphs=graphs, files=files,
         )
         write_atomic(tmp / MANIFEST, manifest.to_json().encode())
-        _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("wrote %s", out_dir)
     return manifest
-
-
-def _replace_dir(new: Path, target: Path) -> None:
-    """Rename `new` to `target`; an existing target is moved aside first and removed after."""
-    old = None
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{new.name.rsplit('-', 1)[-1]}")
-        target.rename(old)
-    new.rename(target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 __all__ = ["OPSET", "export", "lower", "state_specs"]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime
 import logging
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from onnxruntime.quantization import (
 )
 
 from edgemem.errors import ConfigError, EdgememError
-from edgemem.manifest import MANIFEST, STATE_INIT, Manifest, sha256, write_atomic
+from edgemem.manifest import MANIFEST, STATE_INIT, Manifest, sha256, staged_directory, write_atomic
 from edgemem.manifest import load as load_manifest
 from edgemem.quant.graph import (
     PROJECTION_OPS,
@@ -184,9 +183,7 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
     found, selected = _select(sources, state_names, recipe)
     feeds = calibration_feeds(directory, manifest, recipe, threads) if method == "static" else None
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
+    with staged_directory(out) as tmp:
         files: dict[str, str] = {}
         counts: dict[str, int] = {}
         for kind in kinds:
@@ -221,10 +218,6 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
             quantization=_record(directory, manifest, method, recipe, found, selected, counts),
         )
         write_atomic(tmp / MANIFEST, quantized.to_json().encode())
-        _replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("wrote %s", out)
     return quantized
 
@@ -256,15 +249,3 @@ def _record(directory: Path, manifest: Manifest, method: str, recipe: Recipe, fo
         "excluded": {"state": [s.input for s in manifest.state] + [s.output for s in manifest.state],
                      "projections_kept_float": sorted(kept), "patterns": recipe.exclude},
     }
-
-
-def _replace_dir(new: Path, target: Path) -> None:
-    """Rename `new` to `target`; an existing target is moved aside first and removed after (as export does,
-    without importing torch)."""
-    old = None
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{new.name.rsplit('-', 1)[-1]}")
-        target.rename(old)
-    new.rename(target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

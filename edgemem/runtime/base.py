@@ -12,7 +12,7 @@ import numpy as np
 
 from edgemem.errors import ConfigError
 from edgemem.manifest import Manifest
-from edgemem.runtime.errors import StateFileError, TokenError
+from edgemem.runtime.errors import BatchError, StateFileError, TokenError
 from edgemem.runtime.sampling import check_sampling, sample
 from edgemem.runtime.state import check_state, decode_checkpoint, save_checkpoint
 
@@ -75,6 +75,21 @@ class EngineBase:
         if not 0 <= token < self.vocab_size:
             raise TokenError(f"token id {token} is outside the vocabulary [0, {self.vocab_size})")
         return token
+
+    def _check_batch(self, streams: Sequence[StreamBase], token_ids: Any) -> tuple[list[StreamBase], np.ndarray]:
+        """The checked arguments of `step_batch`: distinct streams of this engine, one token id each."""
+        streams = list(streams)
+        n = len(streams)
+        if n == 0:
+            raise BatchError("step_batch needs at least one stream")
+        if any(not isinstance(s, StreamBase) or s._engine is not self for s in streams):
+            raise BatchError("step_batch: every stream must come from this engine (engine.new_stream())")
+        if len({id(s) for s in streams}) != n:
+            raise BatchError("step_batch: a stream appears more than once in the batch")
+        tokens = self._tokens(token_ids, "batch's token ids")
+        if tokens.size != n:
+            raise BatchError(f"step_batch: {n} streams but {tokens.size} token ids")
+        return streams, tokens
 
     def _tokens(self, token_ids: Any, what: str = "prompt") -> np.ndarray:
         if isinstance(token_ids, (bytes, bytearray, memoryview)):

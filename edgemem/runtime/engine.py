@@ -256,17 +256,8 @@ class Engine(EngineBase):
         Streams may be at different positions. For a model whose state grows (a KV cache), their
         caches must have equal lengths. Equivalent to `stream.step(token)` for each stream.
         """
-        streams = list(streams)
+        streams, tokens = self._check_batch(streams, token_ids)
         n = len(streams)
-        if n == 0:
-            raise BatchError("step_batch needs at least one stream")
-        if any(not isinstance(s, Stream) or s._engine is not self for s in streams):
-            raise BatchError("step_batch: every stream must come from this engine (engine.new_stream())")
-        if len({id(s) for s in streams}) != n:
-            raise BatchError("step_batch: a stream appears more than once in the batch")
-        tokens = self._tokens(token_ids, "batch's token ids")
-        if tokens.size != n:
-            raise BatchError(f"step_batch: {n} streams but {tokens.size} token ids")
         if self.grows:
             lengths = sorted({s._past_length() for s in streams})
             if len(lengths) > 1:

@@ -52,7 +52,7 @@ from edgemem.errors import ConfigError, EdgememError
 from edgemem.manifest import Manifest, StateSpec, sha256
 from edgemem.manifest import load as load_manifest
 from edgemem.runtime.base import DEFAULT_CHUNK, EngineBase, StreamBase
-from edgemem.runtime.errors import BackendError, BatchError
+from edgemem.runtime.errors import BackendError
 from edgemem.runtime.state import concrete_shape, initial_state, is_growing
 
 # kept in step with edgemem.trt_build (which imports onnx and TensorRT lazily; importing it is cheap)
@@ -376,17 +376,8 @@ class TrtEngine(EngineBase):
 
     def step_batch(self, streams: Sequence[TrtStream], token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """One token for each stream in one run of the step engine; returns logits [n, V] (see the module docstring)."""
-        streams = list(streams)
+        streams, tokens = self._check_batch(streams, token_ids)
         n = len(streams)
-        if n == 0:
-            raise BatchError("step_batch needs at least one stream")
-        if any(not isinstance(s, TrtStream) or s._engine is not self for s in streams):
-            raise BatchError("step_batch: every stream must come from this engine (engine.new_stream())")
-        if len({id(s) for s in streams}) != n:
-            raise BatchError("step_batch: a stream appears more than once in the batch")
-        tokens = self._tokens(token_ids, "batch's token ids")
-        if tokens.size != n:
-            raise BatchError(f"step_batch: {n} streams but {tokens.size} token ids")
         shapes = io_shapes(self.manifest, n, 1)
         check_profile(self.info, "step", shapes)
         device = self._device

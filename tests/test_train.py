@@ -178,6 +178,7 @@ def test_cli_train_then_eval_json(tmp_path):
     (["train", "--arch", "deltanet", "--task", "nope", "--steps", "1"], "unknown task 'nope'"),
     (["train", "--arch", "deltanet", "--task", "mqar", "--steps", "0"], "--steps"),
     (["train", "--arch", "deltanet", "--task", "mqar", "--set", "d_model=zero"], "d_model"),
+    (["train", "--arch", "deltanet", "--task", "mqar", "--steps", "1", "--device", "tpu9"], "cannot train on device"),
     (["eval", "--checkpoint", "missing.safetensors", "--task", "mqar"], "cannot read checkpoint"),
     (["eval", "--checkpoint", "README.md", "--task", "mqar"], "cannot read checkpoint"),
     (["eval", "--checkpoint", "checkpoints/deltanet-mqar.safetensors", "--task", "mqar", "--task-set", "pairs=x"],

@@ -60,6 +60,7 @@ class Manifest:
     outputs: dict[str, str] = field(default_factory=lambda: {"logits": "logits"})
     format: str = FORMAT
     quantization: dict[str, Any] | None = None  # how an INT8 export was made (edgemem.quant); None: not quantized
+    genai: dict[str, Any] | None = None  # fits onnxruntime-genai: {"fits", "config", "target"} or {"fits": false, "reasons"} (edgemem.export.genai)
 
     @property
     def vocab_size(self) -> int:

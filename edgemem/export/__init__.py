@@ -24,6 +24,7 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from edgemem.errors import EdgememError
+from edgemem.export import genai
 from edgemem.export.graphs import export_graph, growing_dims, input_name, output_name
 from edgemem.export.lower import lower
 from edgemem.manifest import MANIFEST, STATE_INIT, TARGETS, Manifest, StateSpec, sha256, staged_directory, write_atomic
@@ -119,6 +120,10 @@ def export(
             arch=str(getattr(model.config, "arch", "custom")), config=config, opset=OPSET, targets=list(targets),
             state=specs, graphs=graphs, files=files,
         )
+        manifest.genai, genai_config = genai.entry(manifest)
+        if genai_config is not None:
+            write_atomic(tmp / genai.GENAI_CONFIG, genai_config)
+            files[genai.GENAI_CONFIG] = sha256(tmp / genai.GENAI_CONFIG)
         write_atomic(tmp / MANIFEST, manifest.to_json().encode())
     log.info("wrote %s", out_dir)
     return manifest

@@ -431,3 +431,58 @@ def eval_command(checkpoint, task_name, length, task_set, batch, seed, threads, 
         return
     for r in rows:
         click.echo(f"{r['arch']} on {r['task']}, length {r['length']:>6}: {task.metric} {r[task.metric]:.4f}")
+
+
+@main.command("triton")
+@click.argument("directory", type=click.Path(file_okay=False, exists=True))
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Model repository to write.")
+@click.option("--name", help="Model name (default: the export's arch); the onnxruntime model is NAME-onnx.")
+@click.option("--max-live", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Python model: sequences kept in memory; the least recently used beyond go to checkpoints.")
+@click.option("--idle-seconds", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Python model: checkpoint a sequence idle this long; onnxruntime model: sequence idle timeout.")
+@click.option("--checkpoints", default="checkpoints", show_default=True,
+              help="Python model: directory for evicted sequences (relative to the model directory, or absolute).")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), help="onnxruntime threads per model.")
+@click.option("--max-batch-size", default=8, show_default=True, type=click.IntRange(min=1),
+              help="onnxruntime model: sequences batched per run by the sequence batcher.")
+@click.option("--force", is_flag=True, help="Replace a non-empty output directory.")
+def triton_command(directory, out_dir, name, max_live, idle_seconds, checkpoints, threads, max_batch_size, force) -> None:
+    """Write a Triton Inference Server model repository for an export (Python backend; onnxruntime if it fits)."""
+    from edgemem.serve.repository import write_repository
+
+    repo = write_repository(directory, out_dir, name=name, max_live=max_live, idle_seconds=idle_seconds,
+                            checkpoints=checkpoints, threads=threads, max_batch_size=max_batch_size, force=force)
+    click.echo(f"wrote {repo.path}: {repo.python_model} (python backend, edgemem.runtime)"
+               + (f", {repo.onnx_model} (onnxruntime backend, implicit state)" if repo.onnx_model else ""))
+    if repo.skipped:
+        click.echo(f"no onnxruntime-backend model: {'; '.join(repo.skipped)}")
+
+
+@main.command("serve")
+@click.argument("repository", type=click.Path(file_okay=False, exists=True))
+@click.option("--http-port", type=click.IntRange(1, 65535), help="HTTP port on 127.0.0.1 (default: a free one).")
+@click.option("--grpc-port", type=click.IntRange(1, 65535), help="gRPC port on 127.0.0.1 (default: a free one).")
+@click.option("--log-file", type=click.Path(dir_okay=False), help="Append tritonserver's log here.")
+@click.option("--timeout", default=120.0, show_default=True, type=float, help="Seconds to wait for readiness.")
+def serve_command(repository, http_port, grpc_port, log_file, timeout) -> None:
+    """Run tritonserver (nvidia-pytriton wheel) on loopback ports until Ctrl-C; live sequences are checkpointed."""
+    import signal
+    import threading
+
+    from edgemem.serve.server import TritonServer
+
+    server = TritonServer(repository, http_port=http_port, grpc_port=grpc_port, log_file=log_file)
+    server.start(timeout)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    click.echo(f"serving {', '.join(server.models)}: grpc {server.grpc_url}, http {server.http_url}"
+               + (f" (not loaded, no such backend here: {', '.join(server.skipped)})" if server.skipped else ""))
+    try:
+        while not stop.wait(1.0) and server.running:
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        code = server.stop()
+    click.echo(f"tritonserver stopped (exit code {code})")

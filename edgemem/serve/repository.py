@@ -1,0 +1,189 @@
+"""`edgemem triton DIR --out REPO`: a Triton Inference Server model repository for an export.
+
+    REPO/<name>/config.pbtxt           Python backend: every export, through edgemem.runtime streams
+    REPO/<name>/1/model.py             keyed by sequence id (edgemem.serve.python_model)
+    REPO/<name>/export/                a copy of the export (edgemem.json and every file it lists)
+    REPO/<name>/checkpoints/           idle and stopped sequences (created by the model)
+    REPO/<name>-onnx/config.pbtxt      onnxruntime backend, when the graph allows it: the sequence
+    REPO/<name>-onnx/1/model.onnx      batcher keeps the state (implicit state, one entry per
+    REPO/<name>-onnx/initial_state/    manifest state tensor) and resets it on START
+
+The onnxruntime-backend model is the export's prefill graph (the step graph when prompts are
+stepped) of the `generic` target (`ort` if that is all there is), with the sequence batcher's control
+inputs START, END, READY (int32 0/1) and CORRID (uint64), each `[batch, 1]`, added as graph inputs:
+Triton's onnxruntime backend passes every control to the model and requires the model to take it.
+Its state entries are the manifest's state tensors one to one (`initial_state`: zeros, or the
+tensor of `state_init.safetensors` as a raw little-endian data file). It is written when every
+state tensor has a fixed shape with at least one dimension besides batch (no growing KV cache,
+no per-row scalar such as a `position`); `skipped` in the returned summary says why not.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+from safetensors.numpy import load_file
+
+from edgemem.errors import EdgememError
+from edgemem.manifest import MANIFEST, STATE_INIT, Manifest, StateSpec, load, staged_directory, write_atomic
+
+TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "float64": "TYPE_FP64", "int64": "TYPE_INT64",
+                "int32": "TYPE_INT32"}
+CONTROLS = (("START", "CONTROL_SEQUENCE_START"), ("END", "CONTROL_SEQUENCE_END"),
+            ("READY", "CONTROL_SEQUENCE_READY"), ("CORRID", "CONTROL_SEQUENCE_CORRID"))
+MODEL_PY = '''"""Triton Python-backend model written by `edgemem triton`: streams of edgemem.runtime keyed by sequence id."""
+
+import os
+import site
+import sys
+
+# The backend's embedded Python ignores PYTHONPATH; `edgemem serve` names its environment here.
+for path in reversed([p for p in os.environ.get("EDGEMEM_PYTHONPATH", "").split(os.pathsep) if p]):
+    sys.path.insert(0, path)
+    site.addsitedir(path)  # .pth files: editable installs
+
+from edgemem.serve.python_model import TritonPythonModel  # noqa: E402, F401
+'''
+
+
+class RepositoryError(EdgememError):
+    """An export that cannot be written as a Triton model repository, or an output that would be overwritten."""
+
+
+@dataclass
+class Repository:
+    path: Path
+    python_model: str
+    onnx_model: str | None
+    skipped: list[str] = field(default_factory=list)  # why there is no onnxruntime-backend model
+
+
+def onnx_reasons(manifest: Manifest) -> list[str]:
+    """Why the export cannot be served by Triton's onnxruntime backend with implicit state ([] when it can)."""
+    reasons = []
+    if not manifest.graphs.get("step", False):
+        reasons.append("bidirectional (no step graph): nothing to stream")
+    if not {"generic", "ort"} & set(manifest.targets):
+        reasons.append(f"no generic or ort target (exported: {', '.join(manifest.targets)})")
+    for s in manifest.state:
+        if any(isinstance(d, str) for d in s.shape[1:]):
+            reasons.append(f"{s.input} grows with the position {s.shape}: implicit state here has fixed dims")
+        elif len(s.shape) < 2:
+            reasons.append(f"{s.input} is one scalar per row {s.shape}: implicit state needs a dim besides batch")
+        if s.dtype not in TRITON_TYPES:
+            reasons.append(f"{s.input} is {s.dtype}, which has no Triton type here")
+    return reasons
+
+
+def write_repository(export_dir: str | Path, out: str | Path, *, name: str | None = None, max_live: int = 64,
+                     idle_seconds: float = 600.0, checkpoints: str = "checkpoints", threads: int = 1,
+                     max_batch_size: int = 8, force: bool = False) -> Repository:
+    """Write the model repository `out` for the export in `export_dir` (see the module docstring)."""
+    export_dir, out = Path(export_dir), Path(out)
+    manifest = load(export_dir)
+    name = name or manifest.arch
+    if not name or not all(c.isalnum() or c in "-_." for c in name):
+        raise RepositoryError(f"model name {name!r}: use letters, digits, '-', '_' or '.'")
+    if max_live < 1 or idle_seconds <= 0 or threads < 1 or max_batch_size < 1:
+        raise RepositoryError("max_live, threads and max_batch_size must be at least 1 and idle_seconds positive")
+    if out.exists() and not out.is_dir():
+        raise RepositoryError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise RepositoryError(f"{out} is not empty; pass --force (force=True) to replace it")
+    skipped = onnx_reasons(manifest)
+    onnx_name = None if skipped else f"{name}-onnx"
+    with staged_directory(out) as tmp:
+        model = tmp / name
+        (model / "1").mkdir(parents=True)
+        for file in [MANIFEST, *manifest.files]:
+            (model / "export" / file).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(export_dir / file, model / "export" / file)
+        write_atomic(model / "1" / "model.py", MODEL_PY.encode())
+        params = {"export": "export", "checkpoints": checkpoints, "max_live": str(max_live),
+                  "idle_seconds": repr(float(idle_seconds)), "threads": str(threads)}
+        write_atomic(model / "config.pbtxt", python_config(name, manifest, params).encode())
+        if onnx_name:
+            _write_onnx_model(tmp / onnx_name, onnx_name, manifest, export_dir, max_batch_size, idle_seconds)
+    return Repository(out, name, onnx_name, skipped)
+
+
+def python_config(name: str, manifest: Manifest, params: dict[str, str]) -> str:
+    parameters = "".join(f'parameters {{ key: "{k}" value {{ string_value: {json.dumps(v)} }} }}\n' for k, v in params.items())
+    return (
+        f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
+        'input [ { name: "TOKENS" data_type: TYPE_INT64 dims: [ -1 ] } ]\n'
+        f'output [ {{ name: "LOGITS" data_type: TYPE_FP32 dims: [ {manifest.vocab_size} ] }},\n'
+        '         { name: "POSITION" data_type: TYPE_INT64 dims: [ 1 ] } ]\n'
+        'instance_group [ { count: 1 kind: KIND_CPU } ]\n' + parameters
+    )
+
+
+def _graph(manifest: Manifest) -> str:
+    target = "generic" if "generic" in manifest.targets else "ort"
+    return f"{target}/{'prefill' if manifest.graphs.get('prefill') else 'step'}.onnx"
+
+
+def _dims(values: list[int]) -> str:
+    return "[ " + ", ".join(str(v) for v in values) + " ]"
+
+
+def onnx_config(name: str, manifest: Manifest, max_batch_size: int, idle_seconds: float,
+                data_files: dict[str, str]) -> str:
+    """config.pbtxt of the onnxruntime-backend model; `data_files`: state input → initial_state file name."""
+    sequence = "-1" if manifest.graphs.get("prefill") else "1"
+    controls = ",\n".join(
+        f'    {{ name: "{n}" control [ {{ kind: {kind} '
+        + ('data_type: TYPE_UINT64' if n == "CORRID" else "int32_false_true: [ 0, 1 ]") + " } ] }"
+        for n, kind in CONTROLS
+    )
+    states = ",\n".join(_state_entry(s, data_files.get(s.input)) for s in manifest.state)
+    return (
+        f'name: "{name}"\nbackend: "onnxruntime"\nmax_batch_size: {max_batch_size}\n'
+        f'input [ {{ name: "{manifest.inputs["tokens"]}" data_type: TYPE_INT64 dims: [ {sequence} ] }} ]\n'
+        f'output [ {{ name: "{manifest.outputs["logits"]}" data_type: TYPE_FP32 dims: [ {sequence}, '
+        f'{manifest.vocab_size} ] }} ]\n'
+        'instance_group [ { count: 1 kind: KIND_CPU } ]\n'
+        "sequence_batching {\n"
+        f"  max_sequence_idle_microseconds: {int(idle_seconds * 1e6)}\n"
+        f"  oldest {{ max_candidate_sequences: {max_batch_size * 16} max_queue_delay_microseconds: 100 }}\n"
+        f"  control_input [\n{controls}\n  ]\n"
+        f"  state [\n{states}\n  ]\n"
+        "}\n"
+    )
+
+
+def _state_entry(spec: StateSpec, data_file: str | None) -> str:
+    dims, dtype = _dims([int(d) for d in spec.shape[1:]]), TRITON_TYPES[spec.dtype]
+    init = f'data_file: "{data_file}"' if data_file else "zero_data: true"
+    return (f'    {{ input_name: "{spec.input}" output_name: "{spec.output}" data_type: {dtype} dims: {dims}\n'
+            f'      initial_state {{ name: "{spec.input}" data_type: {dtype} dims: {dims} {init} }} }}')
+
+
+def _write_onnx_model(model: Path, name: str, manifest: Manifest, export_dir: Path, max_batch_size: int,
+                      idle_seconds: float) -> None:
+    (model / "1").mkdir(parents=True)
+    graph = onnx.load(str(export_dir / _graph(manifest)))
+    batch = graph.graph.input[0].type.tensor_type.shape.dim[0]
+    for control, _ in CONTROLS:
+        dtype = TensorProto.UINT64 if control == "CORRID" else TensorProto.INT32
+        graph.graph.input.append(helper.make_tensor_value_info(control, dtype, [batch.dim_param or "batch", 1]))
+    write_atomic(model / "1" / "model.onnx", graph.SerializeToString())
+    data_files: dict[str, str] = {}
+    if any(s.init == "file" for s in manifest.state):
+        stored = load_file(str(export_dir / STATE_INIT))
+        (model / "initial_state").mkdir()
+        for s in manifest.state:
+            if s.init == "file":
+                data_files[s.input] = f"{s.input}.bin"
+                raw = np.ascontiguousarray(stored[s.input][0], dtype=np.dtype(s.dtype).newbyteorder("<"))
+                write_atomic(model / "initial_state" / data_files[s.input], raw.tobytes())
+    write_atomic(model / "config.pbtxt", onnx_config(name, manifest, max_batch_size, idle_seconds, data_files).encode())
+
+
+__all__ = ["Repository", "RepositoryError", "onnx_config", "onnx_reasons", "python_config", "write_repository"]

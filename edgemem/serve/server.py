@@ -1,0 +1,200 @@
+"""Start and stop `tritonserver` from the `nvidia-pytriton` wheel on loopback ports.
+
+    with TritonServer("repo") as server:          # or: edgemem serve repo
+        client = tritonclient.grpc.InferenceServerClient(server.grpc_url)
+
+What the wheel's server needs and edgemem arranges (the user does not):
+- a backend directory whose `python/` holds the Python backend and the stub built for this
+  interpreter's version (the wheel ships one stub per Python version beside the backend); it is
+  made of links in a temporary directory that `stop` removes;
+- `LD_LIBRARY_PATH` with this interpreter's own `lib/` first (else the stub loads another
+  libpython of the same version, e.g. Debian's, and fails inside threading) and the wheel's
+  bundled libraries;
+- `EDGEMEM_PYTHONPATH` with this environment's site-packages and edgemem's source root, which the
+  repository's `model.py` puts first on `sys.path` (the stub's embedded interpreter ignores
+  PYTHONPATH), so it imports edgemem, numpy and onnxruntime from the environment that started it.
+
+Ports are free loopback ports chosen at start; addresses are 127.0.0.1 only. The wheel's server has the Python
+backend only: `start` loads the repository's Python-backend models (explicit model control) and
+waits (bounded) until the server and each of them are ready; `stop` sends SIGTERM,
+which unloads the models (the Python model checkpoints its live sequences), and kills the server
+if it has not exited in time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from importlib.util import find_spec
+from pathlib import Path
+from types import TracebackType
+
+import edgemem
+from edgemem.errors import EdgememError
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+BACKENDS = ("python",)  # the backends the nvidia-pytriton wheel ships
+
+
+class ServerError(EdgememError):
+    """tritonserver is not installed, did not start, or did not become ready in time."""
+
+
+def _pytriton() -> Path:
+    spec = find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise ServerError("tritonserver comes from the nvidia-pytriton wheel: pip install 'edgemem[serve]'")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _backend(config: Path) -> str:
+    match = re.search(r'^\s*backend\s*:\s*"([^"]+)"', config.read_text(), re.MULTILINE)
+    return match.group(1) if match else ""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class TritonServer:
+    """One tritonserver process serving `repository` (see the module docstring)."""
+
+    def __init__(self, repository: str | Path, *, http_port: int | None = None, grpc_port: int | None = None,
+                 log_file: str | Path | None = None):
+        self.repository = Path(repository).resolve()
+        if not self.repository.is_dir():
+            raise ServerError(f"{self.repository} is not a model repository (write one with `edgemem triton`)")
+        configs = {p.name: p / "config.pbtxt" for p in self.repository.iterdir() if (p / "config.pbtxt").is_file()}
+        backends = {name: _backend(path) for name, path in configs.items()}
+        self.models = sorted(name for name, backend in backends.items() if backend in BACKENDS)
+        self.skipped = sorted(set(configs) - set(self.models))  # e.g. onnxruntime: not in the wheel's server
+        if not self.models:
+            raise ServerError(f"{self.repository} holds no model for the {', '.join(BACKENDS)} backend "
+                              "(write the repository with `edgemem triton`)")
+        self.http_port, self.grpc_port = http_port or _free_port(), grpc_port or _free_port()
+        self.log_file = Path(log_file) if log_file else None
+        self._process: subprocess.Popen | None = None
+        self._workdir: Path | None = None
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{HOST}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{HOST}:{self.http_port}"
+
+    def command(self, backends: Path) -> list[str]:
+        return [
+            str(_pytriton() / "tritonserver" / "bin" / "tritonserver"),
+            f"--model-repository={self.repository}", f"--backend-directory={backends}",
+            f"--http-address={HOST}", f"--http-port={self.http_port}",
+            f"--grpc-address={HOST}", f"--grpc-port={self.grpc_port}",
+            "--allow-metrics=false", "--allow-sagemaker=false", "--allow-vertex-ai=false",
+            "--exit-timeout-secs=30", "--strict-readiness=true", "--model-control-mode=explicit",
+            *(f"--load-model={m}" for m in self.models),
+        ]
+
+    def environment(self) -> dict[str, str]:
+        root = _pytriton()
+        env = dict(os.environ)
+        libs = [sysconfig.get_config_var("LIBDIR") or "", str(root.parent / "nvidia_pytriton.libs")]
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in [*libs, env.get("LD_LIBRARY_PATH", "")] if p)
+        paths = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], str(Path(edgemem.__file__).parents[1])}
+        env["EDGEMEM_PYTHONPATH"] = os.pathsep.join(sorted(paths))
+        return env
+
+    def _backends(self, workdir: Path) -> Path:
+        """`workdir/backends/python`: links to the wheel's Python backend and this interpreter's stub."""
+        root = _pytriton() / "tritonserver"
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+        if not stub.is_file():
+            raise ServerError(f"nvidia-pytriton has no Python backend stub for Python {version}")
+        python = workdir / "backends" / "python"
+        python.mkdir(parents=True)
+        for source in [*(root / "backends" / "python").iterdir(), stub]:
+            if source.is_file():
+                (python / source.name).symlink_to(source)
+        return python.parent
+
+    def start(self, timeout: float = 120.0) -> TritonServer:
+        """Start the server and wait until it and every model are ready (at most `timeout` seconds)."""
+        if self._process is not None:
+            raise ServerError("this server is already started")
+        self._workdir = Path(tempfile.mkdtemp(prefix="edgemem-triton-"))
+        out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
+        try:
+            self._process = subprocess.Popen(self.command(self._backends(self._workdir)), env=self.environment(),
+                                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            if self.log_file:
+                out.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                code = self._process.returncode
+                self.stop()
+                raise ServerError(f"tritonserver exited with code {code} while starting"
+                                  + (f"; see {self.log_file}" if self.log_file else "; pass log_file to see why"))
+            if self._ready("/v2/health/ready") and all(self._ready(f"/v2/models/{m}/ready") for m in self.models):
+                log.info("tritonserver ready: grpc %s, http %s", self.grpc_url, self.http_url)
+                return self
+            time.sleep(0.2)
+        self.stop()
+        raise ServerError(f"tritonserver was not ready within {timeout:.0f} s"
+                          + (f"; see {self.log_file}" if self.log_file else ""))
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def _ready(self, path: str) -> bool:
+        try:
+            with urllib.request.urlopen(self.http_url + path, timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM, wait up to `timeout` seconds (models unload, sequences are checkpointed), then SIGKILL."""
+        process, self._process = self._process, None
+        code = None
+        if process is not None:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    log.warning("tritonserver did not stop within %.0f s: killing it", timeout)
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait(10)
+            code = process.returncode
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+        return code
+
+    def __enter__(self) -> TritonServer:
+        return self.start() if self._process is None else self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+
+__all__ = ["HOST", "ServerError", "TritonServer"]

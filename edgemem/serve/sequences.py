@@ -2,7 +2,8 @@
 
 What the Triton Python-backend model runs, with no Triton in it (numpy + edgemem.runtime only):
 
-- a request carries a sequence id, its token ids and the START / END flags;
+- a request carries a sequence id, its token ids and the START / END flags; one token is a step
+  (`Stream.step`), several are a prompt (`Stream.prefill`), exactly as a stream run alone;
 - START begins a fresh stream (replacing one of the same id); a request without START continues
   the live stream of that id, or restores it from its checkpoint file; neither → `SequenceError`;
 - at most `max_live` streams stay in memory: when another one is needed, the least recently used is
@@ -66,7 +67,11 @@ class Sequences:
         """Feed `tokens` to the sequence; returns the next-token logits [V] and the stream's position."""
         key = _key(sequence_id)
         stream = self._stream(key, start)
-        logits = stream.prefill(tokens, all_logits=False)  # checks the token ids before touching the state
+        ids = np.asarray(tokens)
+        if ids.size == 1 and ids.dtype.kind in "iu":  # decoding: the step graph, as a stream run alone steps
+            logits = stream.step(ids.item())
+        else:  # a prompt: the prefill graph; token ids are checked before the state is touched
+            logits = stream.prefill(tokens, all_logits=False)
         position = stream.position
         if start:
             self.path(key).unlink(missing_ok=True)  # the sequence that had this id is replaced

@@ -1,0 +1,129 @@
+"""onnxruntime-genai as a consumer: `edgemem export` writes `genai_config.json` when the prefill graph fits
+genai's decoder contract, genai then generates what edgemem.runtime generates, and an export that does
+not fit says why (manifest, `edgemem verify`)."""
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from edgemem.export import export
+from edgemem.export.genai import GENAI_CONFIG, decide
+from edgemem.export.verify import verify
+from edgemem.manifest import Manifest
+from edgemem.manifest import load as load_manifest
+from edgemem.models import build
+from edgemem.runtime import Engine
+
+og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install 'edgemem[serve]')")
+
+SMALL = {"d_model": 32, "mlp_hidden": 32, "n_layers": 2, "num_heads": 2}
+PROMPT = list(b"The quick brown fox")
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """arch → export directory, made on first use (export tracing dominates this file's time)."""
+    root, done = tmp_path_factory.mktemp("genai"), {}
+
+    def get(arch: str):
+        if arch not in done:
+            model = build(arch, seed=0, **SMALL)
+            export(model, root / arch, targets=["ort"], extra_config={"seed": 0})
+            done[arch] = root / arch
+        return done[arch]
+
+    return get
+
+
+def _genai_greedy(directory, prompt, n, eos):
+    config = og.Config(str(directory))
+    # byte-level presets name byte 0 as end token (genai needs one); here it is a token the reference never emits,
+    # so that all n tokens are compared
+    config.overlay(json.dumps({"model": {"eos_token_id": eos}}))
+    model = og.Model(config)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + n, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([prompt], dtype=np.int32))
+    tokens = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        tokens.append(int(generator.get_next_tokens()[0]))
+    return tokens
+
+
+@pytest.mark.parametrize("arch", [
+    "gated-deltanet",
+    pytest.param("deltanet", marks=pytest.mark.slow),
+    pytest.param("softmax", marks=pytest.mark.slow),
+])
+def test_genai_generates_the_runtime_greedy_tokens(exported, arch):
+    directory = exported(arch)
+    manifest = load_manifest(directory)
+    assert manifest.genai == {"fits": True, "config": GENAI_CONFIG, "target": "ort", "tokenizer": []}
+    assert GENAI_CONFIG in manifest.files  # checked like every other file of the export
+    reference = list(Engine.load(directory, threads=1).generate(bytes(PROMPT), max_new_tokens=NEW_TOKENS))
+    eos = min(set(range(manifest.vocab_size)) - set(reference))
+    assert _genai_greedy(directory, PROMPT, NEW_TOKENS, eos) == reference
+
+
+def test_genai_config_names_the_manifest_state(exported):
+    directory = exported("gated-deltanet")
+    manifest = load_manifest(directory)
+    config = json.loads((directory / GENAI_CONFIG).read_text())
+    decoder = config["model"]["decoder"]
+    assert decoder["filename"] == "ort/prefill.onnx" and (directory / decoder["filename"]).is_file()
+    names = {decoder["inputs"][k] % i for k in ("past_conv_names", "past_recurrent_names") for i in range(2)}
+    assert names == {s.input for s in manifest.state}
+    outputs = {decoder["outputs"][k] % i for k in ("present_conv_names", "present_recurrent_names") for i in range(2)}
+    assert outputs == {s.output for s in manifest.state}
+    assert decoder["layer_types"] == ["linear_attention"] * 2 and decoder["num_hidden_layers"] == 2
+
+
+def _manifest(arch, **overrides):
+    """The manifest an export of `arch` would have (state from the model itself; nothing is traced)."""
+    from edgemem.export import state_specs
+
+    model = build(arch, seed=0, **{**SMALL, **overrides})
+    return Manifest(arch=arch, config={"vocab_size": 256, "dtype": "fp32"}, opset=20, targets=["generic", "ort", "trt"],
+                    state=state_specs(model), graphs={"prefill": model.parallel_prefill, "step": model.streaming})
+
+
+@pytest.mark.parametrize("arch, why", [
+    ("titans-mag", "non-zero initial state"),
+    ("titans-mag", "position"),
+    ("linear", "recurrent_state but no conv_state"),
+    ("longformer", "fixed-size window"),  # ring-buffer K/V of the window
+    ("titans-mac", "no prefill graph"),
+    ("longformer-encoder", "bidirectional"),
+    ("ttt-linear", "memory.0"),
+])
+def test_exports_that_do_not_fit_say_why(arch, why):
+    target, reasons = decide(_manifest(arch, **({"dilation": [1, 2]} if arch == "longformer" else {})))
+    assert target is None and any(why in r for r in reasons), reasons
+
+
+def test_recurrent_and_attention_presets_fit():
+    for arch in ("gated-deltanet", "deltanet", "softmax"):
+        assert decide(_manifest(arch)) == ("ort", [])
+    only_trt = _manifest("deltanet")
+    only_trt.targets = ["trt"]
+    assert "model-local functions" in decide(only_trt)[1][0]
+    no_conv = _manifest("gated-deltanet", conv_size=0)
+    assert any("no conv_state" in r for r in decide(no_conv)[1])
+
+
+@pytest.mark.slow
+def test_verify_says_why_an_export_does_not_fit(tmp_path, caplog):
+    model = build("titans-mag", seed=0, d_model=32, mlp_hidden=32, n_layers=1, num_heads=2, window=8, chunk_size=4)
+    export(model, tmp_path / "mag", targets=["generic"], extra_config={"seed": 0})
+    manifest = load_manifest(tmp_path / "mag")
+    assert manifest.genai["fits"] is False and not (tmp_path / "mag" / GENAI_CONFIG).exists()
+    with caplog.at_level(logging.WARNING, logger="edgemem.export.verify"):
+        checks, _ = verify(tmp_path / "mag", threads=1, prompt=5, steps=2)
+    assert checks and all(c.ok for c in checks)
+    message = " ".join(r.getMessage() for r in caplog.records)
+    assert "does not fit onnxruntime-genai" in message and "non-zero initial state" in message

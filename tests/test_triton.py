@@ -2,7 +2,13 @@
 Triton's own model-config schema, and a real `tritonserver` (nvidia-pytriton wheel) serving the
 Python-backend model over gRPC, compared bit for bit with the same streams run alone in edgemem.runtime."""
 
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -246,11 +252,13 @@ def test_bad_requests_get_error_responses_and_the_model_keeps_serving(server, en
     with pytest.raises(InferenceServerException, match="outside the vocabulary"):
         _infer(client, 402, [5, -1])
     with pytest.raises(InferenceServerException, match="empty"):
-        _infer(client, 402, [])
+        _infer(client, 403, [], start=True)
     with pytest.raises(InferenceServerException, match="no sequence id"):
         _infer(client, 0, [1], start=True)
     assert client.is_model_ready(MODEL)
-    logits, position = _infer(client, 402, [6], end=True)  # the failed requests left the stream as it was
+    # the failed requests left the stream as it was; no tokens: its next-token logits again
+    assert np.array_equal(_infer(client, 402, [])[0], _alone(engine, prompt, [])[-1])
+    logits, position = _infer(client, 402, [6], end=True)
     assert position == len(prompt) + 1 and np.array_equal(logits, _alone(engine, prompt, [6])[-1])
 
 
@@ -269,3 +277,41 @@ def test_server_restart_loses_no_sequence(server, repo, engine):
         logits, position = _infer(client, s, [1], end=True)
         assert position == len(_prompt(s)) + 2
         assert np.array_equal(logits, _alone(engine, _prompt(s), [s % 256, 1])[-1])
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_edgemem_serve_and_the_sample_client_stream_greedy_bytes(export_dir, engine, tmp_path):
+    pytest.importorskip("pytriton", reason="tritonserver comes from the nvidia-pytriton wheel (pip install 'edgemem[serve]')")
+    write_repository(export_dir, tmp_path / "models")
+    grpc_port = _free_port()
+    cli = [sys.executable, "-c", "from edgemem.cli import main; main()"]
+    serve = subprocess.Popen([*cli, "serve", str(tmp_path / "models"), "--grpc-port", str(grpc_port)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        deadline = time.monotonic() + 120
+        while not _ready(client, MODEL):
+            assert serve.poll() is None and time.monotonic() < deadline, serve.stdout.read().decode()[-2000:]
+            time.sleep(0.3)
+        sample = Path(__file__).resolve().parents[1] / "samples" / "triton" / "stream_client.py"
+        run = subprocess.run([sys.executable, str(sample), "--url", f"127.0.0.1:{grpc_port}", "--sequence", "7",
+                              "--prompt", "Once upon", "--max-new-tokens", "8"], capture_output=True, timeout=60)
+        assert run.returncode == 0, run.stderr.decode()
+        assert run.stdout == engine.generate(b"Once upon", max_new_tokens=8)
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        output = serve.communicate(timeout=90)[0].decode()
+    assert serve.returncode == 0 and "tritonserver stopped (exit code 0)" in output, output[-2000:]
+    assert (tmp_path / "models" / MODEL / "checkpoints" / "7.safetensors").is_file()  # live at the stop
+
+
+def _ready(client, model):
+    try:
+        return client.is_model_ready(model)
+    except InferenceServerException:
+        return False

@@ -5,7 +5,7 @@ it; `triton_python_backend_utils` exists only inside that backend). Parameters c
 `config.pbtxt`: `export` (the export directory, relative to the model directory), `checkpoints`
 (where idle sequences go), `max_live`, `idle_seconds` and `threads`.
 
-A request: input `TOKENS` (int64 [n], n ≥ 1), the sequence id (Triton's correlation id) and the
+A request: input `TOKENS` (int64 [n]; n = 0 asks for the current logits again), the sequence id (Triton's correlation id) and the
 sequence START / END flags, as `tritonclient`'s `infer(..., sequence_id=, sequence_start=,
 sequence_end=)` sends them. The response: `LOGITS` (float32 [vocab], the next-token logits after the
 last token) and `POSITION` (int64 [1], tokens the sequence has consumed). A request that cannot be

@@ -3,7 +3,8 @@
 What the Triton Python-backend model runs, with no Triton in it (numpy + edgemem.runtime only):
 
 - a request carries a sequence id, its token ids and the START / END flags; one token is a step
-  (`Stream.step`), several are a prompt (`Stream.prefill`), exactly as a stream run alone;
+  (`Stream.step`), several are a prompt (`Stream.prefill`), exactly as a stream run alone; none
+  returns the sequence's next-token logits again (e.g. for a client that resumes);
 - START begins a fresh stream (replacing one of the same id); a request without START continues
   the live stream of that id, or restores it from its checkpoint file; neither → `SequenceError`;
 - at most `max_live` streams stay in memory: when another one is needed, the least recently used is
@@ -68,7 +69,9 @@ class Sequences:
         key = _key(sequence_id)
         stream = self._stream(key, start)
         ids = np.asarray(tokens)
-        if ids.size == 1 and ids.dtype.kind in "iu":  # decoding: the step graph, as a stream run alone steps
+        if ids.size == 0 and not start and stream.logits is not None:  # a look at the next-token logits
+            logits = stream.logits
+        elif ids.size == 1 and ids.dtype.kind in "iu":  # decoding: the step graph, as a stream run alone steps
             logits = stream.step(ids.item())
         else:  # a prompt: the prefill graph; token ids are checked before the state is touched
             logits = stream.prefill(tokens, all_logits=False)

@@ -7,6 +7,7 @@ import logging
 
 import numpy as np
 import pytest
+import torch
 
 from edgemem.export import export
 from edgemem.export.genai import GENAI_CONFIG, decide
@@ -68,6 +69,20 @@ def test_genai_generates_the_runtime_greedy_tokens(exported, arch):
     reference = list(Engine.load(directory, threads=1).generate(bytes(PROMPT), max_new_tokens=NEW_TOKENS))
     eos = min(set(range(manifest.vocab_size)) - set(reference))
     assert _genai_greedy(directory, PROMPT, NEW_TOKENS, eos) == reference
+
+
+@pytest.mark.slow
+def test_genai_runs_a_hybrid_of_recurrent_and_attention_layers(tmp_path):
+    from edgemem.layers import SoftmaxAttention
+
+    model = build("gated-deltanet", seed=0, **SMALL)
+    torch.manual_seed(1)
+    model.blocks[1].mixer = SoftmaxAttention(SMALL["d_model"], num_heads=SMALL["num_heads"])  # layer 1: a KV cache
+    export(model, tmp_path / "hybrid", targets=["ort"])
+    decoder = json.loads((tmp_path / "hybrid" / GENAI_CONFIG).read_text())["model"]["decoder"]
+    assert decoder["layer_types"] == ["linear_attention", "full_attention"]
+    reference = list(Engine.load(tmp_path / "hybrid", threads=1).generate(bytes(PROMPT), max_new_tokens=NEW_TOKENS))
+    assert _genai_greedy(tmp_path / "hybrid", PROMPT, NEW_TOKENS, min(set(range(256)) - set(reference))) == reference
 
 
 def test_genai_config_names_the_manifest_state(exported):

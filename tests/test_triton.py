@@ -155,6 +155,12 @@ def test_cli_writes_a_repository_and_refuses_to_overwrite(export_dir, tmp_path):
     assert again.exit_code == 2 and "not empty" in again.output
 
 
+def test_the_served_model_needs_only_the_runtime():
+    code = ("import sys, edgemem.serve.python_model, edgemem.serve.server; "
+            "bad = {'torch', 'onnx', 'onnxscript'} & set(sys.modules); assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_server_refuses_a_directory_without_models(tmp_path):
     with pytest.raises(ServerError, match="edgemem triton"):
         TritonServer(tmp_path)

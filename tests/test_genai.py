@@ -29,12 +29,12 @@ def exported(tmp_path_factory):
     """arch → export directory, made on first use (export tracing dominates this file's time)."""
     root, done = tmp_path_factory.mktemp("genai"), {}
 
-    def get(arch: str):
-        if arch not in done:
+    def get(arch: str, dtype: str = "fp32"):
+        if (arch, dtype) not in done:
             model = build(arch, seed=0, **SMALL)
-            export(model, root / arch, targets=["ort"], extra_config={"seed": 0})
-            done[arch] = root / arch
-        return done[arch]
+            export(model, root / f"{arch}-{dtype}", targets=["ort"], dtype=dtype, extra_config={"seed": 0})
+            done[arch, dtype] = root / f"{arch}-{dtype}"
+        return done[arch, dtype]
 
     return get
 
@@ -56,13 +56,14 @@ def _genai_greedy(directory, prompt, n, eos):
     return tokens
 
 
-@pytest.mark.parametrize("arch", [
-    "gated-deltanet",
-    pytest.param("deltanet", marks=pytest.mark.slow),
-    pytest.param("softmax", marks=pytest.mark.slow),
+@pytest.mark.parametrize("arch, dtype", [
+    ("gated-deltanet", "fp32"),
+    pytest.param("deltanet", "fp32", marks=pytest.mark.slow),
+    pytest.param("softmax", "fp32", marks=pytest.mark.slow),
+    pytest.param("gated-deltanet", "fp16", marks=pytest.mark.slow),  # fp16 weights and logits, fp32 state
 ])
-def test_genai_generates_the_runtime_greedy_tokens(exported, arch):
-    directory = exported(arch)
+def test_genai_generates_the_runtime_greedy_tokens(exported, arch, dtype):
+    directory = exported(arch, dtype)
     manifest = load_manifest(directory)
     assert manifest.genai == {"fits": True, "config": GENAI_CONFIG, "target": "ort", "tokenizer": []}
     assert GENAI_CONFIG in manifest.files  # checked like every other file of the export

@@ -27,12 +27,12 @@ TARGETS = ("ort", "generic")  # custom ops as model-local functions, runnable by
 RECURRENT = ("conv_state", "recurrent_state")
 ATTENTION = ("key", "value")
 TOKENIZER_PREFIXES = ("tokenizer", "special_tokens_map", "vocab", "merges")
-CONTEXT_LENGTH = 4096  # genai's default search.max_length; recurrent state does not limit it, a request may raise it
+CONTEXT_LENGTH = 4096  # search.max_length in the config; recurrent state sets no limit, a request may raise it
 
 
 def decide(manifest: Manifest) -> tuple[str | None, list[str]]:
     """(target whose prefill graph genai runs, []) when the export fits; (None, reasons) when not."""
-    reasons = []
+    reasons: list[str] = []
     target = next((t for t in TARGETS if t in manifest.targets), None)
     if target is None:
         reasons.append(f"no ort or generic target (exported: {', '.join(manifest.targets)}): genai runs custom ops "
@@ -41,11 +41,8 @@ def decide(manifest: Manifest) -> tuple[str | None, list[str]]:
         reasons.append("bidirectional (no step graph): genai generates token by token")
     elif not manifest.graphs.get("prefill", False):
         reasons.append("no prefill graph (prompts are stepped): genai runs one graph for the whole prompt")
-    if manifest.config.get("dtype", "fp32") != "fp32":
-        reasons.append(f"{manifest.config.get('dtype')} weights with fp32 state: genai keeps state in the model's "
-                       "dtype; export with --dtype fp32")
     if manifest.quantization:
-        reasons.append("an INT8 export (edgemem calibrate): write genai_config.json from the float export")
+        reasons.append("an INT8 export: edgemem calibrate writes no genai_config.json (the float export has one)")
     nonzero = [s.input for s in manifest.state if s.init != "zeros"]
     if nonzero:
         reasons.append(f"non-zero initial state ({', '.join(nonzero)} start from {STATE_INIT}): genai starts every "
@@ -156,12 +153,12 @@ def entry(manifest: Manifest) -> tuple[dict[str, Any], bytes | None]:
     return {"fits": True, "config": GENAI_CONFIG, "target": target, "tokenizer": tokenizer}, data
 
 
-def reasons(manifest: Manifest) -> list[str]:
+def unfit_reasons(manifest: Manifest) -> list[str]:
     """Why an export does not fit onnxruntime-genai ([] when it does); manifests that predate the entry are judged now."""
-    entry = getattr(manifest, "genai", None)
-    if entry is None:
+    recorded = manifest.genai
+    if recorded is None:
         return decide(manifest)[1]
-    return [] if entry.get("fits") else list(entry.get("reasons", []))
+    return [] if recorded.get("fits") else list(recorded.get("reasons", []))
 
 
-__all__ = ["GENAI_CONFIG", "decide", "entry", "genai_config", "reasons"]
+__all__ = ["GENAI_CONFIG", "decide", "entry", "genai_config", "unfit_reasons"]

@@ -18,7 +18,7 @@ import onnxruntime as ort
 import torch
 
 from edgemem.errors import EdgememError
-from edgemem.export.genai import reasons as genai_reasons
+from edgemem.export.genai import unfit_reasons
 from edgemem.manifest import Manifest, load
 from edgemem.models import LM, LMConfig, load_checkpoint
 from edgemem.runtime.state import initial_state  # one definition of a fresh stream's state, shared with the runtime
@@ -83,7 +83,7 @@ def verify(
             f"{directory} is an INT8 export ({manifest.quantization.get('method')} quantization): verify compares "
             f"float exports with PyTorch at float tolerances. Verify {source} instead, and judge the INT8 export by "
             "its drift report (`edgemem calibrate SOURCE --report drift.json`)")
-    unfit = genai_reasons(manifest)
+    unfit = unfit_reasons(manifest)
     if unfit:  # the CLI shows warnings: the user learns why there is no genai_config.json
         log.warning("%s does not fit onnxruntime-genai: %s", directory, "; ".join(unfit))
     model = rebuild(manifest, checkpoint)

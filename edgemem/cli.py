@@ -446,7 +446,7 @@ def eval_command(checkpoint, task_name, length, task_set, batch, seed, threads, 
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), help="onnxruntime threads per model.")
 @click.option("--max-batch-size", default=8, show_default=True, type=click.IntRange(min=1),
               help="onnxruntime model: sequences batched per run by the sequence batcher.")
-@click.option("--force", is_flag=True, help="Replace a non-empty output directory.")
+@click.option("--force", is_flag=True, help="Replace a non-empty output directory (and the checkpoints inside it).")
 def triton_command(directory, out_dir, name, max_live, idle_seconds, checkpoints, threads, max_batch_size, force) -> None:
     """Write a Triton Inference Server model repository for an export (Python backend; onnxruntime if it fits)."""
     from edgemem.serve.repository import write_repository

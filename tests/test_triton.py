@@ -261,6 +261,9 @@ def test_bad_requests_get_error_responses_and_the_model_keeps_serving(server, en
         _infer(client, 403, [], start=True)
     with pytest.raises(InferenceServerException, match="no sequence id"):
         _infer(client, 0, [1], start=True)
+    with pytest.raises(InferenceServerException, match="sequence id"):
+        _infer(client, "../x", [1], start=True)
+    assert _infer(client, "chat-1", prompt, start=True, end=True)[1] == len(prompt)  # string ids work too
     assert client.is_model_ready(MODEL)
     # the failed requests left the stream as it was; no tokens: its next-token logits again
     assert np.array_equal(_infer(client, 402, [])[0], _alone(engine, prompt, [])[-1])

@@ -120,6 +120,7 @@ def python_config(name: str, manifest: Manifest, params: dict[str, str]) -> str:
         'input [ { name: "TOKENS" data_type: TYPE_INT64 dims: [ -1 ] } ]\n'
         f'output [ {{ name: "LOGITS" data_type: TYPE_FP32 dims: [ {manifest.vocab_size} ] }},\n'
         '         { name: "POSITION" data_type: TYPE_INT64 dims: [ 1 ] } ]\n'
+        '# one instance: a sequence lives in the memory of that instance or in its checkpoint, never in two places\n'
         'instance_group [ { count: 1 kind: KIND_CPU } ]\n' + parameters
     )
 
@@ -134,7 +135,7 @@ def _dims(values: list[int]) -> str:
 
 
 def onnx_config(name: str, manifest: Manifest, max_batch_size: int, idle_seconds: float,
-                data_files: dict[str, str]) -> str:
+                data_files: dict[str, str], logits_dtype: str = "float32") -> str:
     """config.pbtxt of the onnxruntime-backend model; `data_files`: state input → initial_state file name."""
     sequence = "-1" if manifest.graphs.get("prefill") else "1"
     controls = ",\n".join(
@@ -146,7 +147,7 @@ def onnx_config(name: str, manifest: Manifest, max_batch_size: int, idle_seconds
     return (
         f'name: "{name}"\nbackend: "onnxruntime"\nmax_batch_size: {max_batch_size}\n'
         f'input [ {{ name: "{manifest.inputs["tokens"]}" data_type: TYPE_INT64 dims: [ {sequence} ] }} ]\n'
-        f'output [ {{ name: "{manifest.outputs["logits"]}" data_type: TYPE_FP32 dims: [ {sequence}, '
+        f'output [ {{ name: "{manifest.outputs["logits"]}" data_type: {TRITON_TYPES[logits_dtype]} dims: [ {sequence}, '
         f'{manifest.vocab_size} ] }} ]\n'
         'instance_group [ { count: 1 kind: KIND_CPU } ]\n'
         "sequence_batching {\n"
@@ -183,7 +184,10 @@ def _write_onnx_model(model: Path, name: str, manifest: Manifest, export_dir: Pa
                 data_files[s.input] = f"{s.input}.bin"
                 raw = np.ascontiguousarray(stored[s.input][0], dtype=np.dtype(s.dtype).newbyteorder("<"))
                 write_atomic(model / "initial_state" / data_files[s.input], raw.tobytes())
-    write_atomic(model / "config.pbtxt", onnx_config(name, manifest, max_batch_size, idle_seconds, data_files).encode())
+    logits = next(o for o in graph.graph.output if o.name == manifest.outputs["logits"])
+    logits_dtype = helper.tensor_dtype_to_np_dtype(logits.type.tensor_type.elem_type).name
+    config = onnx_config(name, manifest, max_batch_size, idle_seconds, data_files, logits_dtype)
+    write_atomic(model / "config.pbtxt", config.encode())
 
 
 __all__ = ["Repository", "RepositoryError", "onnx_config", "onnx_reasons", "python_config", "write_repository"]

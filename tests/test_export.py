@@ -224,7 +224,7 @@ def test_force_replaces_an_existing_export(tmp_path):
     with pytest.raises(EdgememError, match="not empty"):
         export(model, tmp_path / "out", targets=["generic"])
     export(model, tmp_path / "out", targets=["ort"], force=True)
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["edgemem.json", "ort"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["edgemem.json", "genai_config.json", "ort"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 

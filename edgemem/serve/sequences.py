@@ -88,8 +88,9 @@ class Sequences:
 
     def evict(self, key: str) -> None:
         """Save a live stream to its checkpoint and drop it from memory."""
-        stream, _ = self._live.pop(key)
-        stream.save(self.path(key))
+        stream, _ = self._live[key]
+        stream.save(self.path(key))  # first: a failed save leaves the stream live
+        del self._live[key]
         log.info("sequence %s evicted at position %d", key, stream.position)
 
     def evict_idle(self) -> list[str]:

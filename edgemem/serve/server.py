@@ -115,8 +115,8 @@ class TritonServer:
         env = dict(os.environ)
         libs = [sysconfig.get_config_var("LIBDIR") or "", str(root.parent / "nvidia_pytriton.libs")]
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in [*libs, env.get("LD_LIBRARY_PATH", "")] if p)
-        paths = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], str(Path(edgemem.__file__).parents[1])}
-        env["EDGEMEM_PYTHONPATH"] = os.pathsep.join(sorted(paths))
+        paths = [str(Path(edgemem.__file__).parents[1]), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+        env["EDGEMEM_PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))  # this edgemem first, then its environment
         return env
 
     def _backends(self, workdir: Path) -> Path:

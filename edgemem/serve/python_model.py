@@ -9,7 +9,8 @@ A request: input `TOKENS` (int64 [n]; n = 0 asks for the current logits again), 
 sequence START / END flags, as `tritonclient`'s `infer(..., sequence_id=, sequence_start=,
 sequence_end=)` sends them. The response: `LOGITS` (float32 [vocab], the next-token logits after the
 last token) and `POSITION` (int64 [1], tokens the sequence has consumed). A request that cannot be
-served (unknown sequence, bad token ids) gets an error response; the model keeps serving.
+served (unknown sequence, bad token ids) gets an error response; the model keeps serving. Idle
+sequences are checkpointed after each batch of requests; all live ones when Triton unloads the model.
 """
 
 from __future__ import annotations

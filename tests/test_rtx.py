@@ -46,8 +46,6 @@ PLUGINS = ROOT / "plugins"
 HEADERS = Path(os.environ.get("EDGEMEM_RTX_TENSORRT_ROOT") or ROOT.parent / "shared" / "third_party" / "tensorrt" / "v11.1")
 OPS = {"LinearAttention", "NeuralMemory", "WindowAttention", "BandedAttention"}
 ARCHS = ("deltanet", "gated-deltanet", "titans-mag", "ttt-linear", "longformer", "longformer-encoder")
-# diagnostics get_engine_validity can give without a GPU (EngineInvalidityDiagnostics)
-MALFORMED, VERSION_MISMATCH = 32, 1
 
 
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -157,11 +155,15 @@ RTX_BUILD = textwrap.dedent(
             with open(engine_path, "wb") as f:
                 f.write(blob)
             runtime = trt.Runtime(logger)
-            corrupt = b"\\0" + blob[1:]
+
+            def validity(data):
+                verdict, diagnostics = runtime.get_engine_validity(data)
+                flags = trt.EngineInvalidityDiagnostics.__members__.items()
+                return [verdict.name, [name for name, flag in flags if diagnostics & int(flag)]]
+
             report.update(
-                engine_bytes=len(blob), header_bytes=runtime.engine_header_size,
-                validity=[int(x) for x in runtime.get_engine_validity(blob)],
-                corrupt_validity=[int(x) for x in runtime.get_engine_validity(corrupt)],
+                engine_bytes=len(blob), header_bytes=runtime.engine_header_size, validity=validity(blob),
+                corrupt_validity=validity(b"\\0" + blob[1:]),
                 # the header as observed (undocumented): b"vtrt", ..., u64 size at 16, u8 version at 24..27
                 magic=blob[:4].decode("latin-1"), size_field=struct.unpack_from("<Q", blob, 16)[0],
                 version_field=".".join(str(b) for b in blob[24:28]))
@@ -183,11 +185,10 @@ def _report(proc: subprocess.CompletedProcess) -> dict:
 def _check_engine(report: dict, engine: Path) -> None:
     """What TensorRT-RTX can say about an engine without a GPU, and the header fields it carries."""
     assert engine.stat().st_size == report["engine_bytes"] > report["header_bytes"]
-    validity, diagnostics = report["validity"]
     # no GPU: the library stops after the header format check (INVALID, no diagnostics); with a
-    # GPU a good engine is VALID (0) or SUBOPTIMAL (1); never malformed or from another version
-    assert not diagnostics & (MALFORMED | VERSION_MISMATCH), report["validity"]
-    assert report["corrupt_validity"][1] & MALFORMED, "the header check does not look at the engine"
+    # GPU a good engine is VALID or SUBOPTIMAL; never malformed or from another version
+    assert not {"MALFORMED_ENGINE", "VERSION_MISMATCH"} & set(report["validity"][1]), report["validity"]
+    assert "MALFORMED_ENGINE" in report["corrupt_validity"][1], "the header check does not look at the engine"
     assert report["magic"] == "vtrt" and report["size_field"] == report["engine_bytes"]
     assert report["version_field"] == report["version"], (report["version_field"], report["version"])
 

@@ -167,6 +167,8 @@ RTX_BUILD = textwrap.dedent(
                 # the header as observed (undocumented): b"vtrt", ..., u64 size at 16, u8 version at 24..27
                 magic=blob[:4].decode("latin-1"), size_field=struct.unpack_from("<Q", blob, 16)[0],
                 version_field=".".join(str(b) for b in blob[24:28]))
+    with open("/proc/self/maps") as maps:  # the libtensorrt_rtx files mapped: one, not a second copy
+        report["mapped"] = sorted({line.split()[-1] for line in maps if "/libtensorrt_rtx.so" in line})
     print(json.dumps(report))
     """
 )
@@ -226,6 +228,7 @@ def test_parser_abort_is_the_missing_library_name_not_the_plugin(identity_plugin
     report = _report(_rtx(identity_plugin, model, engine, name_fix))
     assert report["parsed"], report["errors"]
     assert report["plugins"] == [dict(name="Identity", namespace="edgemem_test", version="1", metadata=None)]
+    assert [Path(p).name for p in report["mapped"]] == ["libtensorrt_rtx.so.1"], report["mapped"]
     _check_engine(report, engine)
 
 

@@ -343,13 +343,11 @@ def test_gpu_check_harness_passes_on_the_cpu_reference(ref, build_dir):
     assert passed == total and total >= 30, proc.stdout[:500]
 
 
-def test_kernels_compile_without_spills(kernels_build):
-    info = dict(line.split("=", 1) for line in (kernels_build / "edgemem_build.txt").read_text().splitlines())
-    assert info["architectures"].split(";") == list(ARCHS)
-    rows = ptxas_report(kernels_build)
+def _assert_no_spills(build: Path, archs: tuple[str, ...]) -> None:
+    rows = ptxas_report(build)
     assert rows, "no ptxas output kept under <build>/ptxas"
     for family in KERNELS:
-        for arch in ARCHS:
+        for arch in archs:
             assert any(family in r["kernel"] and r["arch"] == f"sm_{arch}" for r in rows), (family, arch)
     bad = [r for r in rows if r.get("stack", 1) or r.get("spill_stores", 1) or r.get("spill_loads", 1) or r.get("lmem")]
     assert not bad, "kernels using local memory or spilling:\n" + "\n".join(map(str, bad))
@@ -357,7 +355,29 @@ def test_kernels_compile_without_spills(kernels_build):
     names = _demangle([r["kernel"] for r in rows])
     for r in rows:
         print(f"{r['arch']:>6} {names[r['kernel']]:<60} {r['registers']:>4} registers")
+
+
+def test_kernels_compile_without_spills(kernels_build):
+    info = dict(line.split("=", 1) for line in (kernels_build / "edgemem_build.txt").read_text().splitlines())
+    assert info["architectures"].split(";") == list(ARCHS)
+    _assert_no_spills(kernels_build, ARCHS)
     assert (kernels_build / "libedgemem_kernels.so").exists()
+
+
+# TensorRT for RTX's other targets (Turing, Ampere, consumer Blackwell) and Blackwell (B200, Thor)
+EXTRA_ARCHS = ("75", "80", "86", "100", "110", "120", "121")
+
+
+@pytest.mark.slow
+def test_kernels_compile_without_spills_beyond_the_defaults(kernels_build, tmp_path_factory):
+    listed = _run([shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc", "--list-gpu-arch"]).stdout.split()
+    archs = tuple(a for a in EXTRA_ARCHS if f"compute_{a}" in listed)
+    if not archs:
+        pytest.skip(f"this nvcc compiles none of sm_{', sm_'.join(EXTRA_ARCHS)}")
+    build = tmp_path_factory.mktemp("kernels_extra")
+    _cmake_build(build, "-DEDGEMEM_BUILD_TRT=OFF", f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(archs)}",
+                 targets=("edgemem_kernels",))
+    _assert_no_spills(build, archs)
 
 
 def test_kernel_library_exposes_the_reference_abi(kernels_build):

@@ -7,13 +7,16 @@ Levels and what each needs (missing tools skip with the reason):
   kernels    nvcc — compiled once per session for sm_87, sm_89, sm_90, ptxas output parsed;
   trt glue   TensorRT headers: `EDGEMEM_TENSORRT_ROOTS` (several, os.pathsep-separated) or
              `TensorRT_ROOT` (one) naming an installation or a TensorRT repository checkout;
-  registry   the glue plus `tensorrt_lean_bindings` (pip: tensorrt-lean-cu13-bindings and
-             tensorrt-lean-cu13-libs; no GPU needed).
+             by default every version under ../shared/third_party/tensorrt (10.3.0 and 11.1);
+  registry   the glue plus a TensorRT plugin registry, no GPU needed: `tensorrt_lean_bindings`
+             (pip: tensorrt-lean-cu13-bindings and tensorrt-lean-cu13-libs) and/or `tensorrt_rtx`
+             (pip: tensorrt-rtx-cu13; tests/test_rtx.py builds engines with it).
 The kernels themselves run in plugins/scripts/gpu_check.sh on a machine with a GPU.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -340,13 +343,11 @@ def test_gpu_check_harness_passes_on_the_cpu_reference(ref, build_dir):
     assert passed == total and total >= 30, proc.stdout[:500]
 
 
-def test_kernels_compile_without_spills(kernels_build):
-    info = dict(line.split("=", 1) for line in (kernels_build / "edgemem_build.txt").read_text().splitlines())
-    assert info["architectures"].split(";") == list(ARCHS)
-    rows = ptxas_report(kernels_build)
+def _assert_no_spills(build: Path, archs: tuple[str, ...]) -> None:
+    rows = ptxas_report(build)
     assert rows, "no ptxas output kept under <build>/ptxas"
     for family in KERNELS:
-        for arch in ARCHS:
+        for arch in archs:
             assert any(family in r["kernel"] and r["arch"] == f"sm_{arch}" for r in rows), (family, arch)
     bad = [r for r in rows if r.get("stack", 1) or r.get("spill_stores", 1) or r.get("spill_loads", 1) or r.get("lmem")]
     assert not bad, "kernels using local memory or spilling:\n" + "\n".join(map(str, bad))
@@ -354,7 +355,29 @@ def test_kernels_compile_without_spills(kernels_build):
     names = _demangle([r["kernel"] for r in rows])
     for r in rows:
         print(f"{r['arch']:>6} {names[r['kernel']]:<60} {r['registers']:>4} registers")
+
+
+def test_kernels_compile_without_spills(kernels_build):
+    info = dict(line.split("=", 1) for line in (kernels_build / "edgemem_build.txt").read_text().splitlines())
+    assert info["architectures"].split(";") == list(ARCHS)
+    _assert_no_spills(kernels_build, ARCHS)
     assert (kernels_build / "libedgemem_kernels.so").exists()
+
+
+# TensorRT for RTX's other targets (Turing, Ampere, consumer Blackwell) and Blackwell (B200, Thor)
+EXTRA_ARCHS = ("75", "80", "86", "100", "110", "120", "121")
+
+
+@pytest.mark.slow
+def test_kernels_compile_without_spills_beyond_the_defaults(kernels_build, tmp_path_factory):
+    listed = _run([shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc", "--list-gpu-arch"]).stdout.split()
+    archs = tuple(a for a in EXTRA_ARCHS if f"compute_{a}" in listed)
+    if not archs:
+        pytest.skip(f"this nvcc compiles none of sm_{', sm_'.join(EXTRA_ARCHS)}")
+    build = tmp_path_factory.mktemp("kernels_extra")
+    _cmake_build(build, "-DEDGEMEM_BUILD_TRT=OFF", f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(archs)}",
+                 targets=("edgemem_kernels",))
+    _assert_no_spills(build, archs)
 
 
 def test_kernel_library_exposes_the_reference_abi(kernels_build):
@@ -371,13 +394,21 @@ def ref_abi(build: Path) -> int:
 # TensorRT glue
 
 
+SHARED_TRT = ROOT.parent / "shared" / "third_party" / "tensorrt"  # one include/ per TensorRT version
+
+
 def _trt_roots() -> list[Path]:
     raw = os.environ.get("EDGEMEM_TENSORRT_ROOTS") or os.environ.get("TensorRT_ROOT") or ""
-    return [Path(p) for p in raw.split(os.pathsep) if p]
+    if raw:
+        return [Path(p) for p in raw.split(os.pathsep) if p]
+    if not SHARED_TRT.is_dir():
+        return []
+    return sorted(p for p in SHARED_TRT.iterdir() if (p / "include" / "NvInferRuntime.h").is_file())
 
 
 TRT_ROOTS = _trt_roots()
-NO_TRT = "no TensorRT headers: set EDGEMEM_TENSORRT_ROOTS (os.pathsep-separated) or TensorRT_ROOT"
+NO_TRT = (f"no TensorRT headers: {SHARED_TRT} is absent; set EDGEMEM_TENSORRT_ROOTS (os.pathsep-separated) "
+          "or TensorRT_ROOT")
 
 
 def _trt_id(root: Path) -> str:
@@ -406,6 +437,7 @@ def _lib_for(trt_libs, root) -> Path:
     return lib
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not TRT_ROOTS, reason=NO_TRT)
 @pytest.mark.parametrize("root", TRT_ROOTS, ids=_trt_id)
 def test_trt_glue_builds_without_libnvinfer(trt_libs, root):
@@ -452,11 +484,10 @@ def trt_nodes() -> list[dict]:
 REGISTRY_CHECK = textwrap.dedent(
     """
     # Runs in its own process: one plugin library per registry, and a crash stays contained.
-    import json, sys
+    import importlib, json, sys
     import numpy as np
-    import tensorrt_lean_bindings as trt
 
-    lib, nodes = sys.argv[1], json.loads(sys.stdin.read())
+    lib, trt, nodes = sys.argv[1], importlib.import_module(sys.argv[2]), json.loads(sys.stdin.read())
     logger = trt.Logger(trt.Logger.WARNING)
     registry = trt.get_plugin_registry()
     registry.load_library(lib)
@@ -518,13 +549,20 @@ def _expected_metadata(attrs: dict) -> dict[str, str]:
     return out
 
 
+# Python bindings with a TensorRT plugin registry that works without a GPU, and where they come from
+REGISTRIES = {"tensorrt_lean_bindings": "pip: tensorrt-lean-cu13-bindings tensorrt-lean-cu13-libs",
+              "tensorrt_rtx": "pip: tensorrt-rtx-cu13"}
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not TRT_ROOTS, reason=NO_TRT)
+@pytest.mark.parametrize("bindings", list(REGISTRIES))
 @pytest.mark.parametrize("root", TRT_ROOTS, ids=_trt_id)
-def test_trt_registry_creates_every_exported_node(trt_libs, root, trt_nodes):
+def test_trt_registry_creates_every_exported_node(trt_libs, root, trt_nodes, bindings):
     lib = _lib_for(trt_libs, root)
-    pytest.importorskip("tensorrt_lean_bindings", reason="tensorrt_lean_bindings (pip: tensorrt-lean-cu13-bindings "
-                        "tensorrt-lean-cu13-libs) is not installed")
-    proc = _run([sys.executable, "-c", REGISTRY_CHECK, str(lib)], input=json.dumps(trt_nodes))
+    if importlib.util.find_spec(bindings) is None:
+        pytest.skip(f"{bindings} is not installed ({REGISTRIES[bindings]})")
+    proc = _run([sys.executable, "-c", REGISTRY_CHECK, str(lib), bindings], input=json.dumps(trt_nodes))
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["rejected_bad"], "an unknown update_rule must not create a plugin"
     assert "update_rule must be linear, gated, delta or gated_delta; got 'nope'" in proc.stderr  # logged, named
@@ -546,8 +584,6 @@ def test_trt_registry_creates_every_exported_node(trt_libs, root, trt_nodes):
 
 
 def test_build_command_says_what_is_missing(tmp_path):
-    import importlib.util
-
     from click.testing import CliRunner
 
     from edgemem.cli import main

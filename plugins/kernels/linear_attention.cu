@@ -28,6 +28,14 @@ constexpr int kLaWarps = 4;
 constexpr int kLaThreads = kLaWarps * kWarp;
 constexpr int kLaStage = 32;                  // tokens staged at a time, at most
 constexpr int kLaStageFloats = 48 * 1024 / 4; // and at most 48 KiB of shared memory
+// Resident blocks per SM the register budget is sized for: 4 caps a thread at 128 registers,
+// which the d_k > 64 tiles fit up to sm_90 (120); Blackwell's code for them needs ~150 and
+// spilled at 128 (ptxas, sm_100/110/120/121), so 3 there (cap 168).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+constexpr int kLaMinBlocks = 3;
+#else
+constexpr int kLaMinBlocks = 4;
+#endif
 
 // Sum over the LR lanes of a warp that hold one column's rows (lane = rl * LC + cl).
 template <int LR>
@@ -100,7 +108,7 @@ __device__ __forceinline__ void stageTokens(
 }
 
 template <typename T, int R, int C, int LR>
-__global__ void __launch_bounds__(kLaThreads, 4) linearAttentionKernel(la::Params const p, LinearAttentionIO const io)
+__global__ void __launch_bounds__(kLaThreads, kLaMinBlocks) linearAttentionKernel(la::Params const p, LinearAttentionIO const io)
 {
     extern __shared__ float staged[];
     constexpr int LC = kWarp / LR;

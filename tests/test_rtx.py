@@ -1,0 +1,315 @@
+"""TensorRT for RTX builds engines with edgemem's plugins ahead of time, on a machine without a GPU.
+
+Needs `tensorrt_rtx` (pip: tensorrt-rtx-cu13==1.7.1.116; the module skips without it), the
+TensorRT 11.1 headers under ../shared/third_party/tensorrt (or `EDGEMEM_RTX_TENSORRT_ROOT`),
+g++ and the CUDA toolkit (cmake + nvcc for edgemem's plugin library). Everything TensorRT runs
+in a child process: a parser abort fails one test instead of the session.
+
+Why TensorRT-RTX 1.7.1's ONNX parser aborted after creating an edgemem plugin
+(`terminate called without an active exception`): to add any IPluginV3 layer it resolves a
+private entry point with `dlopen("libtensorrt_rtx.so")` (the unversioned name) and
+`dlsym("getPrivateApi_INTERNAL")`, inside a noexcept function. The wheel ships only
+`libtensorrt_rtx.so.1`; dlopen fails, the parser throws "Handle to library is nullptr." and the
+noexcept boundary turns it into std::terminate. Nothing of the plugin is involved: a minimal
+identity plugin that shares no code with edgemem aborts the same way, and both import and build
+once the name resolves. The workaround: a directory holding a `libtensorrt_rtx.so` symlink to
+the wheel's `libtensorrt_rtx.so.1`, on LD_LIBRARY_PATH of the building process (ld.so reads it
+at start-up, so a child process; dlopen then finds the already loaded library, not a copy).
+
+LinearAttention: the parser first looks the node up in the plugin registry by (op type,
+`plugin_version`, `plugin_namespace`); with edgemem's library loaded the trt target's nodes
+become edgemem's plugin, and only without it does the built-in `importLinearAttention` take
+the node (and fail on a machine without a GPU, its creator not being registered there).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("tensorrt_rtx") is None:
+    pytest.skip("tensorrt_rtx is not installed (pip install tensorrt-rtx-cu13==1.7.1.116)", allow_module_level=True)
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+PLUGINS = ROOT / "plugins"
+HEADERS = Path(os.environ.get("EDGEMEM_RTX_TENSORRT_ROOT") or ROOT.parent / "shared" / "third_party" / "tensorrt" / "v11.1")
+OPS = {"LinearAttention", "NeuralMemory", "WindowAttention", "BandedAttention"}
+ARCHS = ("deltanet", "gated-deltanet", "titans-mag", "ttt-linear", "longformer", "longformer-encoder")
+
+
+def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if proc.returncode:
+        raise AssertionError(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def _cuda_home() -> Path | None:
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    for home in (os.environ.get("CUDA_HOME"), "/usr/local/cuda", Path(os.path.realpath(nvcc)).parents[1]):
+        if home and (Path(home) / "include" / "cuda_runtime_api.h").is_file():
+            return Path(home)
+    return None
+
+
+@pytest.fixture(scope="module")
+def headers() -> Path:
+    if not (HEADERS / "include" / "NvInferRuntime.h").is_file():
+        pytest.skip(f"no TensorRT 11.1 headers at {HEADERS} (../shared is absent; set EDGEMEM_RTX_TENSORRT_ROOT)")
+    return HEADERS
+
+
+@pytest.fixture(scope="module")
+def name_fix(tmp_path_factory) -> dict[str, str]:
+    """Environment for a child process in which dlopen("libtensorrt_rtx.so") finds the wheel's library."""
+    spec = importlib.util.find_spec("tensorrt_rtx_libs")
+    assert spec and spec.submodule_search_locations, "tensorrt_rtx_libs (the wheel's libraries) not found"
+    real = Path(list(spec.submodule_search_locations)[0]) / "libtensorrt_rtx.so.1"
+    assert real.is_file(), real
+    shim = tmp_path_factory.mktemp("rtx_name")
+    (shim / "libtensorrt_rtx.so").symlink_to(real)
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(shim), env.get("LD_LIBRARY_PATH")) if p)
+    return env
+
+
+@pytest.fixture(scope="module")
+def identity_plugin(tmp_path_factory, headers) -> Path:
+    """plugins/tests/identity_plugin.cpp: the smallest IPluginV3 library, no edgemem code."""
+    cxx, cuda = shutil.which("g++") or shutil.which("c++"), _cuda_home()
+    if not cxx or not cuda:
+        pytest.skip("g++ and the CUDA toolkit (cuda_runtime_api.h, libcudart_static) are needed for the identity plugin")
+    lib = tmp_path_factory.mktemp("identity") / "libidentity_plugin.so"
+    _run([cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-fvisibility=hidden", "-Wno-deprecated-declarations",
+          f"-I{headers / 'include'}", f"-I{cuda / 'include'}", str(PLUGINS / "tests" / "identity_plugin.cpp"),
+          f"-L{cuda / 'lib64'}", "-lcudart_static", "-ldl", "-lrt", "-lpthread", "-Wl,--no-undefined", "-o", str(lib)])
+    return lib
+
+
+@pytest.fixture(scope="module")
+def edgemem_plugins(tmp_path_factory, headers) -> Path:
+    """libedgemem_trt_plugins.so against the TensorRT 11.1 headers, kernels for sm_86 (an RTX architecture)."""
+    if not shutil.which("cmake") or not (shutil.which("nvcc") or Path("/usr/local/cuda/bin/nvcc").exists()):
+        pytest.skip("cmake and nvcc are needed to build libedgemem_trt_plugins.so")
+    build = tmp_path_factory.mktemp("rtx_plugins")
+    _run(["cmake", "-S", str(PLUGINS), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", f"-DTensorRT_ROOT={headers}",
+          "-DCMAKE_CUDA_ARCHITECTURES=86"])
+    _run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", "edgemem_trt_plugins"])
+    return build / "libedgemem_trt_plugins.so"
+
+
+# The child: plain tensorrt_rtx + onnx, no edgemem build code. Parses, lists the plugin layers,
+# builds with one optimisation profile (batch 1..2, sequence 1..64, past_sequence 0..64) for
+# the default compute capabilities, checks the engine without a GPU, prints one JSON line.
+RTX_BUILD = textwrap.dedent(
+    """
+    import json, struct, sys, time
+    import onnx
+    import tensorrt_rtx as trt
+
+    library, model_path, engine_path = sys.argv[1:4]
+    logger = trt.Logger(trt.Logger.WARNING)
+    if library != "-":
+        assert trt.get_plugin_registry().load_library(library), library
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    start = time.perf_counter()
+    parsed = parser.parse_from_file(model_path)
+    report = dict(parsed=parsed, parse_s=time.perf_counter() - start, version=trt.__version__,
+                  errors=[str(parser.get_error(i)) for i in range(parser.num_errors)], plugins=[])
+    if parsed:
+        for i in range(network.num_layers):
+            layer = network.get_layer(i)
+            if layer.type == trt.LayerType.PLUGIN_V3:
+                layer.__class__ = trt.IPluginV3Layer
+                core = layer.plugin.get_capability_interface(trt.PluginCapabilityType.CORE)
+                build = layer.plugin.get_capability_interface(trt.PluginCapabilityType.BUILD)
+                report["plugins"].append(dict(name=core.plugin_name, namespace=core.plugin_namespace,
+                                              version=core.plugin_version, metadata=build.metadata_string))
+        ranges = {"batch": (1, 1, 2), "past_sequence": (0, 16, 64)}
+        profile = builder.create_optimization_profile()
+        for graph_input in onnx.load(model_path, load_external_data=False).graph.input:
+            dims = [d.dim_param or d.dim_value for d in graph_input.type.tensor_type.shape.dim]
+            r = [(d, d, d) if isinstance(d, int) else ranges.get(d, (1, 16, 64)) for d in dims]
+            if any(lo != hi for lo, _, hi in r):
+                profile.set_shape(graph_input.name, *[[x[k] for x in r] for k in range(3)])
+        config = builder.create_builder_config()
+        config.add_optimization_profile(profile)
+        start = time.perf_counter()
+        serialized = builder.build_serialized_network(network, config)
+        report["build_s"] = time.perf_counter() - start
+        if serialized is not None:
+            blob = bytes(serialized)
+            with open(engine_path, "wb") as f:
+                f.write(blob)
+            runtime = trt.Runtime(logger)
+
+            def validity(data):
+                verdict, diagnostics = runtime.get_engine_validity(data)
+                flags = trt.EngineInvalidityDiagnostics.__members__.items()
+                return [verdict.name, [name for name, flag in flags if diagnostics & int(flag)]]
+
+            report.update(
+                engine_bytes=len(blob), header_bytes=runtime.engine_header_size, validity=validity(blob),
+                corrupt_validity=validity(b"\\0" + blob[1:]),
+                # the header as observed (undocumented): b"vtrt", ..., u64 size at 16, u8 version at 24..27
+                magic=blob[:4].decode("latin-1"), size_field=struct.unpack_from("<Q", blob, 16)[0],
+                version_field=".".join(str(b) for b in blob[24:28]))
+    with open("/proc/self/maps") as maps:  # the libtensorrt_rtx files mapped: one, not a second copy
+        report["mapped"] = sorted({line.split()[-1] for line in maps if "/libtensorrt_rtx.so" in line})
+    print(json.dumps(report))
+    """
+)
+
+
+def _rtx(library: Path | None, model: Path, engine: Path, env: dict[str, str] | None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", RTX_BUILD, str(library or "-"), str(model), str(engine)],
+                          capture_output=True, text=True, env=env, timeout=900)
+
+
+def _report(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _check_engine(report: dict, engine: Path) -> None:
+    """What TensorRT-RTX can say about an engine without a GPU, and the header fields it carries."""
+    assert engine.stat().st_size == report["engine_bytes"] > report["header_bytes"]
+    # no GPU: the library stops after the header format check (INVALID, no diagnostics); with a
+    # GPU a good engine is VALID or SUBOPTIMAL; never malformed or from another version
+    assert not {"MALFORMED_ENGINE", "VERSION_MISMATCH"} & set(report["validity"][1]), report["validity"]
+    assert "MALFORMED_ENGINE" in report["corrupt_validity"][1], "the header check does not look at the engine"
+    assert report["magic"] == "vtrt" and report["size_field"] == report["engine_bytes"]
+    assert report["version_field"] == report["version"], (report["version_field"], report["version"])
+
+
+def _identity_model(path: Path) -> Path:
+    import onnx
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])
+    node = helper.make_node("Identity", ["x"], ["y"], domain="edgemem_test", plugin_namespace="edgemem_test",
+                            plugin_version="1")
+    graph = helper.make_graph([node], "identity", [x], [y])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("edgemem_test", 1)]),
+              path)
+    return path
+
+
+def test_parser_abort_is_the_missing_library_name_not_the_plugin(identity_plugin, name_fix, tmp_path):
+    """A minimal identity plugin aborts the parser exactly as edgemem's did, and imports and
+    builds once `libtensorrt_rtx.so` resolves: the cause is the parser's dlopen, not the plugin ABI."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libtensorrt_rtx.so")
+        pytest.skip("libtensorrt_rtx.so resolves on this machine's library path: the abort cannot occur here")
+    except OSError:
+        pass
+    model, engine = _identity_model(tmp_path / "identity.onnx"), tmp_path / "identity.engine"
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    aborted = _rtx(identity_plugin, model, engine, env)
+    assert aborted.returncode == -signal.SIGABRT and "terminate called" in aborted.stderr, (
+        f"TensorRT-RTX no longer aborts without libtensorrt_rtx.so (rc {aborted.returncode}): "
+        f"drop the LD_LIBRARY_PATH workaround\n{aborted.stderr[-2000:]}")
+    report = _report(_rtx(identity_plugin, model, engine, name_fix))
+    assert report["parsed"], report["errors"]
+    assert report["plugins"] == [dict(name="Identity", namespace="edgemem_test", version="1", metadata=None)]
+    assert [Path(p).name for p in report["mapped"]] == ["libtensorrt_rtx.so.1"], report["mapped"]
+    _check_engine(report, engine)
+
+
+@pytest.fixture(scope="module")
+def trt_graphs(tmp_path_factory) -> dict[str, Path]:
+    """The trt-lowered graphs of every arch (one layer each): `<arch>-<kind>` -> path."""
+    import onnx
+    import torch
+
+    from edgemem.export.graphs import export_graph
+    from edgemem.export.lower import lower
+    from edgemem.models import build
+
+    out, graphs = tmp_path_factory.mktemp("rtx_graphs"), {}
+    for arch in ARCHS:
+        model = build(arch, seed=0, n_layers=1).eval()
+        kinds = [k for k, present in (("step", model.streaming), ("prefill", model.parallel_prefill)) if present]
+        for kind in kinds:
+            path = out / f"{arch}-{kind}.onnx"
+            onnx.save(lower(export_graph(model, kind, 20, torch.float32), "trt"), path)
+            graphs[path.stem] = path
+    return graphs
+
+
+def _edgemem_nodes(path: Path) -> list[tuple[str, dict[str, str]]]:
+    import onnx
+    from onnx import helper
+
+    nodes = []
+    for node in onnx.load(str(path), load_external_data=False).graph.node:
+        if node.domain == "edgemem":
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute if not a.name.startswith("plugin_")}
+            nodes.append((node.op_type, attrs))
+    return nodes
+
+
+def _metadata(attrs: dict) -> dict[str, str]:
+    """The plugin's metadata string (`name=value;...`) expected from the node's attributes."""
+    out = {}
+    for name, value in attrs.items():
+        if isinstance(value, bytes):
+            out[name] = value.decode()
+        elif isinstance(value, float):
+            out[name] = f"{value:.9g}"
+        elif isinstance(value, list):
+            out[name] = ",".join(map(str, value))
+        else:
+            out[name] = str(value)
+    return out
+
+
+def test_every_graph_builds_with_edgemem_plugins(edgemem_plugins, name_fix, trt_graphs, tmp_path):
+    """Step and prefill graphs of six presets: every edgemem node (LinearAttention included)
+    becomes edgemem's plugin, the engine builds without a GPU and passes the GPU-free checks."""
+    assert {"longformer-encoder-prefill", "deltanet-step", "titans-mag-step"} <= set(trt_graphs)
+    seen, rows = set(), []
+    for name, path in trt_graphs.items():
+        engine = tmp_path / f"{name}.engine"
+        report = _report(_rtx(edgemem_plugins, path, engine, name_fix))
+        assert report["parsed"], (name, report["errors"])
+        nodes = _edgemem_nodes(path)
+        assert nodes, f"{name} has no edgemem node"
+        assert [(p["name"], p["namespace"], p["version"]) for p in report["plugins"]] == [
+            (op, "edgemem", "1") for op, _ in nodes], name
+        for (op, attrs), plugin in zip(nodes, report["plugins"]):
+            meta = dict(item.split("=", 1) for item in plugin["metadata"].split(";"))
+            for key, value in _metadata(attrs).items():  # the plugin parsed every attribute
+                assert meta.get(key) == value, (name, op, key, meta)
+        assert "build_s" in report and "engine_bytes" in report, (name, report)
+        _check_engine(report, engine)
+        seen |= {op for op, _ in nodes}
+        rows.append(f"{name:<28} {len(nodes):>2} plugin layers  parse {report['parse_s']:6.2f} s  "
+                    f"build {report['build_s']:6.2f} s  engine {report['engine_bytes'] / 2**20:7.2f} MiB")
+    assert seen == OPS, f"ops without an engine: {OPS - seen}"
+    print("\n" + "\n".join(rows))
+
+
+def test_linear_attention_without_edgemem_library_goes_to_the_builtin_importer(name_fix, trt_graphs, tmp_path):
+    """Without edgemem's library the parser hands LinearAttention to its own importer, which
+    needs its built-in plugin (not registered without a GPU): a clear parse error, no silent swap."""
+    report = _report(_rtx(None, trt_graphs["deltanet-step"], tmp_path / "x.engine", name_fix))
+    assert not report["parsed"]
+    assert any("importLinearAttention" in e and "failed to load LinearAttention plugin" in e for e in report["errors"]), \
+        report["errors"]

@@ -5,6 +5,8 @@ a T×T tensor; bad checkpoints and inputs fail with one clear line."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -255,3 +257,15 @@ def test_the_encoder_has_no_step(hf_dir):
     with pytest.raises(EdgememError) as error:
         model.step(torch.ones(1, dtype=torch.long), model.init_state(1))
     assert "bidirectional" in one_line(error)
+
+
+@pytest.mark.slow
+def test_memory_sample_runs_both_sides_and_they_agree():
+    """samples/longformer_memory.py at a small length: both processes report, outputs agree."""
+    script = Path(__file__).parent.parent / "samples" / "longformer_memory.py"
+    args = ["--length", "600", "--window", "32", "--hidden", "32", "--heads", "2", "--layers", "1"]
+    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, check=True)
+    lines = result.stdout.splitlines()
+    assert any(line.strip().startswith("onnxruntime   peak RSS") for line in lines)
+    assert any(line.strip().startswith("transformers  peak RSS") for line in lines)
+    assert float(lines[-1].rsplit(":", 1)[1]) <= TOLERANCE

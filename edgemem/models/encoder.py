@@ -17,6 +17,13 @@ Modelling choices:
   inputs by running them separately).
 - Bidirectional: the stateful protocol holds with an empty state and a prefill of the whole
   input; there is no step.
+
+Export (`edgemem.export.export`): one prefill graph for any batch and length, no step graph, no
+state. Inputs `input_ids` and `global_attention_mask` (both int64 `[batch, sequence]`, as
+transformers takes them); output `last_hidden_state` (`[batch, sequence, d_model]`), which the
+manifest names as `inputs: {"tokens": "input_ids", "global_attention_mask": ...}` and
+`outputs: {"last_hidden_state": "last_hidden_state"}`. Run it with onnxruntime directly; the
+streaming runtime refuses models without a step graph.
 """
 
 from __future__ import annotations

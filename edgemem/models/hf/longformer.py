@@ -7,7 +7,7 @@ layer_norm_eps, attention_window (an int or one per layer; even, positive: the o
 window is half of it), hidden_act (only "gelu"). Task heads (pooler, lm_head, classifier,
 qa_outputs) are not part of the encoder and are ignored. Dropout is inference-off. Inputs
 are token ids and a global-attention mask; token_type_ids are all 0 and there is no padding
-mask (see `edgemem.models.encoder`).
+mask (see `edgemem.models.encoder`). Weights of any floating dtype are read as float32.
 """
 
 from __future__ import annotations

@@ -137,6 +137,16 @@ def test_onnxruntime_matches_transformers_at_two_lengths_from_one_export(exporte
         assert relative(got, reference(hf, ids, mask)) <= TOLERANCE
 
 
+@pytest.mark.slow
+def test_fp16_export_matches_transformers_within_fp16_tolerance(tmp_path):
+    hf = checkpoint(tmp_path / "hf", hidden_size=32, num_attention_heads=4, attention_window=[4, 8])
+    export(import_dir(tmp_path / "hf"), tmp_path / "out", targets=("generic",), dtype="fp16")
+    session = ort.InferenceSession(str(tmp_path / "out" / "generic" / "prefill.onnx"), providers=["CPUExecutionProvider"])
+    ids, mask = token_ids(30, hf.config.vocab_size), global_rows(30)
+    (got,) = session.run(None, {"input_ids": ids.numpy(), "global_attention_mask": mask.numpy()})
+    assert got.dtype == np.float16 and relative(got, reference(hf, ids, mask)) <= 2e-2
+
+
 def quadratic_tensors(model: onnx.ModelProto, feeds: dict[int, dict[str, np.ndarray]]) -> dict[str, tuple]:
     """Every tensor of `model` (local functions inlined) whose size grows faster than the
     sequence: run at two lengths T1 < T2, flag those with size(T2) / size(T1) > T2 / T1.

@@ -25,7 +25,7 @@ from torch import nn
 
 from edgemem.errors import EdgememError
 from edgemem.export import genai
-from edgemem.export.graphs import export_graph, growing_dims, input_name, output_name
+from edgemem.export.graphs import export_graph, graph_io, growing_dims, input_name, output_name
 from edgemem.export.lower import lower
 from edgemem.manifest import MANIFEST, STATE_INIT, TARGETS, Manifest, StateSpec, sha256, staged_directory, write_atomic
 
@@ -116,9 +116,11 @@ def export(
             write_atomic(tmp / STATE_INIT, save_safetensors(initial))
             files[STATE_INIT] = sha256(tmp / STATE_INIT)
         config = {**_config(model), **(extra_config or {}), "dtype": dtype}
+        extras, output = graph_io(model)
         manifest = Manifest(
             arch=str(getattr(model.config, "arch", "custom")), config=config, opset=OPSET, targets=list(targets),
             state=specs, graphs=graphs, files=files,
+            inputs={"tokens": "input_ids", **{name: name for name in extras}}, outputs={output: output},
         )
         manifest.genai, genai_config = genai.entry(manifest)
         if genai_config is not None:

@@ -1,6 +1,7 @@
 """Trace a stateful model into two ONNX graphs: prefill (any length) and step (one token).
 
-Both graphs take `input_ids` and every state tensor and return `logits` and every new state,
+Both graphs take `input_ids` (and any per-token inputs the model declares, see `graph_io`) and
+every state tensor and return `logits` (or the model's own output name) and every new state,
 so a prompt is prefilled and then streamed. The layers' ops emit one opaque `edgemem::<Op>`
 node each under the exporter; their model-local functions are attached here.
 """
@@ -31,16 +32,24 @@ def output_name(key: str) -> str:
     return f"present.{key}"
 
 
+def graph_io(model: nn.Module) -> tuple[dict[str, torch.dtype], str]:
+    """The model's per-token inputs besides `input_ids` (`model.extra_inputs`, name → dtype, each
+    `[B, T]` and passed to `prefill` by keyword; none by default) and the name of its first
+    output (`model.output_name`, "logits" by default)."""
+    return dict(getattr(model, "extra_inputs", {})), str(getattr(model, "output_name", "logits"))
+
+
 class _Graph(nn.Module):
     """Flat positional I/O around `model.prefill`, as the exporter needs it."""
 
-    def __init__(self, model: nn.Module, names: list[str]):
+    def __init__(self, model: nn.Module, names: list[str], extras: list[str]):
         super().__init__()
-        self.model, self.names = model, names
+        self.model, self.names, self.extras = model, names, extras
 
-    def forward(self, input_ids: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        logits, new = self.model.prefill(input_ids, dict(zip(self.names, state)))
-        return (logits, *(new[n] for n in self.names))
+    def forward(self, input_ids: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        extras, state = dict(zip(self.extras, rest)), rest[len(self.extras) :]
+        out, new = self.model.prefill(input_ids, dict(zip(self.names, state)), **extras)
+        return (out, *(new[n] for n in self.names))
 
 
 def example_state(model: nn.Module, batch: int, tokens: int, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
@@ -73,19 +82,22 @@ def export_graph(model: nn.Module, kind: str, opset: int, dtype: torch.dtype | N
     ids = torch.randint(0, model.config.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(1))
     ids_dims = {0: batch} if kind == "step" else {0: batch, 1: torch.export.Dim("sequence", min=1, max=1 << 20)}
     state_dims = tuple({0: batch, **{d: past for d in growing.get(n, [])}} for n in names)
-    dynamic_shapes = (ids_dims, state_dims) if names else (ids_dims,)
+    extras, output = graph_io(model)
+    extra_values = [torch.zeros(ids.shape, dtype=d) for d in extras.values()]
+    rest_dims = (*(ids_dims for _ in extras), *state_dims)
+    dynamic_shapes = (ids_dims, rest_dims) if rest_dims else (ids_dims,)
     # the exporter logs a warning per missing optional library (torchvision); not the user's concern
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             program = torch.onnx.export(
-                _Graph(model, names).eval(),
-                (ids, *state.values()),
+                _Graph(model, names, list(extras)).eval(),
+                (ids, *extra_values, *state.values()),
                 dynamo=True,
                 opset_version=opset,
-                input_names=["input_ids", *map(input_name, names)],
-                output_names=["logits", *map(output_name, names)],
+                input_names=["input_ids", *extras, *map(input_name, names)],
+                output_names=[output, *map(output_name, names)],
                 dynamic_shapes=dynamic_shapes,
                 verbose=False,
             )

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from edgemem import __version__
+from edgemem.config import parse_overrides
 from edgemem.errors import EdgememError
 
 
@@ -73,27 +74,8 @@ def archs(as_json: bool) -> None:
     Console().print(table)
 
 
-def _parse_set(items: tuple[str, ...]) -> dict:
-    """`key=value` pairs; values are TOML literals (64, 1e-3, true, [1, 2]) or else plain strings."""
-    import tomllib
-
-    from edgemem.errors import ConfigError
-
-    overrides = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set expects key=value; got {item!r}")
-        try:
-            value = tomllib.loads(f"v = {text}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = text
-        overrides[key.strip()] = value
-    return overrides
-
-
 @main.command("export")
-@click.option("--arch", help="Preset to export (see `edgemem archs`).")
+@click.option("--arch", help="Preset to export (see `edgemem archs`), or a recipe file (*.toml, see export/).")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output directory.")
 @click.option("--target", "targets", default="generic,ort,trt", show_default=True,
               help="Comma-separated targets: generic, ort, onnx27, trt.")
@@ -120,7 +102,7 @@ def export_command(arch, out_dir, targets, seed, checkpoint, overrides, dtype, f
             raise ConfigError(f"{checkpoint} is a checkpoint of {model.config.arch!r}, not {arch!r}")
         extra["checkpoint"] = str(Path(checkpoint).resolve())
     elif arch:
-        model = build(arch, seed=seed, **_parse_set(overrides))
+        model = build(arch, seed=seed, **parse_overrides(overrides))
         extra["seed"] = seed
     else:
         raise ConfigError("give --arch (a preset) or --checkpoint")
@@ -394,9 +376,10 @@ def train_command(arch, task_name, steps, out, overrides, task_set, seed, batch,
 
     torch.set_num_threads(threads)
     out = out or f"{arch}-{task_name}.safetensors"
-    result = train(arch, task_name, steps, out, seed=seed, overrides=_parse_set(overrides),
-                   task_params=_parse_set(task_set), batch=batch, lr=lr, device=device)
-    scores = evaluate(result.model, task_name, batch=128, task_params=_parse_set(task_set))  # as `edgemem eval`
+    task_params = parse_overrides(task_set, "--task-set")
+    result = train(arch, task_name, steps, out, seed=seed, overrides=parse_overrides(overrides),
+                   task_params=task_params, batch=batch, lr=lr, device=device)
+    scores = evaluate(result.model, task_name, batch=128, task_params=task_params)  # as `edgemem eval`
     metric = next(k for k in scores if k not in ("task", "arch", "length"))
     click.echo(f"saved {out}: {steps} steps in {result.seconds:.0f} s, final loss {result.losses[-1]:.4f}; "
                f"held-out {metric} at length {scores['length']}: {scores[metric]:.4f}")
@@ -422,7 +405,7 @@ def eval_command(checkpoint, task_name, length, task_set, batch, seed, threads, 
     from edgemem.train import evaluate
 
     torch.set_num_threads(threads)
-    task = get_task(task_name, **_parse_set(task_set))
+    task = get_task(task_name, **parse_overrides(task_set, "--task-set"))
     model = load_checkpoint(checkpoint)
     length = length or task.length
     rows = [evaluate(model, task, n, batch, seed) for n in (length, 4 * length)]

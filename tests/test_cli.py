@@ -75,17 +75,40 @@ def test_overrides_reach_the_model():
     assert model.blocks[0].mixer.conv is None and model.blocks[0].mixer.head_dim == 64
 
 
-def test_wheel_ships_every_subpackage():
-    """pyproject lists packages explicitly (export/ and calib/ are mapped to edgemem.recipes and
-    edgemem.calib): none may be missing."""
+def test_a_recipe_file_stands_for_a_preset(tmp_path):
+    """`--arch path.toml` (the examples in export/) builds like a preset; its stem names the arch."""
     import pathlib
-    import tomllib
 
-    root = pathlib.Path(__file__).parents[1]
-    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
-    listed = set(setuptools["packages"])
-    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "edgemem").rglob("__init__.py")}
-    mapped = set(setuptools["package-dir"])
-    assert {"edgemem.recipes", "edgemem.calib"} <= mapped
-    assert all((root / d / "__init__.py").exists() for d in setuptools["package-dir"].values())
-    assert found | mapped == listed
+    example = pathlib.Path(__file__).parents[1] / "export" / "titans-mag-orin-nano.toml"
+    config = load_config(str(example), n_layers=1)
+    assert (config.arch, config.mixer, config.d_model, config.n_layers) == ("titans-mag-orin-nano", "titans_mag", 128, 1)
+    assert config.mixer_options["num_heads"] == 2
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\nd_model = 64\n[mixr]\ntype = 'linear'\n")
+    with pytest.raises(ConfigError, match=r"unknown section\(s\) mixr"):
+        load_config(str(bad))
+    bad.write_text("[model\n")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_config(str(bad))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(str(tmp_path / "missing.toml"))
+
+
+def test_set_values_are_toml_literals_and_ranges_are_checked():
+    from edgemem.config import finite, parse_overrides, positive_int
+
+    assert parse_overrides(["a=64", "b=1e-3", "c=true", "d=[1, 2]", "e=silu", " f =x=y"]) == {
+        "a": 64, "b": 1e-3, "c": True, "d": [1, 2], "e": "silu", "f": "x=y"}
+    for bad in ("novalue", "=3"):
+        with pytest.raises(ConfigError, match="--set expects key=value"):
+            parse_overrides([bad])
+    assert positive_int(3, "n") == 3
+    for bad in (0, -1, True, 2.0, "3"):
+        with pytest.raises(ConfigError, match="n must be a positive integer"):
+            positive_int(bad, "n")
+    assert finite(2, "x", positive=True) == 2.0
+    for bad in (float("nan"), float("inf"), "1", None):
+        with pytest.raises(ConfigError, match="x must be a finite number"):
+            finite(bad, "x")
+    with pytest.raises(ConfigError, match="x must be positive"):
+        finite(0.0, "x", positive=True)

@@ -4,7 +4,6 @@ run to PyTorch's numbers, lowered per target, with a manifest every later tool c
 import json
 import subprocess
 import sys
-import time
 
 import numpy as np
 import onnx
@@ -25,35 +24,35 @@ from edgemem.models import archs, build, save_checkpoint
 TARGETS = ["generic", "ort", "onnx27", "trt"]
 
 
-@pytest.fixture(scope="module")
-def exports(tmp_path_factory):
-    """Every preset exported once with default settings, with the seconds each took."""
-    root = tmp_path_factory.mktemp("exports")
-    done = {}
-    for arch in archs():
-        start = time.perf_counter()
-        result = CliRunner().invoke(main, ["export", "--arch", arch, "--out", str(root / arch), "--target", ",".join(TARGETS)])
-        assert result.exit_code == 0, f"{arch}: {result.output}"
-        done[arch] = (root / arch, time.perf_counter() - start)
-    return done
+FULL_SIZE = ["titans-mag", "gated-deltanet"]  # as shipped; every preset is also exported small (conftest)
 
 
-@pytest.mark.parametrize("arch", archs())
-def test_preset_exports_in_under_a_minute_and_matches_pytorch(exports, arch):
-    directory, seconds = exports[arch]
-    assert seconds < 60
+def _verified(directory):
     checks, skipped = verify(directory, threads=1)
     assert skipped == {"trt": "TensorRT is not installed"} or "trt" not in skipped
     assert {c.target for c in checks} == {"generic", "ort", "onnx27"}
     bad = [c for c in checks if not c.ok]
     assert not bad, bad
-    manifest = load(directory)
+    return load(directory)
+
+
+@pytest.mark.parametrize("arch", archs())
+def test_preset_exports_match_pytorch(small_exports, arch):
+    manifest = _verified(small_exports[arch])
     # bidirectional: no step; titans-mac's segments run one after another: prompts are stepped
     assert manifest.graphs == {"prefill": arch != "titans-mac", "step": arch != "longformer-encoder"}
 
 
-def test_manifest_describes_the_graphs(exports):
-    directory, _ = exports["titans-mag"]
+@pytest.mark.parametrize("arch", FULL_SIZE)
+def test_full_size_preset_exports_from_the_cli_and_matches_pytorch(arch, tmp_path):
+    result = CliRunner().invoke(main, ["export", "--arch", arch, "--out", str(tmp_path / arch), "--target", ",".join(TARGETS)])
+    assert result.exit_code == 0, f"{arch}: {result.output}"
+    manifest = _verified(tmp_path / arch)
+    assert manifest.config["d_model"] == build(arch).config.d_model and manifest.config["n_layers"] == 2
+
+
+def test_manifest_describes_the_graphs(small_exports):
+    directory = small_exports["titans-mag"]
     raw = json.loads((directory / MANIFEST).read_text())
     assert raw["format"] == "edgemem/1" and raw["arch"] == "titans-mag" and raw["opset"] == 20
     assert raw["inputs"] == {"tokens": "input_ids"} and raw["outputs"] == {"logits": "logits"}
@@ -72,27 +71,27 @@ def test_manifest_describes_the_graphs(exports):
     assert set(raw["files"]) >= {f"{t}/{g}.onnx" for t in TARGETS for g in ("prefill", "step")} | {"state_init.safetensors"}
 
 
-def test_softmax_state_declares_its_growing_cache(exports):
-    raw = json.loads((exports["softmax"][0] / MANIFEST).read_text())
+def test_softmax_state_declares_its_growing_cache(small_exports):
+    raw = json.loads((small_exports["softmax"] / MANIFEST).read_text())
     assert all(s["shape"][2] == "past_sequence" for s in raw["state"])
 
 
 @pytest.mark.parametrize("arch", ["gated-deltanet", "titans-mag", "longformer", "titans-lmm"])
-def test_edgemem_nodes_and_their_functions_survive(exports, arch):
-    model = onnx.load(exports[arch][0] / "generic" / "step.onnx")
+def test_edgemem_nodes_and_their_functions_survive(small_exports, arch):
+    model = onnx.load(small_exports[arch] / "generic" / "step.onnx")
     ops = {n.op_type for n in model.graph.node if n.domain == "edgemem"}
     assert ops and ops == {f.name for f in model.functions if f.domain == "edgemem"}
     assert any(o.domain == "edgemem" and o.version == 1 for o in model.opset_import)
 
 
-def test_full_checker_passes_in_a_fresh_process(exports):
-    files = [str(d / t / g) for d, _ in exports.values() for t in ("generic", "ort", "onnx27") for g in ("prefill.onnx", "step.onnx") if (d / t / g).exists()]
+def test_full_checker_passes_in_a_fresh_process(small_exports):
+    files = [str(d / t / g) for d in small_exports.values() for t in ("generic", "ort", "onnx27") for g in ("prefill.onnx", "step.onnx") if (d / t / g).exists()]
     code = "import sys, onnx\nfor f in sys.argv[1:]: onnx.checker.check_model(onnx.load(f), full_check=True)"
     subprocess.run([sys.executable, "-c", code, *files], check=True)
 
 
-def test_ort_target_uses_the_native_kernel_and_onnx27_the_standard_op(exports):
-    directory = exports["gated-deltanet"][0]
+def test_ort_target_uses_the_native_kernel_and_onnx27_the_standard_op(small_exports):
+    directory = small_exports["gated-deltanet"]
     ort_model = onnx.load(directory / "ort" / "step.onnx")
     assert {(n.domain, n.op_type) for n in ort_model.graph.node if n.op_type == "LinearAttention"} == {("com.microsoft", "LinearAttention")}
     assert not [f for f in ort_model.functions if f.name == "LinearAttention"]
@@ -102,10 +101,10 @@ def test_ort_target_uses_the_native_kernel_and_onnx27_the_standard_op(exports):
 
 
 @pytest.mark.parametrize("arch", ["gated-deltanet", "titans-mag", "longformer", "titans-mac"])
-def test_trt_artifacts_carry_plugin_attributes_and_no_local_functions(exports, arch):
-    graphs = [g for g, present in load(exports[arch][0]).graphs.items() if present]
+def test_trt_artifacts_carry_plugin_attributes_and_no_local_functions(small_exports, arch):
+    graphs = [g for g, present in load(small_exports[arch]).graphs.items() if present]
     for graph in graphs:
-        model = onnx.load(exports[arch][0] / "trt" / f"{graph}.onnx")
+        model = onnx.load(small_exports[arch] / "trt" / f"{graph}.onnx")
         assert not [f for f in model.functions if f.domain == "edgemem"]
         nodes = [n for n in gs.import_onnx(model).nodes if n.domain == "edgemem"]
         assert nodes
@@ -114,8 +113,8 @@ def test_trt_artifacts_carry_plugin_attributes_and_no_local_functions(exports, a
 
 
 @pytest.mark.parametrize("arch", ["gated-deltanet", "titans-mag", "longformer"])
-def test_onnx_reference_evaluator_runs_the_generic_step(exports, arch):
-    directory = exports[arch][0]
+def test_onnx_reference_evaluator_runs_the_generic_step(small_exports, arch):
+    directory = small_exports[arch]
     manifest = load(directory)
     feeds = {"input_ids": np.array([[7], [42]], dtype=np.int64), **initial_state(manifest, directory, 2)}
     model = onnx.load(directory / "generic" / "step.onnx")

@@ -286,6 +286,19 @@ def test_shipped_recipes_load():
         recipe.make_task()
 
 
+def test_example_recipes_in_calib_load_by_path():
+    import pathlib
+
+    from edgemem.quant import load_recipe
+
+    examples = sorted((pathlib.Path(__file__).parents[1] / "calib").glob("*.toml"))
+    assert examples
+    for path in examples:
+        recipe = load_recipe(str(path))
+        assert recipe.name == path.stem and recipe.source == str(path)
+        recipe.make_task()
+
+
 # ---------------------------------------------------------------- trained model
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from edgemem.config import positive_int
 from edgemem.errors import ConfigError
 from edgemem.layers.base import State, StatefulLayer
 
@@ -69,8 +70,7 @@ class AFT(StatefulLayer):
 
     def __init__(self, d_model: int, mode: str = "simple", window: int | None = None):
         super().__init__()
-        if isinstance(d_model, bool) or not isinstance(d_model, int) or d_model < 1:
-            raise ConfigError(f"AFT d_model must be a positive integer; got {d_model!r}")
+        positive_int(d_model, "AFT d_model")
         if mode not in ("simple", "local"):
             raise ConfigError(f"AFT mode must be 'simple' or 'local'; got {mode!r}")
         if mode == "simple" and window is not None:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgemem.errors import ConfigError
+from edgemem.config import positive_int
 from edgemem.layers.base import State, StatefulLayer
 from edgemem.ops import linear_attention
 
@@ -51,8 +51,7 @@ class GAU(StatefulLayer):
     def __init__(self, d_model: int, expansion: int = 2, s: int = 128, chunk_size: int = 64):
         super().__init__()
         for name, value in (("d_model", d_model), ("expansion", expansion), ("s", s), ("chunk_size", chunk_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"GAU {name} must be a positive integer; got {value!r}")
+            positive_int(value, f"GAU {name}")
         self.e, self.s, self.chunk_size = expansion * d_model, s, chunk_size
         self.proj = nn.Linear(d_model, 2 * self.e + s, bias=False)
         self.gamma = nn.Parameter(torch.randn(4, s) * 0.02)  # rows: Q_quad, Q_lin, K_quad, K_lin

@@ -1,26 +1,23 @@
-"""Presets: one TOML recipe per `--arch` in the top-level `export/` folder (shipped in the
-wheel as `edgemem.recipes`), turned into an `LMConfig` with validated overrides."""
+"""Presets: one TOML recipe per `--arch` in `edgemem/presets/` (or a recipe file of the user's,
+such as the examples in the top-level `export/` folder), turned into an `LMConfig` with
+validated overrides."""
 
 from __future__ import annotations
 
 import inspect
-import sys
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
+from edgemem.config import read_toml
 from edgemem.errors import ConfigError
 from edgemem.models.lm import MIXERS, LMConfig
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 _MODEL_KEYS = ("d_model", "n_layers", "mlp_hidden", "vocab_size", "norm_eps")
 
 
 def _recipe_files() -> dict[str, Any]:
-    folder = resources.files("edgemem.recipes")
+    folder = resources.files("edgemem.presets")
     return {f.name[: -len(".toml")]: f for f in folder.iterdir() if f.name.endswith(".toml")}
 
 
@@ -56,11 +53,22 @@ def _check_type(key: str, value: Any, expected: Any) -> Any:
 
 
 def load_config(arch: str, **overrides: Any) -> LMConfig:
-    """The preset `arch` with `overrides` applied (model keys and the mixer's own options)."""
+    """The preset `arch` with `overrides` applied (model keys and the mixer's own options).
+
+    `arch` is a preset name or the path of a recipe file (`*.toml`, same format; its stem names it)."""
     files = _recipe_files()
-    if arch not in files:
-        raise ConfigError(f"unknown arch {arch!r}; known: {', '.join(sorted(files))}")
-    recipe = tomllib.loads(files[arch].read_text())
+    if arch.endswith(".toml"):
+        path = Path(arch)
+        if not path.is_file():
+            raise ConfigError(f"recipe file {arch} does not exist")
+        recipe, arch = read_toml(path.read_text(), arch), path.stem
+    elif arch in files:
+        recipe = read_toml(files[arch].read_text(), f"preset {arch}")
+    else:
+        raise ConfigError(f"unknown arch {arch!r}; known: {', '.join(sorted(files))} (or a recipe file, *.toml)")
+    unknown = set(recipe) - {"model", "mixer"}
+    if unknown:
+        raise ConfigError(f"recipe {arch}: unknown section(s) {', '.join(sorted(unknown))}; expected [model] and [mixer]")
     model, mixer = dict(recipe.get("model", {})), dict(recipe.get("mixer", {}))
     mixer_type = mixer.pop("type", None)
     if mixer_type not in MIXERS:

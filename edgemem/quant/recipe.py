@@ -1,4 +1,5 @@
-"""Calibration recipes: TOML files in the top-level `calib/` folder (shipped as `edgemem.calib`).
+"""Calibration recipes: TOML files shipped in `edgemem/quant/calib/` (`default`, `bytes`, `mqar`) or
+of the user's (examples in the top-level `calib/` folder).
 
     [data]                     what the calibration rolls out
     task = "bytes"             an `edgemem.tasks` task: mqar, copy, bytes
@@ -21,7 +22,6 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -29,13 +29,9 @@ from typing import Any
 
 import numpy as np
 
+from edgemem.config import positive_int, read_toml
 from edgemem.errors import ConfigError
 from edgemem.tasks import Task, get_task
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 DEFAULT = "default"
 _SECTIONS = {
@@ -85,7 +81,7 @@ def log_positions(first: int, last: int, count: int) -> list[int]:
 
 def recipes() -> list[str]:
     """Names of the shipped recipes, sorted."""
-    return sorted(f.name[: -len(".toml")] for f in resources.files("edgemem.calib").iterdir() if f.name.endswith(".toml"))
+    return sorted(f.name[: -len(".toml")] for f in resources.files("edgemem.quant.calib").iterdir() if f.name.endswith(".toml"))
 
 
 def _read(spec: str) -> tuple[str, str, str]:
@@ -95,9 +91,9 @@ def _read(spec: str) -> tuple[str, str, str]:
         if candidate.is_file():
             return candidate.stem, str(candidate), candidate.read_text()
     name = spec.removeprefix("calib/").removesuffix(".toml")
-    shipped = resources.files("edgemem.calib") / f"{name}.toml"
+    shipped = resources.files("edgemem.quant.calib") / f"{name}.toml"
     if "/" not in name and shipped.is_file():
-        return name, f"calib/{name}.toml", shipped.read_text()
+        return name, f"edgemem/quant/calib/{name}.toml", shipped.read_text()
     raise RecipeError(f"no calibration recipe {spec!r}: not a file, and not one of the shipped recipes "
                       f"({', '.join(recipes())})")
 
@@ -117,19 +113,10 @@ def _int_list(value: Any, key: str, minimum: int) -> list[int]:
     return sorted(set(value))
 
 
-def _positive(value: Any, key: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise RecipeError(f"{key} must be a positive integer; got {value!r}")
-    return value
-
-
 def load_recipe(spec: str | None = None) -> Recipe:
     """Read and validate a recipe: a shipped name (`mqar`, `calib/mqar`) or a TOML file; default `default`."""
     name, source, text = _read(spec or DEFAULT)
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise RecipeError(f"{source} is not valid TOML: {e}") from None
+    raw = read_toml(text, source, RecipeError)
     for section, value in raw.items():
         if section not in _SECTIONS or not isinstance(value, dict):
             raise RecipeError(f"{source}: unknown section [{section}]; expected {', '.join(_SECTIONS)}")
@@ -154,7 +141,7 @@ def load_recipe(spec: str | None = None) -> Recipe:
             raise RecipeError(f"[data]: {e}") from None
         for key, attr in (("streams", "streams"), ("prefill_tokens", "prefill_tokens"), ("seed", "seed")):
             if key in data:
-                setattr(recipe, attr, _positive(data[key], f"data.{key}"))
+                setattr(recipe, attr, positive_int(data[key], f"data.{key}", RecipeError))
         if "positions" in data:
             recipe.positions = _int_list(data["positions"], "data.positions", 1)
         if "exclude" in quantize:
@@ -166,7 +153,7 @@ def load_recipe(spec: str | None = None) -> Recipe:
             recipe.horizons = _int_list(drift["horizons"], "drift.horizons", 1)
         for key, attr in (("streams", "drift_streams"), ("seed", "drift_seed"), ("window", "window")):
             if key in drift:
-                setattr(recipe, attr, _positive(drift[key], f"drift.{key}"))
+                setattr(recipe, attr, positive_int(drift[key], f"drift.{key}", RecipeError))
     except RecipeError as e:
         raise RecipeError(f"{source}: {e}") from None
     return recipe

@@ -1,1 +1,0 @@
-"""Calibration recipes: one TOML file per recipe (importable as `edgemem.calib`)."""

@@ -1,1 +1,0 @@
-"""Export recipes: one TOML file per `--arch` preset (importable as `edgemem.recipes`)."""

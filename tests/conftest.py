@@ -1,0 +1,82 @@
+"""Fixtures shared by the test modules: every preset exported once per session, small.
+
+`small_exports` is each preset at one layer of width 64 (every other setting as shipped), in all four
+targets, exported in two processes side by side. It is kept in pytest's cache (when enabled) under a key
+of everything an export depends on, so only the first run after a change pays for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = {"d_model": 64, "n_layers": 1}
+TARGETS = ["generic", "ort", "onnx27", "trt"]
+
+_EXPORT = textwrap.dedent("""
+    import json, sys
+    from edgemem.export import export
+    from edgemem.models import build
+    for arch, out, overrides, targets in json.loads(sys.argv[1]):
+        export(build(arch, seed=0, **overrides), out, targets=targets, extra_config={"seed": 0})
+""")
+
+
+def _sources_key(*extra: object) -> str:
+    """A digest of edgemem's export-side sources, its presets, the exporters' versions and `extra`."""
+    versions = [metadata.version(p) for p in ("torch", "onnx", "onnxscript", "onnxruntime")]
+    digest = hashlib.sha256(json.dumps([versions, *extra], default=str).encode())
+    files = [p for p in (ROOT / "edgemem").rglob("*") if p.suffix in (".py", ".toml") and "runtime" not in p.parts]
+    for path in sorted(files):
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def export_presets(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, name: str,
+                   jobs: dict[str, tuple[dict, list[str]]]) -> dict[str, Path]:
+    """{arch: directory} of `jobs` ({arch: (overrides, targets)}) exported in two processes, cached under `name`."""
+    cache = getattr(request.config, "cache", None)
+    key = _sources_key(name, jobs)
+    cached = cache.mkdir(f"edgemem-{name}") / key if cache is not None else None
+    if cached is not None and (cached / "complete").is_file():
+        return {arch: cached / arch for arch in jobs}
+    root = tmp_path_factory.mktemp(name)
+    work = [[arch, str(root / arch), overrides, targets] for arch, (overrides, targets) in jobs.items()]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _EXPORT, json.dumps(work[i::2])], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+        for i in range(2)
+    ]
+    for p in procs:
+        output, _ = p.communicate(timeout=1200)
+        assert p.returncode == 0, output[-3000:]
+    if cached is None:
+        return {arch: root / arch for arch in jobs}
+    (root / "complete").touch()
+    for old in cached.parent.iterdir():  # one key at a time
+        shutil.rmtree(old, ignore_errors=True)
+    staging = cached.parent / f".{key}-{os.getpid()}"
+    shutil.copytree(root, staging)
+    try:
+        staging.rename(cached)
+    except OSError:  # another session got there first
+        shutil.rmtree(staging, ignore_errors=True)
+    return {arch: cached / arch for arch in jobs}
+
+
+@pytest.fixture(scope="session")
+def small_exports(request, tmp_path_factory) -> dict[str, Path]:
+    """{arch: directory}: every preset, one layer of width 64, exported to all four targets."""
+    from edgemem.models import archs
+
+    return export_presets(request, tmp_path_factory, "small-exports", {arch: (SMALL, TARGETS) for arch in archs()})

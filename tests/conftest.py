@@ -7,6 +7,7 @@ of everything an export depends on, so only the first run after a change pays fo
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -44,13 +45,31 @@ def _sources_key(*extra: object) -> str:
 
 def export_presets(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, name: str,
                    jobs: dict[str, tuple[dict, list[str]]]) -> dict[str, Path]:
-    """{arch: directory} of `jobs` ({arch: (overrides, targets)}) exported in two processes, cached under `name`."""
+    """{arch: directory} of `jobs` ({arch: (overrides, targets)}) exported in two processes, cached under `name`;
+    parallel test workers (pytest-xdist) wait for the one that exports."""
     cache = getattr(request.config, "cache", None)
-    key = _sources_key(name, jobs)
-    cached = cache.mkdir(f"edgemem-{name}") / key if cache is not None else None
-    if cached is not None and (cached / "complete").is_file():
-        return {arch: cached / arch for arch in jobs}
-    root = tmp_path_factory.mktemp(name)
+    if cache is None:
+        return _export(tmp_path_factory.mktemp(name), jobs)
+    folder = cache.mkdir(f"edgemem-{name}")
+    with open(folder.parent / f"{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _cached(folder, _sources_key(name, jobs), tmp_path_factory.mktemp(name), jobs)
+
+
+def _cached(folder: Path, key: str, root: Path, jobs: dict[str, tuple[dict, list[str]]]) -> dict[str, Path]:
+    cached = folder / key
+    if not (cached / "complete").is_file():
+        _export(root, jobs)
+        (root / "complete").touch()
+        for old in folder.iterdir():  # one key at a time
+            shutil.rmtree(old, ignore_errors=True)
+        staging = folder / f".{key}-{os.getpid()}"
+        shutil.copytree(root, staging)
+        staging.rename(cached)
+    return {arch: cached / arch for arch in jobs}
+
+
+def _export(root: Path, jobs: dict[str, tuple[dict, list[str]]]) -> dict[str, Path]:
     work = [[arch, str(root / arch), overrides, targets] for arch, (overrides, targets) in jobs.items()]
     procs = [
         subprocess.Popen([sys.executable, "-c", _EXPORT, json.dumps(work[i::2])], stdout=subprocess.PIPE,
@@ -60,18 +79,7 @@ def export_presets(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
     for p in procs:
         output, _ = p.communicate(timeout=1200)
         assert p.returncode == 0, output[-3000:]
-    if cached is None:
-        return {arch: root / arch for arch in jobs}
-    (root / "complete").touch()
-    for old in cached.parent.iterdir():  # one key at a time
-        shutil.rmtree(old, ignore_errors=True)
-    staging = cached.parent / f".{key}-{os.getpid()}"
-    shutil.copytree(root, staging)
-    try:
-        staging.rename(cached)
-    except OSError:  # another session got there first
-        shutil.rmtree(staging, ignore_errors=True)
-    return {arch: cached / arch for arch in jobs}
+    return {arch: root / arch for arch in jobs}
 
 
 @pytest.fixture(scope="session")

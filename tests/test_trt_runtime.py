@@ -26,18 +26,11 @@ from onnx import TensorProto, helper
 from edgemem.errors import ConfigError, EdgememError
 from edgemem.manifest import Manifest, StateSpec
 from edgemem.manifest import load as load_manifest
-from edgemem.runtime import BackendError, BatchError, Engine
+from edgemem.build import build_engines, dim_names, in_place_states, profile
+from edgemem.runtime import BackendError, BatchError, Engine, engines
 from edgemem.runtime import trt as trt_runtime
-from edgemem.runtime.engine import _ORT_TYPES
-from edgemem.trt_build import (
-    ENGINES_JSON,
-    build_engines,
-    dim_names,
-    engine_entry,
-    in_place_states,
-    profile,
-    write_engines_json,
-)
+from edgemem.runtime.engines import ENGINES_JSON
+from edgemem.runtime.ort import ORT_TYPES
 
 RECURRENT = "past_key_values.0.recurrent_state"
 CONV = "past_key_values.0.conv_state"
@@ -70,8 +63,9 @@ def _fake_engines(export: Path, folder: Path, max_batch: int = 4, max_sequence: 
         model = onnx.load(str(export / "trt" / f"{kind}.onnx"))
         path = folder / f"{kind}.engine"
         path.write_bytes(f"placeholder {kind} engine".encode())
-        entries[kind] = engine_entry(path, model, manifest, profile(dim_names(model), max_batch, max_sequence))
-    write_engines_json(folder, manifest, "10.13.0", library, max_batch, max_sequence, entries)
+        entries[kind] = engines.entry(path, profile(dim_names(model), max_batch, max_sequence),
+                                      in_place_states(model, manifest))
+    engines.write(folder, manifest, "10.13.0", library, max_batch, max_sequence, entries)
     return library
 
 
@@ -116,8 +110,8 @@ def test_binding_plan_aliases_in_place_state_and_ping_pongs_the_rest():
         assert plan[RECURRENT] == plan["present.0.recurrent_state"] == (RECURRENT, 0)
         assert plan[CONV] == (CONV, side) and plan["present.0.conv_state"] == (CONV, 1 - side)
     info = {"engines": {"step": {"in_place": [RECURRENT, CONV]}, "prefill": {"in_place": [RECURRENT]}}}
-    assert trt_runtime.in_place(info, ["step"]) == {RECURRENT, CONV}
-    assert trt_runtime.in_place(info, ["step", "prefill"]) == {RECURRENT}  # a stream's buffers serve both engines
+    assert engines.in_place(info, ["step"]) == {RECURRENT, CONV}
+    assert engines.in_place(info, ["step", "prefill"]) == {RECURRENT}  # a stream's buffers serve both engines
 
 
 def test_shapes_and_profile_limits(export_dir, tmp_path):
@@ -128,12 +122,12 @@ def test_shapes_and_profile_limits(export_dir, tmp_path):
     assert shapes[CONV] == [3, 96, 3]
     _fake_engines(export_dir, tmp_path / "engines", max_batch=4, max_sequence=5)
     info = json.loads((tmp_path / "engines" / ENGINES_JSON).read_text())
-    trt_runtime.check_profile(info, "prefill", trt_runtime.io_shapes(manifest, 4, 5))
-    assert trt_runtime.max_tokens(info, "prefill", "input_ids") == 5
-    assert trt_runtime.max_tokens(info, "step", "input_ids") == 1
+    engines.check_profile(info, "prefill", trt_runtime.io_shapes(manifest, 4, 5))
+    assert engines.max_tokens(info, "prefill", "input_ids") == 5
+    assert engines.max_tokens(info, "step", "input_ids") == 1
     with pytest.raises(BackendError,
                        match=r"step engine takes input_ids from \[1, 1\] to \[4, 1\], this run needs \[5, 1\].*--max-batch 4"):
-        trt_runtime.check_profile(info, "step", trt_runtime.io_shapes(manifest, 5, 1))
+        engines.check_profile(info, "step", trt_runtime.io_shapes(manifest, 5, 1))
 
 
 # ---------------------------------------------------------------------- errors before TensorRT
@@ -242,7 +236,7 @@ class OrtGraph:
         self.inputs = frozenset(i.name for i in self.session.get_inputs())
         self.outputs = frozenset(o.name for o in self.session.get_outputs())
         tensors = [*self.session.get_inputs(), *self.session.get_outputs()]
-        self.dtypes = {t.name: np.dtype(_ORT_TYPES[t.type]) for t in tensors}
+        self.dtypes = {t.name: np.dtype(ORT_TYPES[t.type]) for t in tensors}
         self.calls: list[dict[str, int]] = []
 
     def run(self, shapes, addresses, stream):
@@ -277,15 +271,15 @@ def _close(a, b, tol=1e-5):
 def test_stream_binds_one_buffer_in_place_and_two_for_conv_state(stand_in):
     engine, _, device = stand_in
     stream = engine.new_stream()
-    assert len(stream._bufs[RECURRENT]) == 1 and len(stream._bufs[CONV]) == 2
+    assert len(stream._buffers.state[RECURRENT]) == 1 and len(stream._buffers.state[CONV]) == 2
     step = engine._graphs["step"]
     before = len(step.calls)
     for token in (1, 2, 3):
         stream.step(token)
     calls = step.calls[before:]
-    assert all(c[RECURRENT] == c["present.0.recurrent_state"] == stream._bufs[RECURRENT][0] for c in calls)
-    assert [c[CONV] for c in calls] == [stream._bufs[CONV][i] for i in (0, 1, 0)]
-    assert [c["present.0.conv_state"] for c in calls] == [stream._bufs[CONV][i] for i in (1, 0, 1)]
+    assert all(c[RECURRENT] == c["present.0.recurrent_state"] == stream._buffers.state[RECURRENT][0] for c in calls)
+    assert [c[CONV] for c in calls] == [stream._buffers.state[CONV][i] for i in (0, 1, 0)]
+    assert [c["present.0.conv_state"] for c in calls] == [stream._buffers.state[CONV][i] for i in (1, 0, 1)]
     blocks = len(device.blocks)
     stream.step(4)
     assert len(device.blocks) == blocks  # no allocation per step
@@ -382,7 +376,7 @@ def test_real_engines_step_like_onnxruntime(export_dir, tmp_path):
     engine = Engine.load(export, backend="trt")
     reference = Engine.load(export, target="generic", threads=1)
     ours, theirs = engine.new_stream(), reference.new_stream()
-    assert len(ours._bufs[RECURRENT]) == 1  # state-in and state-out bound to one device buffer
+    assert len(ours._buffers.state[RECURRENT]) == 1  # state-in and state-out bound to one device buffer
     assert _close(ours.prefill(b"hello world"), theirs.prefill(b"hello world"), 1e-4)
     for token in range(20):
         assert _close(ours.step(token), theirs.step(token), 1e-4)

@@ -26,7 +26,8 @@ from torch import nn
 from edgemem.errors import EdgememError
 from edgemem.export.graphs import export_graph, growing_dims, input_name, output_name
 from edgemem.export.lower import lower
-from edgemem.manifest import MANIFEST, STATE_INIT, TARGETS, Manifest, StateSpec, sha256, staged_directory, write_atomic
+from edgemem.files import sha256, staged_directory, write_atomic
+from edgemem.manifest import MANIFEST, STATE_INIT, TARGETS, Manifest, StateSpec
 
 log = logging.getLogger(__name__)
 

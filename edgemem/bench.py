@@ -12,12 +12,14 @@ not include torch.
 
 from __future__ import annotations
 
+import importlib.util
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from edgemem.errors import EdgememError
 from edgemem.manifest import Manifest
 from edgemem.manifest import load as load_manifest
 from edgemem.runtime import bench
@@ -29,6 +31,9 @@ def run_with_eager(directory: str | Path, *, steps: int = 100, warmup: int = 5, 
                    **runtime: Any) -> dict[str, Any]:
     """`edgemem.runtime.bench.run(directory, ..., **runtime)`, then the baselines: every row that was timed
     gains `eager_us_per_token`, `eager_tokens_per_s`, `speedup_vs_eager`; every row `softmax_kv_bytes`."""
+    if importlib.util.find_spec("torch") is None:  # say so before minutes of runtime measurements
+        raise EdgememError("the PyTorch eager baseline needs torch, which is not installed: pass --no-eager for the "
+                           "runtime alone, or install PyTorch")
     progress = progress or (lambda _: None)
     with tempfile.TemporaryDirectory(prefix="edgemem-bench-") as checkpoints:
         result = bench.run(directory, steps=steps, warmup=warmup, time_limit=time_limit, threads=threads, seed=seed,

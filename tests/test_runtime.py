@@ -599,6 +599,14 @@ def test_cli_bench_reports_runtime_eager_and_kv_baseline(exports, tmp_path):
     assert "gated-deltanet" in result.stdout
 
 
+def test_cli_bench_without_torch_says_to_pass_no_eager(exports, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # what `import torch` sees when torch is not installed
+    result = CliRunner().invoke(main, ["bench", str(exports["gated-deltanet"]), "--positions", "0", "--batch", "1"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.stderr == "error: the PyTorch eager baseline needs torch, which is not installed: pass --no-eager " \
+                            "for the runtime alone, or install PyTorch\n"
+
+
 def test_sample_script_runs(exports, tmp_path):
     sample = Path(__file__).resolve().parents[1] / "samples" / "stream_decode.py"
     for resumed in (False, True):  # the second run resumes from the checkpoint of the first

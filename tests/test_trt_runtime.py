@@ -201,6 +201,7 @@ class HostDevice:
     def __init__(self):
         self.blocks: dict[int, np.ndarray] = {}
         self._next = 1 << 20
+        self.copies = 0  # device-to-device copies
 
     def alloc(self, nbytes: int) -> int:
         pointer, self._next = self._next, self._next + ((nbytes + 255) // 256 + 1) * 256
@@ -223,6 +224,7 @@ class HostDevice:
         array.reshape(-1).view(np.uint8)[:] = self.view(pointer, array.nbytes)
 
     def copy(self, dst, src, nbytes):
+        self.copies += 1
         self.view(dst, nbytes)[:] = self.view(src, nbytes).copy()
 
 
@@ -324,6 +326,35 @@ def test_step_batch_equals_single_steps(stand_in):
         engine.step_batch([engine.new_stream() for _ in range(5)], [1] * 5)
     with pytest.raises(BatchError, match="more than once"):
         engine.step_batch([streams[0], streams[0]], [1, 2])
+
+
+def test_batches_keep_state_on_the_device_and_mix_with_single_steps(stand_in):
+    """The same streams batched again in the same order copy no state; streams stepped alone, regrouped,
+    forked or reset in between take their state back first: each equals a twin only ever stepped alone."""
+    engine, _, device = stand_in
+    streams = [engine.new_stream() for _ in range(3)]
+    for i, s in enumerate(streams):
+        s.prefill(bytes([70 + i] * (i + 2)))
+    twins = [s.fork() for s in streams]
+
+    def check(got, who, tokens):
+        assert _close(got, np.stack([twins[i].step(t) for i, t in zip(who, tokens)]))
+
+    check(engine.step_batch(streams, [1, 2, 3]), [0, 1, 2], [1, 2, 3])
+    copies = device.copies
+    check(engine.step_batch(streams, [4, 5, 6]), [0, 1, 2], [4, 5, 6])
+    assert device.copies == copies  # state stayed in the batch's buffers
+    check(streams[1].step(7)[None], [1], [7])  # alone: its row comes back first
+    check(engine.step_batch([streams[2], streams[0]], [8, 9]), [2, 0], [8, 9])  # another grouping, another size
+    check(engine.step_batch(streams, [1, 1, 1]), [0, 1, 2], [1, 1, 1])
+    original, streams[0] = streams[0], streams[0].fork()  # a fork of a row; the original goes elsewhere
+    original.step(5)
+    streams[2].reset()
+    twins[2].reset()
+    check(engine.step_batch(streams, [2, 3, 4]), [0, 1, 2], [2, 3, 4])
+    for s, twin in zip(streams, twins):
+        assert s.position == twin.position
+        assert all(_close(s.state_dict()[name], value) for name, value in twin.state_dict().items())
 
 
 # ---------------------------------------------------------------------- a real GPU

@@ -603,8 +603,8 @@ def test_cli_bench_without_torch_says_to_pass_no_eager(exports, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # what `import torch` sees when torch is not installed
     result = CliRunner().invoke(main, ["bench", str(exports["gated-deltanet"]), "--positions", "0", "--batch", "1"])
     assert result.exit_code == 2 and "Traceback" not in result.output
-    assert result.stderr == "error: the PyTorch eager baseline needs torch, which is not installed: pass --no-eager " \
-                            "for the runtime alone, or install PyTorch\n"
+    assert result.stderr.strip() == ("error: the PyTorch eager baseline needs torch, which is not installed: pass "
+                                     "--no-eager for the runtime alone, or install PyTorch")
 
 
 def test_sample_script_runs(exports, tmp_path):

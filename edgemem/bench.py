@@ -1,71 +1,92 @@
-"""Benchmark of the PyTorch eager `step` of the presets: µs per token at given positions.
+"""`edgemem bench DIR` against PyTorch: the runtime's numbers (`edgemem.runtime.bench`) next to two baselines.
 
-    python -m edgemem.bench [--arch A ...] [--positions 0,1000] [--steps 200] [--json out.json]
+- PyTorch eager `step` of the same model (rebuilt from the manifest), started from exactly the
+  runtime's state at each position (read back from the runtime's checkpoint there, so no second
+  prefill) and timed the same way (`time_steps`).
+- the softmax preset's KV cache at each position: bytes per token (from
+  `edgemem.models.describe("softmax")` at the benchmarked model's width and depth) × position.
 
-Prints a table and optionally saves the numbers; the runtime's benchmarks compare against these.
+The runtime is measured first; torch is imported only after that, so the runtime's RSS figures do
+not include torch.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
+import importlib.util
+import tempfile
+from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
-from edgemem.models import archs, build, state_bytes
-from edgemem.models.lm import LM
-from edgemem.runtime.bench import time_steps
-
-
-@torch.inference_mode()
-def eager_step_us(model: LM, *, batch: int = 1, position: int = 0, steps: int = 200, warmup: int = 20) -> float:
-    """Median wall time of one `model.step` in µs, after prefilling `position` tokens."""
-    state = model.init_state(batch)
-    if position:
-        _, state = model.prefill(torch.zeros(batch, position, dtype=torch.long), state)
-    token = torch.zeros(batch, dtype=torch.long)
-
-    def step(_: int) -> None:
-        nonlocal state
-        _, state = model.step(token, state)
-
-    return time_steps(step, steps, warmup, time_limit=60.0)[0] * 1e6
+from edgemem.errors import EdgememError
+from edgemem.manifest import Manifest
+from edgemem.manifest import load as load_manifest
+from edgemem.runtime import bench
+from edgemem.runtime.state import decode_checkpoint
 
 
-def run(names: list[str], positions: list[int], steps: int) -> list[dict[str, Any]]:
-    rows = []
-    for name in names:
-        model = build(name, seed=0).eval()
-        for position in positions:
-            state = model.init_state(1)
-            us = eager_step_us(model, position=position, steps=steps)
-            if position:
-                with torch.inference_mode():
-                    _, state = model.prefill(torch.zeros(1, position, dtype=torch.long), state)
-            rows.append({"arch": name, "position": position, "us_per_token": round(us, 1), "state_bytes": state_bytes(state)})
-            print(f"{name:16s} position {position:>6d}  {us:8.1f} µs/token  state {state_bytes(state):>9d} B", flush=True)
-    return rows
+def run_with_eager(directory: str | Path, *, steps: int = 100, warmup: int = 5, time_limit: float = 2.0,
+                   threads: int | None = 1, seed: int = 0, progress: bench.Progress | None = None,
+                   **runtime: Any) -> dict[str, Any]:
+    """`edgemem.runtime.bench.run(directory, ..., **runtime)`, then the baselines: every row that was timed
+    gains `eager_us_per_token`, `eager_tokens_per_s`, `speedup_vs_eager`; every row `softmax_kv_bytes`."""
+    if importlib.util.find_spec("torch") is None:  # say so before minutes of runtime measurements
+        raise EdgememError("the PyTorch eager baseline needs torch, which is not installed: pass --no-eager for the "
+                           "runtime alone, or install PyTorch")
+    progress = progress or (lambda _: None)
+    with tempfile.TemporaryDirectory(prefix="edgemem-bench-") as checkpoints:
+        result = bench.run(directory, steps=steps, warmup=warmup, time_limit=time_limit, threads=threads, seed=seed,
+                           checkpoints=Path(checkpoints), progress=progress, **runtime)
+        manifest = load_manifest(directory, check_files=False)  # the runtime has just checked the files
+        _eager(manifest, result, Path(checkpoints), steps, warmup, time_limit, threads, seed, progress)
+    return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", action="append", choices=archs(), help="preset (repeatable; default: all)")
-    parser.add_argument("--positions", default="0,1000", help="comma-separated positions to step at")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--json", help="save the rows to this file")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    info = {"torch": torch.__version__, "threads": torch.get_num_threads()}
-    print(f"PyTorch eager step, batch 1, fp32, {info['threads']} threads, torch {info['torch']}")
-    streaming = [a for a in (args.arch or archs()) if build(a, seed=0).streaming]  # an encoder has no step
-    rows = run(streaming, [int(p) for p in args.positions.split(",")], args.steps)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": info, "rows": rows}, f, indent=2)
+def _eager(manifest: Manifest, result: dict[str, Any], checkpoints: Path, steps: int, warmup: int, time_limit: float,
+           threads: int | None, seed: int, progress: bench.Progress) -> None:
+    import torch  # noqa: PLC0415 — after every runtime measurement
 
+    from edgemem.export.verify import rebuild  # noqa: PLC0415
+    from edgemem.models import describe  # noqa: PLC0415
 
-if __name__ == "__main__":
-    main()
+    progress("PyTorch: rebuilding the model")
+    if threads:
+        torch.set_num_threads(threads)
+    model = rebuild(manifest)
+    config = manifest.config
+    sizes = {k: config[k] for k in ("d_model", "n_layers") if isinstance(config.get(k), int)}
+    softmax = describe("softmax", **sizes)
+    result["model"].update(
+        params=sum(p.numel() for p in model.parameters()),
+        softmax_baseline={"d_model": softmax["d_model"], "layers": softmax["layers"],
+                          "kv_bytes_per_token": softmax["state_bytes_per_token"]},
+        torch=torch.__version__,
+    )
+    keys = {s.input: s.input.removeprefix("past_key_values.") for s in manifest.state}
+    rng = np.random.default_rng(seed + 1)
+
+    def time_eager(state: dict[str, Any], tokens: Any, steps: int, warmup: int) -> float:
+        def step(i: int) -> None:
+            nonlocal state
+            _, state = model.step(tokens[i], state)
+
+        with torch.inference_mode():
+            return bench.time_steps(step, steps, warmup, time_limit)[0]
+
+    time_eager(model.init_state(1), torch.zeros(20, 1, dtype=torch.long), 15, 5)  # torch's first calls: not in row 1
+    for row in result["rows"]:
+        row["softmax_kv_bytes"] = softmax["state_bytes_per_token"] * row["position"]
+        if "skipped" in row:
+            continue
+        progress(f"PyTorch eager: position {row['position']:,}, batch {row['batch']}")
+        checkpoint = decode_checkpoint(bench.checkpoint_path(checkpoints, row["position"]).read_bytes(), manifest)
+        batch = row["batch"]
+        state = {keys[name]: torch.from_numpy(a).expand(batch, *a.shape[1:]).contiguous()
+                 for name, a in checkpoint.state.items()}
+        tokens = torch.from_numpy(rng.integers(0, manifest.vocab_size, (max(steps, 3) + warmup, batch)))
+        seconds = time_eager(state, tokens, steps, warmup)
+        del state
+        row["eager_us_per_token"] = round(seconds * 1e6 / batch, 2)
+        row["eager_tokens_per_s"] = round(batch / seconds, 1)
+        row["speedup_vs_eager"] = round(row["eager_us_per_token"] / row["us_per_token"], 2)

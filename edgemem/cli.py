@@ -251,8 +251,13 @@ def bench_command(directory, positions, batches, steps, time_limit, threads, tar
             progress.update(task, description=description, advance=0 if first else 1)
             first = False
 
-        result = bench.run(directory, positions=positions, batches=batches, steps=steps, time_limit=time_limit,
-                           threads=threads, target=target, chunk_size=chunk_size, eager=not no_eager, progress=advance)
+        if no_eager:
+            measure = bench.run
+        else:
+            from edgemem.bench import run_with_eager as measure  # imports torch after the runtime's measurements
+
+        result = measure(directory, positions=positions, batches=batches, steps=steps, time_limit=time_limit,
+                         threads=threads, target=target, chunk_size=chunk_size, progress=advance)
     env, model = result["environment"], result["model"]
     table = Table("position", "batch", "µs/token", "tokens/s", "eager µs/token", "× eager", "state/stream",
                   "softmax KV", "RSS", title=f"{model['arch']} ({model['target']}), {threads} thread(s)", box=box.SIMPLE_HEAD,
@@ -290,7 +295,7 @@ def bench_command(directory, positions, batches, steps, time_limit, threads, tar
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Engine directory (default: DIRECTORY/engines).")
 def build_command(directory, fp16, plugins, max_batch, max_sequence, out_dir) -> None:
     """Build strongly typed TensorRT engines and engines.json from an export's trt target (needs TensorRT and a GPU)."""
-    from edgemem.trt_build import build_engines
+    from edgemem.build import build_engines
 
     paths = build_engines(directory, fp16=fp16, plugins=plugins, max_batch=max_batch, max_sequence=max_sequence,
                           out=out_dir)

@@ -112,9 +112,24 @@ def _close(a, b, rtol=1e-4):
 # ---------------------------------------------------------------- layering
 
 
-def test_runtime_import_is_light():
-    code = ("import sys, edgemem.runtime; bad = {'torch', 'onnx', 'onnxscript'} & set(sys.modules); "
-            "assert not bad, bad")
+RUNTIME_MODULES = ["edgemem.runtime", "edgemem.runtime.base", "edgemem.runtime.ort", "edgemem.runtime.trt",
+                   "edgemem.runtime.engines", "edgemem.runtime.bench", "edgemem.runtime.state", "edgemem.runtime.sampling"]
+# what the runtime package may import of edgemem itself (the manifest, file helpers, errors)
+RUNTIME_MAY_USE = {"edgemem", "edgemem.errors", "edgemem.files", "edgemem.manifest"}
+
+
+def test_runtime_imports_nothing_of_export_models_layers_ops_torch_or_onnx():
+    code = textwrap.dedent(f"""
+        import sys
+        for name in {RUNTIME_MODULES!r}:
+            __import__(name)
+        loaded = set(sys.modules)
+        heavy = {{"torch", "onnx", "onnxscript", "tensorrt", "cuda"}} & {{m.split(".")[0] for m in loaded}}
+        assert not heavy, heavy
+        outside = {{m for m in loaded if m.split(".")[0] == "edgemem" and m.split(".")[:2] != ["edgemem", "runtime"]}}
+        outside -= {RUNTIME_MAY_USE!r}
+        assert not outside, sorted(outside)
+    """)
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -135,11 +150,16 @@ def test_engine_runs_with_torch_and_onnx_unimportable(exports, tmp_path):
         stream.save({str(tmp_path / 's.safetensors')!r})
         assert engine.load_stream({str(tmp_path / 's.safetensors')!r}).position == 6
         print(engine.generate(b'ab', max_new_tokens=3))
-        from edgemem.cli import main  # `edgemem run` too
+        from edgemem.cli import main  # `edgemem run` and `edgemem bench --no-eager` too
         main(['run', {str(exports['titans-mag'])!r}, '--prompt', 'ab', '--max-new-tokens', '3'], standalone_mode=False)
+        main(['bench', {str(exports['titans-mag'])!r}, '--no-eager', '--positions', '0,8', '--batch', '1,2',
+              '--steps', '3', '--time-limit', '0.01', '--json', {str(tmp_path / 'bench.json')!r}], standalone_mode=False)
         assert not {{'torch', 'onnx', 'onnxscript'}} & set(sys.modules)
     """)
     subprocess.run([sys.executable, "-c", code], check=True)
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [(r["position"], r["batch"]) for r in rows] == [(0, 1), (0, 2), (8, 1), (8, 2)]
+    assert all(r["us_per_token"] > 0 and "eager_us_per_token" not in r for r in rows)
 
 
 def test_verify_uses_the_runtime_initial_state():
@@ -577,6 +597,14 @@ def test_cli_bench_reports_runtime_eager_and_kv_baseline(exports, tmp_path):
     if plot is not None:
         assert plot.stat().st_size > 0
     assert "gated-deltanet" in result.stdout
+
+
+def test_cli_bench_without_torch_says_to_pass_no_eager(exports, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # what `import torch` sees when torch is not installed
+    result = CliRunner().invoke(main, ["bench", str(exports["gated-deltanet"]), "--positions", "0", "--batch", "1"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.stderr.strip() == ("error: the PyTorch eager baseline needs torch, which is not installed: pass "
+                                     "--no-eager for the runtime alone, or install PyTorch")
 
 
 def test_sample_script_runs(exports, tmp_path):

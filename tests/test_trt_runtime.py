@@ -26,18 +26,11 @@ from onnx import TensorProto, helper
 from edgemem.errors import ConfigError, EdgememError
 from edgemem.manifest import Manifest, StateSpec
 from edgemem.manifest import load as load_manifest
-from edgemem.runtime import BackendError, BatchError, Engine
+from edgemem.build import build_engines, dim_names, in_place_states, profile
+from edgemem.runtime import BackendError, BatchError, Engine, engines
 from edgemem.runtime import trt as trt_runtime
-from edgemem.runtime.engine import _ORT_TYPES
-from edgemem.trt_build import (
-    ENGINES_JSON,
-    build_engines,
-    dim_names,
-    engine_entry,
-    in_place_states,
-    profile,
-    write_engines_json,
-)
+from edgemem.runtime.engines import ENGINES_JSON
+from edgemem.runtime.ort import ORT_TYPES
 
 RECURRENT = "past_key_values.0.recurrent_state"
 CONV = "past_key_values.0.conv_state"
@@ -70,8 +63,9 @@ def _fake_engines(export: Path, folder: Path, max_batch: int = 4, max_sequence: 
         model = onnx.load(str(export / "trt" / f"{kind}.onnx"))
         path = folder / f"{kind}.engine"
         path.write_bytes(f"placeholder {kind} engine".encode())
-        entries[kind] = engine_entry(path, model, manifest, profile(dim_names(model), max_batch, max_sequence))
-    write_engines_json(folder, manifest, "10.13.0", library, max_batch, max_sequence, entries)
+        entries[kind] = engines.entry(path, profile(dim_names(model), max_batch, max_sequence),
+                                      in_place_states(model, manifest))
+    engines.write(folder, manifest, "10.13.0", library, max_batch, max_sequence, entries)
     return library
 
 
@@ -116,8 +110,8 @@ def test_binding_plan_aliases_in_place_state_and_ping_pongs_the_rest():
         assert plan[RECURRENT] == plan["present.0.recurrent_state"] == (RECURRENT, 0)
         assert plan[CONV] == (CONV, side) and plan["present.0.conv_state"] == (CONV, 1 - side)
     info = {"engines": {"step": {"in_place": [RECURRENT, CONV]}, "prefill": {"in_place": [RECURRENT]}}}
-    assert trt_runtime.in_place(info, ["step"]) == {RECURRENT, CONV}
-    assert trt_runtime.in_place(info, ["step", "prefill"]) == {RECURRENT}  # a stream's buffers serve both engines
+    assert engines.in_place(info, ["step"]) == {RECURRENT, CONV}
+    assert engines.in_place(info, ["step", "prefill"]) == {RECURRENT}  # a stream's buffers serve both engines
 
 
 def test_shapes_and_profile_limits(export_dir, tmp_path):
@@ -128,12 +122,12 @@ def test_shapes_and_profile_limits(export_dir, tmp_path):
     assert shapes[CONV] == [3, 96, 3]
     _fake_engines(export_dir, tmp_path / "engines", max_batch=4, max_sequence=5)
     info = json.loads((tmp_path / "engines" / ENGINES_JSON).read_text())
-    trt_runtime.check_profile(info, "prefill", trt_runtime.io_shapes(manifest, 4, 5))
-    assert trt_runtime.max_tokens(info, "prefill", "input_ids") == 5
-    assert trt_runtime.max_tokens(info, "step", "input_ids") == 1
+    engines.check_profile(info, "prefill", trt_runtime.io_shapes(manifest, 4, 5))
+    assert engines.max_tokens(info, "prefill", "input_ids") == 5
+    assert engines.max_tokens(info, "step", "input_ids") == 1
     with pytest.raises(BackendError,
                        match=r"step engine takes input_ids from \[1, 1\] to \[4, 1\], this run needs \[5, 1\].*--max-batch 4"):
-        trt_runtime.check_profile(info, "step", trt_runtime.io_shapes(manifest, 5, 1))
+        engines.check_profile(info, "step", trt_runtime.io_shapes(manifest, 5, 1))
 
 
 # ---------------------------------------------------------------------- errors before TensorRT
@@ -207,6 +201,7 @@ class HostDevice:
     def __init__(self):
         self.blocks: dict[int, np.ndarray] = {}
         self._next = 1 << 20
+        self.copies = 0  # device-to-device copies
 
     def alloc(self, nbytes: int) -> int:
         pointer, self._next = self._next, self._next + ((nbytes + 255) // 256 + 1) * 256
@@ -229,6 +224,7 @@ class HostDevice:
         array.reshape(-1).view(np.uint8)[:] = self.view(pointer, array.nbytes)
 
     def copy(self, dst, src, nbytes):
+        self.copies += 1
         self.view(dst, nbytes)[:] = self.view(src, nbytes).copy()
 
 
@@ -242,7 +238,7 @@ class OrtGraph:
         self.inputs = frozenset(i.name for i in self.session.get_inputs())
         self.outputs = frozenset(o.name for o in self.session.get_outputs())
         tensors = [*self.session.get_inputs(), *self.session.get_outputs()]
-        self.dtypes = {t.name: np.dtype(_ORT_TYPES[t.type]) for t in tensors}
+        self.dtypes = {t.name: np.dtype(ORT_TYPES[t.type]) for t in tensors}
         self.calls: list[dict[str, int]] = []
 
     def run(self, shapes, addresses, stream):
@@ -277,15 +273,15 @@ def _close(a, b, tol=1e-5):
 def test_stream_binds_one_buffer_in_place_and_two_for_conv_state(stand_in):
     engine, _, device = stand_in
     stream = engine.new_stream()
-    assert len(stream._bufs[RECURRENT]) == 1 and len(stream._bufs[CONV]) == 2
+    assert len(stream._buffers.state[RECURRENT]) == 1 and len(stream._buffers.state[CONV]) == 2
     step = engine._graphs["step"]
     before = len(step.calls)
     for token in (1, 2, 3):
         stream.step(token)
     calls = step.calls[before:]
-    assert all(c[RECURRENT] == c["present.0.recurrent_state"] == stream._bufs[RECURRENT][0] for c in calls)
-    assert [c[CONV] for c in calls] == [stream._bufs[CONV][i] for i in (0, 1, 0)]
-    assert [c["present.0.conv_state"] for c in calls] == [stream._bufs[CONV][i] for i in (1, 0, 1)]
+    assert all(c[RECURRENT] == c["present.0.recurrent_state"] == stream._buffers.state[RECURRENT][0] for c in calls)
+    assert [c[CONV] for c in calls] == [stream._buffers.state[CONV][i] for i in (0, 1, 0)]
+    assert [c["present.0.conv_state"] for c in calls] == [stream._buffers.state[CONV][i] for i in (1, 0, 1)]
     blocks = len(device.blocks)
     stream.step(4)
     assert len(device.blocks) == blocks  # no allocation per step
@@ -330,6 +326,35 @@ def test_step_batch_equals_single_steps(stand_in):
         engine.step_batch([engine.new_stream() for _ in range(5)], [1] * 5)
     with pytest.raises(BatchError, match="more than once"):
         engine.step_batch([streams[0], streams[0]], [1, 2])
+
+
+def test_batches_keep_state_on_the_device_and_mix_with_single_steps(stand_in):
+    """The same streams batched again in the same order copy no state; streams stepped alone, regrouped,
+    forked or reset in between take their state back first: each equals a twin only ever stepped alone."""
+    engine, _, device = stand_in
+    streams = [engine.new_stream() for _ in range(3)]
+    for i, s in enumerate(streams):
+        s.prefill(bytes([70 + i] * (i + 2)))
+    twins = [s.fork() for s in streams]
+
+    def check(got, who, tokens):
+        assert _close(got, np.stack([twins[i].step(t) for i, t in zip(who, tokens)]))
+
+    check(engine.step_batch(streams, [1, 2, 3]), [0, 1, 2], [1, 2, 3])
+    copies = device.copies
+    check(engine.step_batch(streams, [4, 5, 6]), [0, 1, 2], [4, 5, 6])
+    assert device.copies == copies  # state stayed in the batch's buffers
+    check(streams[1].step(7)[None], [1], [7])  # alone: its row comes back first
+    check(engine.step_batch([streams[2], streams[0]], [8, 9]), [2, 0], [8, 9])  # another grouping, another size
+    check(engine.step_batch(streams, [1, 1, 1]), [0, 1, 2], [1, 1, 1])
+    original, streams[0] = streams[0], streams[0].fork()  # a fork of a row; the original goes elsewhere
+    original.step(5)
+    streams[2].reset()
+    twins[2].reset()
+    check(engine.step_batch(streams, [2, 3, 4]), [0, 1, 2], [2, 3, 4])
+    for s, twin in zip(streams, twins):
+        assert s.position == twin.position
+        assert all(_close(s.state_dict()[name], value) for name, value in twin.state_dict().items())
 
 
 # ---------------------------------------------------------------------- a real GPU
@@ -382,7 +407,7 @@ def test_real_engines_step_like_onnxruntime(export_dir, tmp_path):
     engine = Engine.load(export, backend="trt")
     reference = Engine.load(export, target="generic", threads=1)
     ours, theirs = engine.new_stream(), reference.new_stream()
-    assert len(ours._bufs[RECURRENT]) == 1  # state-in and state-out bound to one device buffer
+    assert len(ours._buffers.state[RECURRENT]) == 1  # state-in and state-out bound to one device buffer
     assert _close(ours.prefill(b"hello world"), theirs.prefill(b"hello world"), 1e-4)
     for token in range(20):
         assert _close(ours.step(token), theirs.step(token), 1e-4)

@@ -27,7 +27,8 @@ from edgemem.errors import EdgememError
 from edgemem.export import genai
 from edgemem.export.graphs import export_graph, graph_io, growing_dims, input_name, output_name
 from edgemem.export.lower import lower
-from edgemem.manifest import MANIFEST, STATE_INIT, TARGETS, Manifest, StateSpec, sha256, staged_directory, write_atomic
+from edgemem.files import sha256, staged_directory, write_atomic
+from edgemem.manifest import MANIFEST, STATE_INIT, TARGETS, Manifest, StateSpec
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from edgemem.errors import ConfigError, EdgememError
-from edgemem.manifest import write_atomic
+from edgemem.files import write_atomic
 from edgemem.models.lm import LM, LMConfig
 
 FORMAT = "edgemem-checkpoint/1"

@@ -35,7 +35,8 @@ from onnxruntime.quantization import (
 )
 
 from edgemem.errors import ConfigError, EdgememError
-from edgemem.manifest import MANIFEST, STATE_INIT, Manifest, sha256, staged_directory, write_atomic
+from edgemem.files import sha256, staged_directory, write_atomic
+from edgemem.manifest import MANIFEST, STATE_INIT, Manifest
 from edgemem.manifest import load as load_manifest
 from edgemem.quant.graph import (
     PROJECTION_OPS,

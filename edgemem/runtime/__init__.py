@@ -10,13 +10,14 @@
     stream = engine.load_stream("s.safetensors")
     print(stream.generate(b"", max_new_tokens=32))          # continue from the checkpoint
 
-Needs numpy, onnxruntime and safetensors only: importing it pulls in neither torch nor onnx.
-The state and IOBinding design is described in `edgemem.runtime.engine`, the checkpoint
-format in `edgemem.runtime.state`.
+Needs numpy, safetensors and a backend's library only (onnxruntime, or TensorRT and cuda-python):
+importing it pulls in neither torch nor onnx, and `Engine.load` imports the backend it is asked for.
+What every backend shares is described in `edgemem.runtime.base`; each backend in its module
+(`edgemem.runtime.ort`, `edgemem.runtime.trt`); the checkpoint format in `edgemem.runtime.state`.
 """
 
 from edgemem.errors import EdgememError
-from edgemem.runtime.engine import BACKENDS, Engine, Stream
+from edgemem.runtime.base import BACKENDS, Engine, Stream
 from edgemem.runtime.errors import BackendError, BatchError, StateFileError, TokenError
 from edgemem.runtime.sampling import sample
 from edgemem.runtime.state import initial_state

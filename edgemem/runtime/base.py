@@ -1,9 +1,36 @@
-"""What every runtime backend shares: token checks, state sizes, prefill in chunks, checkpoints and
-generation. A backend's engine and stream subclass these and provide the rest (see each class)."""
+"""Engine and Stream: what every runtime backend shares.
+
+A backend (`edgemem.runtime.ort`, `edgemem.runtime.trt`) provides device memory and graph runs:
+
+- its engine opens the graphs (`_open`) and runs one step over a batch slot (`_run_batch`);
+- its stream keeps one stream's fixed-size state in two sides of buffers, A and B (a backend may
+  use one buffer for a tensor it can update in place), reads and writes them (`_own`, `_write`)
+  and runs the step and prefill graphs from the current side into the other (`_run_step`,
+  `_prefill_chunk`);
+- its batch slot keeps the same for n streams as [n, ...] buffers (`row`, `_gather`, `_restore`).
+
+Everything else is here: loading (`Engine.load` picks the backend), token checks, state sizes,
+flipping sides and counting positions, prefill in chunks, fork, reset, checkpoints (any backend
+reads any backend's), generation, and which streams a batch slot holds.
+
+Batching (`Engine.step_batch`). A batch slot per batch size n (the last few sizes are kept) holds
+[n, ...] state sides A and B, the batch-level form of a stream's ping-pong. The first batched step
+of a set of streams copies their states into rows of the slot (gather); from then on their
+fixed-size state lives there, and stepping the same streams in the same order again runs the other
+side with no copy at all. A stream used on its own again (step, prefill) first copies its row back
+(`Stream._sync`); reads (save, fork, state_dict) read the row; a slot gives its members their rows
+back before it takes other streams or is dropped. Streams may be at different positions: every row
+carries its own state (Titans and Longformer keep a per-row position tensor).
+
+Streams are not thread-safe; different streams may be stepped from different threads.
+"""
 
 from __future__ import annotations
 
 import operator
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,34 +39,99 @@ import numpy as np
 
 from edgemem.errors import ConfigError
 from edgemem.manifest import Manifest
-from edgemem.runtime.errors import BatchError, StateFileError, TokenError
+from edgemem.manifest import load as load_manifest
+from edgemem.runtime.errors import BackendError, BatchError, StateFileError, TokenError
 from edgemem.runtime.sampling import check_sampling, sample
-from edgemem.runtime.state import check_state, decode_checkpoint, save_checkpoint
+from edgemem.runtime.state import check_state, concrete_shape, decode_checkpoint, initial_state, is_growing, save_checkpoint
 
 TokenIds = Sequence[int] | np.ndarray | bytes | bytearray
+BACKENDS = ("ort", "ort-cuda", "trt")
 DEFAULT_CHUNK = 512  # tokens per prefill-graph run
+BATCH_SLOTS = 4  # batch sizes whose [n, ...] buffers an engine keeps
 
 
-class EngineBase:
-    """An exported model loaded into a backend. Subclasses set `manifest`, `vocab_size`,
-    `chunk_size`, `has_prefill`, `_specs` (the manifest's StateSpecs), `_initial` (a fresh stream's
-    state, batch 1), `_fixed_bytes` and `_growth` (bytes per token of KV caches), and implement
-    `_new` (their stream from numpy state)."""
+def check_chunk_size(chunk_size: Any) -> int:
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ConfigError(f"chunk_size must be a positive integer; got {chunk_size!r}")
+    return chunk_size
 
-    manifest: Manifest
-    vocab_size: int
-    chunk_size: int
-    has_prefill: bool
-    _initial: dict[str, np.ndarray]
 
-    def _new(self, state: Mapping[str, np.ndarray], position: int, logits: np.ndarray | None) -> StreamBase:
+class Engine:
+    """An exported model loaded into a backend; makes streams and steps batches of them.
+
+    Use `Engine.load(directory, backend=...)`. One engine serves any number of streams.
+    """
+
+    backend: str
+    target: str
+    threads: int | None
+    logits_dtype: np.dtype
+    _max_tokens: int | None = None  # the longest token block one prefill run takes (None: any)
+
+    def __init__(self, directory: Path, manifest: Manifest, chunk_size: int, has_prefill: bool):
+        self.directory, self.manifest, self.chunk_size, self.has_prefill = directory, manifest, chunk_size, has_prefill
+        self.vocab_size = manifest.vocab_size
+        self._specs = list(manifest.state)
+        self._fixed = [s for s in self._specs if not is_growing(s)]
+        self._growing = [s for s in self._specs if is_growing(s)]
+        self.grows = bool(self._growing)
+        self._initial = initial_state(manifest, directory, 1)
+        self._fixed_bytes = sum(self._initial[s.input].nbytes for s in self._fixed)
+        self._growth = sum(  # bytes per token of the KV caches
+            int(np.prod(concrete_shape(s, 1, 1))) * np.dtype(s.dtype).itemsize for s in self._growing
+        )
+        self._slots: OrderedDict[int, BatchSlot] = OrderedDict()
+        self._lock = threading.RLock()  # reentrant: a slot gives states back while a batch holds it
+
+    @staticmethod
+    def load(directory: str | Path, backend: str = "ort", target: str | None = None, threads: int | None = None, *,
+             chunk_size: int = DEFAULT_CHUNK, check_files: bool = True, engines: str | Path | None = None,
+             plugins: str | Path | None = None) -> Engine:
+        """Load the export in `directory` (its `edgemem.json`; every file's sha256 is checked).
+
+        backend: "ort" (CPU), "ort-cuda" (onnxruntime's CUDA execution provider) or "trt" (the TensorRT
+            engines of `edgemem build` in DIR/engines or `engines`, with the plugin library `plugins` or
+            $EDGEMEM_TRT_PLUGINS: `edgemem.runtime.trt`).
+        target: which lowered graphs to run; default "ort" if the export has it, else "generic".
+        threads: onnxruntime intra-op threads (default: onnxruntime's choice, one per core).
+        chunk_size: tokens per prefill-graph run.
+        """
+        if backend not in BACKENDS:
+            raise BackendError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+        if backend != "trt" and (engines is not None or plugins is not None):
+            raise ConfigError("engines= and plugins= are for backend 'trt'")
+        check_chunk_size(chunk_size)
+        directory = Path(directory)
+        manifest = load_manifest(directory, check_files=check_files)
+        if not manifest.graphs.get("step"):
+            raise BackendError(f"{directory}: {manifest.arch} has no step graph (a bidirectional model does not "
+                               "stream); the runtime needs one")
+        if backend == "trt":
+            from edgemem.runtime.trt import TrtEngine  # noqa: PLC0415 — each backend imports its library itself
+
+            return TrtEngine._open(directory, manifest, target, threads, chunk_size, engines, plugins)
+        from edgemem.runtime.ort import OrtEngine  # noqa: PLC0415
+
+        return OrtEngine._open(directory, manifest, backend, target, threads, chunk_size)
+
+    # ------------------------------------------------------------------ backend hooks
+    def _new(self, state: Mapping[str, np.ndarray], position: int, logits: np.ndarray | None) -> Stream:
+        """A stream of this backend from numpy state (batch 1)."""
         raise NotImplementedError
 
-    def new_stream(self) -> StreamBase:
+    def _new_slot(self, n: int) -> BatchSlot:
+        raise NotImplementedError
+
+    def _run_batch(self, slot: BatchSlot, streams: list[Stream], tokens: np.ndarray) -> np.ndarray:
+        """One run of the step graph over `slot`'s current side (its members are `streams`); logits [n, V]."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ streams
+    def new_stream(self) -> Stream:
         """A fresh stream at position 0 (Titans' memory starts from `state_init.safetensors`)."""
         return self._new(self._initial, 0, None)
 
-    def load_stream(self, path: str | Path) -> StreamBase:
+    def load_stream(self, path: str | Path) -> Stream:
         """A stream restored from `Stream.save` (on any backend): refused unless it is this model's, intact
         and well-formed."""
         path = Path(path)
@@ -53,7 +145,7 @@ class EngineBase:
         return self._new(checkpoint.state, checkpoint.position, checkpoint.logits)
 
     def stream_from_state(self, state: Mapping[str, np.ndarray], position: int = 0,
-                          logits: np.ndarray | None = None) -> StreamBase:
+                          logits: np.ndarray | None = None) -> Stream:
         """A stream from numpy state tensors of batch 1 (names as in edgemem.json), checked like a checkpoint."""
         check_state(self.manifest, state)
         return self._new(state, int(position), logits)
@@ -66,6 +158,52 @@ class EngineBase:
     def state_bytes_per_token(self) -> int:
         return self._growth
 
+    # ------------------------------------------------------------------ batches
+    def step_batch(self, streams: Sequence[Stream], token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """One token for each stream in one run of the step graph; returns logits [n, V].
+
+        Streams may be at different positions. Equivalent to `stream.step(token)` for each stream
+        (see the module docstring for where their states live meanwhile).
+        """
+        streams, tokens = self._check_batch(streams, token_ids)
+        with self._lock:
+            slot = self._slot(len(streams))
+            if not slot.holds(streams):
+                slot.adopt(streams)
+            logits = self._run_batch(slot, streams, tokens)
+            slot.side ^= 1  # the members' states are now the other side's rows
+        for i, s in enumerate(streams):
+            s._logits_view[0, 0] = logits[i]
+            s._has_logits = True
+            s._position += 1
+        return logits
+
+    def _slot(self, n: int) -> BatchSlot:
+        slot = self._slots.get(n)
+        if slot is None:
+            slot = self._slots[n] = self._new_slot(n)
+            while len(self._slots) > BATCH_SLOTS:
+                self._slots.popitem(last=False)[1].release()
+        else:
+            self._slots.move_to_end(n)
+        return slot
+
+    def _check_batch(self, streams: Sequence[Stream], token_ids: Any) -> tuple[list[Stream], np.ndarray]:
+        """The checked arguments of `step_batch`: distinct streams of this engine, one token id each."""
+        streams = list(streams)
+        n = len(streams)
+        if n == 0:
+            raise BatchError("step_batch needs at least one stream")
+        if any(not isinstance(s, Stream) or s._engine is not self for s in streams):
+            raise BatchError("step_batch: every stream must come from this engine (engine.new_stream())")
+        if len({id(s) for s in streams}) != n:
+            raise BatchError("step_batch: a stream appears more than once in the batch")
+        tokens = self._tokens(token_ids, "batch's token ids")
+        if tokens.size != n:
+            raise BatchError(f"step_batch: {n} streams but {tokens.size} token ids")
+        return streams, tokens
+
+    # ------------------------------------------------------------------ tokens
     def _token(self, token: Any) -> int:
         if type(token) is int and 0 <= token < self.vocab_size:  # the fast path
             return token
@@ -75,21 +213,6 @@ class EngineBase:
         if not 0 <= token < self.vocab_size:
             raise TokenError(f"token id {token} is outside the vocabulary [0, {self.vocab_size})")
         return token
-
-    def _check_batch(self, streams: Sequence[StreamBase], token_ids: Any) -> tuple[list[StreamBase], np.ndarray]:
-        """The checked arguments of `step_batch`: distinct streams of this engine, one token id each."""
-        streams = list(streams)
-        n = len(streams)
-        if n == 0:
-            raise BatchError("step_batch needs at least one stream")
-        if any(not isinstance(s, StreamBase) or s._engine is not self for s in streams):
-            raise BatchError("step_batch: every stream must come from this engine (engine.new_stream())")
-        if len({id(s) for s in streams}) != n:
-            raise BatchError("step_batch: a stream appears more than once in the batch")
-        tokens = self._tokens(token_ids, "batch's token ids")
-        if tokens.size != n:
-            raise BatchError(f"step_batch: {n} streams but {tokens.size} token ids")
-        return streams, tokens
 
     def _tokens(self, token_ids: Any, what: str = "prompt") -> np.ndarray:
         if isinstance(token_ids, (bytes, bytearray, memoryview)):
@@ -117,31 +240,125 @@ class EngineBase:
         return self.new_stream().generate(prompt, max_new_tokens, temperature, top_k, top_p, seed)
 
 
-class StreamBase:
-    """One stream of tokens through an engine. Subclasses set `_engine`, `_position`,
-    `_has_logits` and `_logits_view` ([1, 1, V], the next-token logits), and implement `_read`
-    (one state tensor, batch 1), `step` and `_prefill_chunk` (tokens → logits [T, V])."""
+class BatchSlot:
+    """Batch-size-n state buffers of an engine (the backend's subclass allocates them) and the streams
+    last batched there (`members`), whose fixed-size state are rows of the current side `side`."""
 
-    _engine: EngineBase
-    _position: int
-    _has_logits: bool
-    _logits_view: np.ndarray
+    def __init__(self, engine: Engine, n: int):
+        self.engine, self.n, self.side = engine, n, 0
+        self.members: list[weakref.ref[Stream]] = []
 
-    def _read(self, name: str) -> np.ndarray:
+    # ------------------------------------------------------------------ backend hooks
+    def row(self, name: str, index: int) -> np.ndarray:
+        """Row `index` of state tensor `name` on the current side, as [1, ...] (a view where the memory allows)."""
         raise NotImplementedError
 
-    def step(self, token_id: int) -> np.ndarray:
+    def _gather(self, streams: list[Stream]) -> None:
+        """Copy each stream's own fixed-size state into its row of the current side."""
+        raise NotImplementedError
+
+    def _restore(self, stream: Stream, index: int) -> None:
+        """Copy row `index` back into the stream's own buffers."""
+        for spec in self.engine._fixed:
+            stream._write(spec.input, self.row(spec.input, index))
+
+    # ------------------------------------------------------------------ members
+    def holds(self, streams: list[Stream]) -> bool:
+        return len(self.members) == len(streams) and all(s._slot is self and s._row == i for i, s in enumerate(streams))
+
+    def adopt(self, streams: list[Stream]) -> None:
+        """Make `streams` the members: their states become the current side's rows."""
+        self.release()
+        for s in streams:  # a member of another slot takes its state back first; that slot's row goes stale
+            s._sync()
+        self._gather(streams)
+        for i, s in enumerate(streams):
+            s._slot, s._row = self, i
+        self.members = [weakref.ref(s) for s in streams]
+
+    def release(self) -> None:
+        """Give every member still here its state back (into its own buffers)."""
+        for ref in self.members:
+            stream = ref()
+            if stream is not None and stream._slot is self:
+                stream._sync()
+        self.members = []
+
+
+class Stream:
+    """One sequence's state and position. Make it with `engine.new_stream()` or `engine.load_stream(path)`.
+
+    A backend's subclass allocates the state buffers and `_logits_view` ([1, 1, V]: the next-token
+    logits, which its step graph run writes), then calls `_assign`.
+    """
+
+    _logits_view: np.ndarray
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+        self._side = 0  # which side of the stream's own buffers holds the state
+        self._slot: BatchSlot | None = None  # set while the fixed-size state is a row of a batch slot
+        self._row = 0
+        self._position = 0
+        self._has_logits = False
+
+    # ------------------------------------------------------------------ backend hooks
+    def _own(self, name: str) -> np.ndarray:
+        """One fixed-size state tensor in the stream's own buffers (current side), batch 1."""
+        raise NotImplementedError
+
+    def _write(self, name: str, value: np.ndarray) -> None:
+        """Overwrite one fixed-size state tensor in the stream's own buffers (current side)."""
+        raise NotImplementedError
+
+    def _run_step(self, token: int) -> None:
+        """Run the step graph from the current side to the other; the logits land in `_logits_view`."""
         raise NotImplementedError
 
     def _prefill_chunk(self, ids: np.ndarray) -> np.ndarray:
+        """Run the prefill graph on `ids` from the current side to the other; logits [T, V]."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ state
+    def _read(self, name: str) -> np.ndarray:
+        """The current value of one state tensor, batch 1 (a view on host memory: do not keep it across steps)."""
+        if self._slot is not None:
+            return self._slot.row(name, self._row)
+        return self._own(name)
+
+    def _sync(self) -> None:
+        """Take the fixed-size state back from a batch slot before using the stream on its own."""
+        slot = self._slot
+        if slot is None:
+            return
+        with self._engine._lock:
+            if self._slot is slot:
+                slot._restore(self, self._row)
+                self._slot = None
+
+    def _assign(self, state: Mapping[str, np.ndarray], position: int, logits: np.ndarray | None) -> None:
+        self._slot = None  # every tensor is overwritten: nothing to take back from a batch slot
+        for spec in self._engine._fixed:
+            self._write(spec.input, state[spec.input])
+        self._position = position
+        self._has_logits = logits is not None
+        if logits is not None:
+            self._logits_view[0, 0] = logits
+
+    def _advance(self, tokens: int, logits: np.ndarray | None = None) -> None:
+        """After a run over the stream's own buffers: the state is on the other side, `tokens` later."""
+        self._side ^= 1
+        self._position += tokens
+        if logits is not None:
+            self._logits_view[0, 0] = logits
+        self._has_logits = True
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """A copy of every state tensor (batch 1), named as the graph inputs in edgemem.json."""
         return {s.input: np.array(self._read(s.input), copy=True) for s in self._engine._specs}
 
     @property
-    def engine(self) -> EngineBase:
+    def engine(self) -> Engine:
         return self._engine
 
     @property
@@ -150,21 +367,35 @@ class StreamBase:
         return self._position
 
     @property
+    def state_bytes(self) -> int:
+        """Bytes of this stream's state (constant for recurrent models; grows with a KV cache)."""
+        return self._engine._fixed_bytes
+
+    @property
     def logits(self) -> np.ndarray | None:
         """Logits [V] for the next token (after the last prefill or step), or None for a fresh stream."""
         return self._logits_view[0, 0].copy() if self._has_logits else None
+
+    # ------------------------------------------------------------------ running
+    def step(self, token_id: int) -> np.ndarray:
+        """Consume one token; returns the logits [V] for the next one."""
+        token = self._engine._token(token_id)
+        if self._slot is not None:
+            self._sync()
+        self._run_step(token)
+        self._advance(1)
+        return self._logits_view[0, 0].copy()
 
     def prefill(self, token_ids: TokenIds, *, chunk_size: int | None = None, all_logits: bool = True) -> np.ndarray:
         """Consume a block of tokens; returns logits [T, V] (or only the last row [V] with `all_logits=False`).
 
         Runs the prefill graph on chunks of `chunk_size` tokens (default: the engine's), or steps
-        through the tokens when the export has no prefill graph.
+        through the tokens when the export has no prefill graph. Prefilling in chunks equals prefilling
+        at once (the stateful protocol's law), and keeps activations and logits bounded.
         """
         engine = self._engine
         ids = engine._tokens(token_ids)
-        chunk = chunk_size or engine.chunk_size
-        if not isinstance(chunk, int) or chunk < 1:
-            raise ConfigError(f"chunk_size must be a positive integer; got {chunk!r}")
+        chunk = check_chunk_size(chunk_size or engine.chunk_size)
         rows: list[np.ndarray] = []
         if not engine.has_prefill:
             for token in ids.tolist():
@@ -172,17 +403,32 @@ class StreamBase:
                 if all_logits:
                     rows.append(logits)
             return np.stack(rows) if all_logits else logits
+        if engine._max_tokens is not None:
+            chunk = min(chunk, engine._max_tokens)
+        self._sync()
         for start in range(0, ids.size, chunk):
             part = self._prefill_chunk(ids[start : start + chunk])
+            self._advance(part.shape[0], part[-1])
             if all_logits:
                 rows.append(part)
         return np.concatenate(rows) if all_logits else self._logits_view[0, 0].copy()
+
+    # ------------------------------------------------------------------ lifecycle
+    def fork(self) -> Stream:
+        """An independent copy: same state, position and next-token logits, its own buffers."""
+        return self._engine._new({s.input: self._read(s.input) for s in self._engine._specs}, self._position,
+                                 self.logits)
+
+    def reset(self) -> None:
+        """Back to a fresh stream at position 0 (buffers are reused)."""
+        self._assign(self._engine._initial, 0, None)
 
     def save(self, path: str | Path) -> None:
         """Checkpoint to a safetensors file, atomically (see `edgemem.runtime.state`)."""
         save_checkpoint(path, self._engine.manifest, {s.input: self._read(s.input) for s in self._engine._specs},
                         self._position, self.logits)
 
+    # ------------------------------------------------------------------ generation
     def generate_iter(self, prompt: bytes | str | Sequence[int] = b"", max_new_tokens: int = 64,
                       temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                       seed: int | None = None) -> Iterator[int]:

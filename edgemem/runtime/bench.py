@@ -1,20 +1,15 @@
-"""`edgemem bench DIR`: the runtime's step latency and memory at given positions and batch sizes.
+"""`edgemem bench DIR`, the runtime's side: step latency and memory at given positions and batch sizes.
 
 For every position p (ascending) one stream is brought to p by prefilling random bytes in chunks
 with the prefill graph (stepping 100k tokens one by one would take minutes; without a prefill
 graph, e.g. titans-mac, it is stepped), then forked into `batch` streams whose steps are timed
 (`stream.step` at batch 1, `engine.step_batch` above). Reported per configuration: µs per token
 and tokens/s (median step time), state bytes per stream at the position and the process RSS.
-
-Two baselines in the same run:
-- PyTorch eager `step` of the same model (rebuilt from the manifest), started from exactly the
-  runtime's state at p (read back from a runtime checkpoint, so no second prefill) and timed the
-  same way. torch is imported only here, after every runtime measurement, so runtime RSS
-  figures do not include torch.
-- the softmax preset's KV cache at p: bytes per token (from `edgemem.models.describe("softmax")`
-  at the benchmarked model's width and depth) × p.
-
 A configuration whose memory would not fit (softmax's KV cache × batch) is skipped with a reason.
+
+With `checkpoints`, the stream at each position is saved there too, so that a baseline can start
+from exactly the runtime's state (the PyTorch eager comparison, `edgemem.bench`, which this
+package never imports).
 """
 
 from __future__ import annotations
@@ -23,7 +18,6 @@ import os
 import platform
 import resource
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -32,7 +26,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from edgemem.runtime.engine import Engine
+from edgemem.runtime.base import Engine, Stream
 
 Progress = Callable[[str], None]
 
@@ -86,10 +80,11 @@ def _fits(engine: Engine, position: int, batch: int) -> str:
 
 def run(
     directory: str | Path, *, positions: Sequence[int], batches: Sequence[int], steps: int = 100, warmup: int = 5,
-    time_limit: float = 2.0, threads: int | None = 1, target: str | None = None, chunk_size: int = 512,
-    eager: bool = True, seed: int = 0, progress: Progress | None = None,
+    time_limit: float = 2.0, threads: int | None = 1, target: str | None = None, chunk_size: int = 512, seed: int = 0,
+    checkpoints: Path | None = None, progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Measure; returns {"environment", "model", "rows"} (rows: one per position × batch)."""
+    """Measure; returns {"environment", "model", "rows"} (rows: one per position × batch). With `checkpoints`
+    (a directory), the stream at each position p is saved as `checkpoint_path(checkpoints, p)`."""
     progress = progress or (lambda _: None)
     positions, batches = sorted(set(positions)), sorted(set(batches))
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
@@ -97,17 +92,14 @@ def run(
     rng = np.random.default_rng(seed)
     rows: list[dict[str, Any]] = []
     base = engine.new_stream()
-    workdir = tempfile.TemporaryDirectory(prefix="edgemem-bench-")
-    checkpoints: dict[int, Path] = {}
     for position in positions:
         progress(f"prefill to {position:,}")
         start = time.perf_counter()
         if position > base.position:
             base.prefill(rng.integers(0, engine.vocab_size, position - base.position), all_logits=False)
         reach_s = time.perf_counter() - start
-        if eager:
-            checkpoints[position] = Path(workdir.name) / f"{position}.safetensors"
-            base.save(checkpoints[position])
+        if checkpoints is not None:
+            base.save(checkpoint_path(checkpoints, position))
         for batch in batches:
             progress(f"runtime: position {position:,}, batch {batch}")
             row: dict[str, Any] = {"position": position, "batch": batch, "reach_s": round(reach_s, 3)}
@@ -125,24 +117,24 @@ def run(
                 state_bytes=state_bytes,
                 rss_bytes=rss,
             )
-    runtime_rss = max((r.get("rss_bytes", 0) for r in rows), default=0)
-    del base
     model_info: dict[str, Any] = {
         "arch": engine.manifest.arch, "target": engine.target, "config": engine.manifest.config,
         "state_bytes_at_0": engine.state_bytes(0), "state_bytes_per_token": engine.state_bytes_per_token,
     }
-    if eager:
-        _eager(engine, rows, checkpoints, steps, warmup, time_limit, threads, seed, progress, model_info)
-    workdir.cleanup()
     environment = {
         "onnxruntime": ort.__version__, "threads": threads, "cpus": os.cpu_count(), "machine": platform.machine(),
         "python": platform.python_version(), "load_avg_before": load_before, "chunk_size": chunk_size,
-        "load_avg_after": os.getloadavg() if hasattr(os, "getloadavg") else None, "runtime_peak_rss_bytes": runtime_rss,
+        "load_avg_after": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "runtime_peak_rss_bytes": max((r.get("rss_bytes", 0) for r in rows), default=0),
     }
     return {"environment": environment, "model": model_info, "rows": rows}
 
 
-def _time_runtime(engine: Engine, base: Any, batch: int, rng: np.random.Generator, steps: int, warmup: int,
+def checkpoint_path(folder: Path, position: int) -> Path:
+    return folder / f"{position}.safetensors"
+
+
+def _time_runtime(engine: Engine, base: Stream, batch: int, rng: np.random.Generator, steps: int, warmup: int,
                   time_limit: float) -> tuple[float, int, int, int]:
     """`batch` forks of `base` stepped together: (median s per step, timed steps, state bytes, RSS while alive)."""
     streams = [base.fork() for _ in range(batch)]
@@ -154,58 +146,6 @@ def _time_runtime(engine: Engine, base: Any, batch: int, rng: np.random.Generato
     else:
         seconds, n = time_steps(lambda i: engine.step_batch(streams, tokens[i]), steps, warmup, time_limit)
     return seconds, n, state_bytes, rss_bytes()
-
-
-def _eager(engine: Engine, rows: list[dict[str, Any]], checkpoints: dict[int, Path], steps: int, warmup: int,
-           time_limit: float, threads: int | None, seed: int, progress: Progress, model_info: dict[str, Any]) -> None:
-    """PyTorch baselines: eager `step` from the same states, and the softmax preset's KV-cache growth."""
-    import torch  # lazily: the runtime itself never imports torch
-
-    from edgemem.export.verify import rebuild
-    from edgemem.models import describe
-    from edgemem.runtime.state import decode_checkpoint
-
-    progress("PyTorch: rebuilding the model")
-    if threads:
-        torch.set_num_threads(threads)
-    model = rebuild(engine.manifest)
-    config = engine.manifest.config
-    sizes = {k: config[k] for k in ("d_model", "n_layers") if isinstance(config.get(k), int)}
-    softmax = describe("softmax", **sizes)
-    model_info.update(
-        params=sum(p.numel() for p in model.parameters()),
-        softmax_baseline={"d_model": softmax["d_model"], "layers": softmax["layers"],
-                          "kv_bytes_per_token": softmax["state_bytes_per_token"]},
-        torch=torch.__version__,
-    )
-    keys = {s.input: s.input.removeprefix("past_key_values.") for s in engine.manifest.state}
-    rng = np.random.default_rng(seed + 1)
-    with torch.inference_mode():  # first calls initialise torch's kernels: keep them out of the first row
-        _time_eager(model, model.init_state(1), torch.zeros(20, 1, dtype=torch.long), 15, 5, time_limit)
-    for row in rows:
-        row["softmax_kv_bytes"] = softmax["state_bytes_per_token"] * row["position"]
-        if "skipped" in row:
-            continue
-        progress(f"PyTorch eager: position {row['position']:,}, batch {row['batch']}")
-        checkpoint = decode_checkpoint(checkpoints[row["position"]].read_bytes(), engine.manifest)
-        batch = row["batch"]
-        state = {keys[name]: torch.from_numpy(a).expand(batch, *a.shape[1:]).contiguous()
-                 for name, a in checkpoint.state.items()}
-        tokens = torch.from_numpy(rng.integers(0, engine.vocab_size, (max(steps, 3) + warmup, batch)))
-        with torch.inference_mode():
-            seconds = _time_eager(model, state, tokens, steps, warmup, time_limit)
-        del state
-        row["eager_us_per_token"] = round(seconds * 1e6 / batch, 2)
-        row["eager_tokens_per_s"] = round(batch / seconds, 1)
-        row["speedup_vs_eager"] = round(row["eager_us_per_token"] / row["us_per_token"], 2)
-
-
-def _time_eager(model: Any, state: dict[str, Any], tokens: Any, steps: int, warmup: int, time_limit: float) -> float:
-    def step(i: int) -> None:
-        nonlocal state
-        _, state = model.step(tokens[i], state)
-
-    return time_steps(step, steps, warmup, time_limit)[0]
 
 
 def plot(result: dict[str, Any], path: str | Path) -> None:
@@ -239,4 +179,4 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
     plt.close(fig)
 
 
-__all__ = ["available_bytes", "plot", "rss_bytes", "run"]
+__all__ = ["available_bytes", "checkpoint_path", "plot", "rss_bytes", "run", "time_steps"]

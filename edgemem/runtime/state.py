@@ -11,7 +11,7 @@ Checkpoint format (`edgemem-state/1`): one safetensors file (no pickle) holding
 
 `sha256` covers the other metadata and every tensor's name, dtype, shape and bytes, so a flipped
 byte anywhere in the file is reported as corruption rather than, say, a state of another model.
-Files are written with `edgemem.manifest.write_atomic` (temp file, fsync, rename).
+Files are written with `edgemem.files.write_atomic` (temp file, fsync, rename).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from safetensors import SafetensorError
 from safetensors.numpy import load as load_safetensors
 from safetensors.numpy import save as save_safetensors
 
-from edgemem.manifest import STATE_INIT, Manifest, ManifestError, StateSpec, write_atomic
+from edgemem.files import write_atomic
+from edgemem.manifest import STATE_INIT, Manifest, ManifestError, StateSpec
 from edgemem.runtime.errors import StateFileError
 
 FORMAT = "edgemem-state/1"

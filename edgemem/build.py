@@ -18,28 +18,26 @@ past_sequence 0..max_sequence. Engines are written atomically, then `engines.jso
 records what the runtime (`edgemem.runtime.trt`) checks before loading them: the TensorRT version,
 the plugin library's sha256, the export they come from (`Manifest.identity()`), each engine's
 sha256 and profile, and which state tensors may be bound to one buffer for input and output
-(`in_place_states`). Imports neither torch nor tensorrt at module import.
+(`in_place_states`); `edgemem.runtime.engines` owns that format. Imports neither torch nor
+tensorrt nor onnx at module import.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from edgemem.errors import EdgememError
-from edgemem.manifest import Manifest, sha256, write_atomic
+from edgemem.files import write_atomic
+from edgemem.manifest import Manifest
 from edgemem.manifest import load as load_manifest
+from edgemem.runtime import engines as engines_json
 
 log = logging.getLogger(__name__)
 
 GRAPHS = ("step", "prefill")
-PLUGINS_ENV = "EDGEMEM_TRT_PLUGINS"
-ENGINES_DIR = "engines"
-ENGINES_JSON = "engines.json"
-ENGINES_FORMAT = "edgemem-engines/1"
 PLUGIN_DOMAIN = "edgemem"
 SHAPE_ONLY = ("Shape", "Size")  # ONNX ops that read a tensor's dims, never its values
 
@@ -74,19 +72,6 @@ def _import_tensorrt():
             f"python3-libnvinfer); `edgemem build` needs TensorRT and an NVIDIA GPU ({e})"
         ) from None
     return trt
-
-
-def _plugin_library(plugins: str | os.PathLike | None) -> Path:
-    path = plugins or os.environ.get(PLUGINS_ENV)
-    if not path:
-        raise EdgememError(
-            f"no plugin library: pass --plugins libedgemem_trt_plugins.so (or set {PLUGINS_ENV}); "
-            "build it from plugins/ against this TensorRT (see plugins/README.md)"
-        )
-    path = Path(path)
-    if not path.is_file():
-        raise EdgememError(f"plugin library {path} does not exist")
-    return path
 
 
 def dim_names(model: Any) -> dict[str, list[str | int]]:
@@ -160,19 +145,17 @@ def build_engines(
     _check_precision(manifest, directory, fp16)
     if max_batch < 1 or max_sequence < 1:
         raise EdgememError("--max-batch and the maximum sequence must be at least 1")
+    library = engines_json.plugin_library(plugins)
     trt = _import_tensorrt()
-    library = _plugin_library(plugins)
     logger = trt.Logger(trt.Logger.WARNING)
-    registry = trt.get_plugin_registry()
-    if not registry.load_library(str(library)):
-        raise EdgememError(f"TensorRT could not load the plugin library {library} (built for another TensorRT major?)")
+    engines_json.load_plugins(trt, library)
     try:
         builder = trt.Builder(logger)
     except Exception as e:  # CUDA initialisation fails without a GPU/driver
         raise EdgememError(f"TensorRT could not create a builder: no usable NVIDIA GPU or driver ({e})") from None
     if builder is None:
         raise EdgememError("TensorRT could not create a builder: no usable NVIDIA GPU or driver")
-    out_dir = Path(out) if out else directory / ENGINES_DIR
+    out_dir = Path(out) if out else directory / engines_json.ENGINES_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     written, engines = [], {}
     for onnx_path in graphs:
@@ -195,25 +178,6 @@ def build_engines(
         write_atomic(path, bytes(serialized))
         log.info("wrote %s", path)
         written.append(path)
-        engines[onnx_path.stem] = engine_entry(path, model, manifest, shapes)
-    log.info("wrote %s", write_engines_json(out_dir, manifest, trt.__version__, library, max_batch, max_sequence, engines))
+        engines[onnx_path.stem] = engines_json.entry(path, shapes, in_place_states(model, manifest))
+    log.info("wrote %s", engines_json.write(out_dir, manifest, trt.__version__, library, max_batch, max_sequence, engines))
     return written
-
-
-def engine_entry(path: Path, model: Any, manifest: Manifest, shapes: dict[str, list[list[int]]]) -> dict[str, Any]:
-    """engines.json's record of one engine file built from `model` with the profile `shapes`."""
-    return {"file": path.name, "sha256": sha256(path), "profile": shapes, "in_place": in_place_states(model, manifest)}
-
-
-def write_engines_json(out_dir: Path, manifest: Manifest, tensorrt_version: str, library: Path, max_batch: int,
-                       max_sequence: int, engines: dict[str, dict[str, Any]]) -> Path:
-    """Write OUT/engines.json atomically: what the runtime checks before it loads the engines."""
-    info = {
-        "format": ENGINES_FORMAT, "tensorrt": tensorrt_version,
-        "plugins": {"file": str(library.resolve()), "sha256": sha256(library)},
-        "export": {"arch": manifest.arch, "identity": manifest.identity(), "dtype": manifest.config.get("dtype", "fp32")},
-        "max_batch": max_batch, "max_sequence": max_sequence, "engines": engines,
-    }
-    path = out_dir / ENGINES_JSON
-    write_atomic(path, (json.dumps(info, indent=2) + "\n").encode())
-    return path

@@ -1,0 +1,163 @@
+"""`engines.json` and the TensorRT plugin library: what `edgemem build` records beside the engines
+it writes (`write`), and what backend 'trt' checks before it loads them (`read`).
+
+    {"format": "edgemem-engines/1", "tensorrt": "10.13.0",
+     "plugins": {"file": "/abs/libedgemem_trt_plugins.so", "sha256": ...},
+     "export": {"arch": ..., "identity": Manifest.identity(), "dtype": "fp32"},
+     "max_batch": 1, "max_sequence": 2048,
+     "engines": {"step": {"file": "step.engine", "sha256": ..., "profile": {input: [min, opt, max]},
+                          "in_place": [state inputs bound to one buffer for input and output]}, ...}}
+
+`read` refuses, before TensorRT is touched, engines built from another export, engine files that
+changed since, and (`plugin_library`) a plugin library other than the one they were built with.
+Pure Python: imports neither TensorRT nor onnx.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from edgemem.files import sha256, write_atomic
+from edgemem.manifest import Manifest
+from edgemem.runtime.errors import BackendError
+
+ENGINES_DIR = "engines"
+ENGINES_JSON = "engines.json"
+FORMAT = "edgemem-engines/1"
+PLUGINS_ENV = "EDGEMEM_TRT_PLUGINS"
+
+
+def plugin_library(plugins: str | os.PathLike | None, built: Mapping[str, str] | None = None) -> Path:
+    """The plugin library: `plugins`, else $EDGEMEM_TRT_PLUGINS. With `built` (engines.json's "plugins"
+    record), it must be the library the engines were built with."""
+    name = plugins or os.environ.get(PLUGINS_ENV)
+    origin = (f"; the engines were built with {built['file']}" if built is not None
+              else "; build it from plugins/ for this TensorRT major (plugins/README.md)")
+    if not name:
+        raise BackendError(f"no plugin library: pass plugins=PATH (`edgemem build --plugins PATH`) or set "
+                           f"{PLUGINS_ENV}=PATH, PATH being libedgemem_trt_plugins.so{origin}")
+    path = Path(name)
+    if not path.is_file():
+        raise BackendError(f"plugin library {path} does not exist{origin}")
+    if built is not None and sha256(path) != built["sha256"]:
+        raise BackendError(f"plugin library {path} is not the one the engines were built with ({built['file']}, "
+                           f"sha256 {built['sha256'][:12]}); pass that library or rebuild the engines with this one")
+    return path
+
+
+def load_plugins(trt: Any, library: Path) -> Any:
+    """Register the library's plugin creators with TensorRT (module `trt`); its handle."""
+    handle = trt.get_plugin_registry().load_library(str(library))
+    if not handle:
+        raise BackendError(f"TensorRT could not load the plugin library {library} (built for another TensorRT major?)")
+    return handle
+
+
+def entry(path: Path, profile: Mapping[str, list[list[int]]], in_place: Sequence[str]) -> dict[str, Any]:
+    """The record of one engine file: its sha256, its optimisation profile and its in-place state inputs."""
+    return {"file": path.name, "sha256": sha256(path), "profile": dict(profile), "in_place": list(in_place)}
+
+
+def write(folder: Path, manifest: Manifest, tensorrt_version: str, library: Path, max_batch: int, max_sequence: int,
+          engines: Mapping[str, Mapping[str, Any]]) -> Path:
+    """Write FOLDER/engines.json atomically, after the engines (`entry` per engine file)."""
+    info = {
+        "format": FORMAT, "tensorrt": tensorrt_version,
+        "plugins": {"file": str(library.resolve()), "sha256": sha256(library)},
+        "export": {"arch": manifest.arch, "identity": manifest.identity(), "dtype": manifest.config.get("dtype", "fp32")},
+        "max_batch": max_batch, "max_sequence": max_sequence, "engines": dict(engines),
+    }
+    path = folder / ENGINES_JSON
+    write_atomic(path, (json.dumps(info, indent=2) + "\n").encode())
+    return path
+
+
+def _check_format(info: Any) -> None:
+    """Every field the runtime reads is there (else ValueError naming the first one missing)."""
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        found = info.get("format") if isinstance(info, dict) else None
+        raise ValueError(f"format {found!r}, expected {FORMAT!r}")
+    fields = {"tensorrt": str, "plugins": dict, "export": dict, "max_batch": int, "max_sequence": int, "engines": dict}
+    for key, kind in fields.items():
+        if not isinstance(info.get(key), kind):
+            raise ValueError(f"no {kind.__name__} {key!r}")
+    if not {"file", "sha256"} <= info["plugins"].keys():
+        raise ValueError("'plugins' needs file and sha256")
+    for kind, record in info["engines"].items():
+        if not isinstance(record, dict) or not {"file", "sha256", "profile", "in_place"} <= record.keys():
+            raise ValueError(f"engine {kind!r} needs file, sha256, profile and in_place")
+
+
+def read(directory: Path, manifest: Manifest, engines: str | os.PathLike | None = None) -> tuple[Path, dict[str, Any]]:
+    """The engine folder (`engines`, else DIR/engines) and its engines.json, checked against the export
+    in `directory` and against the engine files."""
+    folder = Path(engines) if engines is not None else directory / ENGINES_DIR
+    build = f"`edgemem build {directory} --plugins libedgemem_trt_plugins.so`"
+    if not folder.is_dir():
+        raise BackendError(f"{folder}: no TensorRT engines; build them with {build}")
+    path = folder / ENGINES_JSON
+    if not path.is_file():
+        raise BackendError(f"{folder} has no {ENGINES_JSON} (engines from an older edgemem?); rebuild with {build}")
+    try:
+        info = json.loads(path.read_text())
+        _check_format(info)
+    except ValueError as e:  # json.JSONDecodeError is one
+        raise BackendError(f"{path} is not a valid {ENGINES_JSON} ({e}); rebuild with {build}") from None
+    source = info["export"]
+    if source.get("identity") != manifest.identity():
+        raise BackendError(
+            f"{folder} holds engines built from another export (arch {source.get('arch')}, identity "
+            f"{str(source.get('identity'))[:12]}); {directory} is {manifest.arch}, identity {manifest.identity()[:12]}: "
+            f"rebuild with {build}"
+        )
+    if "step" not in info["engines"]:
+        raise BackendError(f"{path} lists no step engine; rebuild with {build}")
+    for kind, record in info["engines"].items():
+        file = folder / record["file"]
+        if not file.is_file():
+            raise BackendError(f"{folder}: the {kind} engine {record['file']} listed in {ENGINES_JSON} is missing; "
+                               f"rebuild with {build}")
+        if sha256(file) != record["sha256"]:
+            raise BackendError(f"{file} does not match its sha256 in {ENGINES_JSON} (modified, or a build that did "
+                               f"not finish); rebuild with {build}")
+    return folder, info
+
+
+def files(folder: Path, info: Mapping[str, Any]) -> dict[str, Path]:
+    """Graph kind ("step", "prefill") → its engine file."""
+    return {kind: folder / record["file"] for kind, record in info["engines"].items()}
+
+
+def check_tensorrt_version(info: Mapping[str, Any], version: str) -> None:
+    """Engines load only into the TensorRT version that built them."""
+    if info["tensorrt"] != version:
+        raise BackendError(f"the engines were built by TensorRT {info['tensorrt']}, this is TensorRT {version}; "
+                           "rebuild them with `edgemem build` here (engines are not portable across versions)")
+
+
+def in_place(info: Mapping[str, Any], kinds: Collection[str]) -> frozenset[str]:
+    """State inputs bound to one buffer: those every engine of `kinds` may update in place."""
+    sets = [set(info["engines"][k]["in_place"]) for k in kinds]
+    return frozenset(set.intersection(*sets)) if sets else frozenset()
+
+
+def check_profile(info: Mapping[str, Any], kind: str, shapes: Mapping[str, Sequence[int]]) -> None:
+    """Every input shape lies inside the engine's optimisation profile."""
+    for name, (lo, _, hi) in info["engines"][kind]["profile"].items():
+        shape = shapes[name]
+        if any(not a <= s <= b for s, a, b in zip(shape, lo, hi)):
+            raise BackendError(
+                f"the {kind} engine takes {name} from {lo} to {hi}, this run needs {list(shape)}; rebuild with "
+                f"`edgemem build --max-batch N --max-sequence N` (built with --max-batch {info['max_batch']} "
+                f"--max-sequence {info['max_sequence']})"
+            )
+
+
+def max_tokens(info: Mapping[str, Any], kind: str, tokens: str) -> int:
+    """The longest token block one run of the `kind` engine takes (1 when its sequence dim is fixed)."""
+    ranges = info["engines"][kind]["profile"].get(tokens)
+    return ranges[2][1] if ranges else 1

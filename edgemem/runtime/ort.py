@@ -1,0 +1,387 @@
+"""The onnxruntime backend ("ort" on CPU, "ort-cuda"): state in `OrtValue`s, graphs run through IOBindings.
+
+State lives in `OrtValue`s allocated once with `OrtValue.ortvalue_from_shape_and_type` and owned
+by the stream (never `ortvalue_from_numpy` on a temporary: it does not keep the array alive).
+
+Fixed-size state (every recurrent preset). Each stream owns two sets of state buffers, A and B,
+and two IOBindings of the step graph built when the stream is made: binding 0 reads A and writes
+B, binding 1 reads B and writes A. A step writes the token into a bound int64 buffer, runs the
+binding of the current side and flips the side, so state goes A→B, then B→A, with no allocation
+and no copy of state (binding one buffer as both input and output is not guaranteed safe in
+onnxruntime, hence two). The logits output is a bound buffer too; `step` returns a copy [V].
+A batch slot (`edgemem.runtime.base`) does the same with [n, ...] buffers and two bindings.
+
+Growing state (a dim named "past_sequence": the softmax preset's KV cache). The step graph outputs
+`present = concat(past, new)`, a tensor one token longer than its input, so it cannot go into a
+pre-allocated buffer. Here each step binds the current caches as inputs and leaves the cache
+outputs unallocated: onnxruntime allocates the new caches, which become the stream's state, and
+the old ones are freed when the step returns (a fresh binding per step, so no binding keeps an old
+cache alive). onnxruntime's CPU arena is off for such models: it keeps its high-water mark and
+fragments on ever-larger requests, without bound. Cost: O(position) time, fresh pages and a
+transient 2× cache per step, which is the point of the comparison — recurrent presets do not grow.
+In a batch, rows must have KV caches of equal length (a rectangular tensor), else `BatchError`;
+the new [n, ...] caches are not copied out: each stream keeps a view of its row (`_Row`), the same
+streams batched again reuse the batch's output as input, and a stream stepped alone binds its row
+by address. A batch's caches are freed once every stream of it has moved on (stepped alone or in
+another batch, reset, or deleted).
+
+Every binding, of the step or prefill graph, for a stream or a batch slot, comes from
+`OrtEngine._bind`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from edgemem.errors import ConfigError, EdgememError
+from edgemem.manifest import Manifest, StateSpec
+from edgemem.runtime.base import BatchSlot, Engine, Stream
+from edgemem.runtime.errors import BackendError, BatchError
+from edgemem.runtime.state import GROWING, concrete_shape
+
+ORT_TYPES = {
+    "tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+    "tensor(int64)": np.int64, "tensor(int32)": np.int32,
+}
+Sides = list[dict[str, ort.OrtValue]]  # state input name → buffer, for side A and side B
+
+
+def _summary(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[-1] if text else type(e).__name__
+
+
+def _host(shape: Sequence[int], dtype: Any) -> tuple[ort.OrtValue, np.ndarray]:
+    """A zeroed host buffer to bind (token ids, logits) and its numpy view."""
+    value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype)
+    view = value.numpy()
+    view.fill(0)  # allocated memory is not initialised
+    return value, view
+
+
+class _Memory:
+    """Where state lives: host memory (numpy views, zero-copy) or a CUDA device."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.host = device == "cpu"
+
+    def alloc(self, shape: Sequence[int], dtype: Any) -> ort.OrtValue:
+        return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.device, 0)
+
+    def sides(self, specs: Sequence[StateSpec], rows: int) -> tuple[Sides, list[dict[str, np.ndarray]] | None]:
+        """Side A and side B buffers of `rows` rows for each state in `specs`, and their host views (None on a device)."""
+        bufs = [{s.input: self.alloc(concrete_shape(s, rows), s.dtype) for s in specs} for _ in range(2)]
+        return bufs, [{k: v.numpy() for k, v in b.items()} for b in bufs] if self.host else None
+
+    def read(self, value: ort.OrtValue) -> np.ndarray:
+        """A view on the host, a copy from a device."""
+        return value.numpy()
+
+    def write(self, value: ort.OrtValue, array: np.ndarray) -> None:
+        if self.host:
+            np.copyto(value.numpy(), array)
+        else:
+            value.update_inplace(np.ascontiguousarray(array))
+
+    def new(self, array: np.ndarray) -> ort.OrtValue:
+        value = self.alloc(array.shape, array.dtype)
+        self.write(value, array)
+        return value
+
+
+class _Row:
+    """Row `index` of a batched KV-cache tensor: a stream's cache after `step_batch`, not copied out."""
+
+    __slots__ = ("index", "rows", "value")
+
+    def __init__(self, value: ort.OrtValue, index: int, rows: int):
+        self.value, self.index, self.rows = value, index, rows
+
+    def shape(self) -> list[int]:
+        return [1, *self.value.shape()[1:]]
+
+    def nbytes(self) -> int:
+        return self.value.tensor_size_in_bytes() // self.rows
+
+    def address(self) -> int:
+        return self.value.data_ptr() + self.index * self.nbytes()
+
+
+class OrtEngine(Engine):
+    """An export's graphs in onnxruntime sessions. Use `Engine.load(directory)` (backend "ort" or "ort-cuda")."""
+
+    def __init__(self, directory: Path, manifest: Manifest, backend: str, target: str, threads: int | None,
+                 chunk_size: int):
+        super().__init__(directory, manifest, chunk_size, has_prefill=bool(manifest.graphs.get("prefill")))
+        self.backend, self.target, self.threads = backend, target, threads
+        self._tokens_name, self._logits_name = manifest.inputs["tokens"], manifest.outputs["logits"]
+        self._memory = _Memory("cuda" if backend == "ort-cuda" else "cpu")
+        # A growing cache asks for larger tensors at every step and chunk. onnxruntime's CPU arena keeps
+        # its high-water mark and fragments on ever-larger requests (prefilling in chunks to 100k tokens
+        # grew it past 24 GB; with arena shrinkage, RSS still rose ~10x faster than the cache). Such
+        # models allocate from the system instead: memory follows the cache, at the price of fresh
+        # pages for every new cache (at 100k tokens a step takes ~2.8x longer than with the arena).
+        self._sessions = {kind: self._session(kind, self._options(arena=not self.grows))
+                          for kind in ("step", "prefill") if manifest.graphs.get(kind)}
+        self._step_session = self._sessions["step"]
+        logits = next(o for o in self._step_session.get_outputs() if o.name == self._logits_name)
+        self.logits_dtype = np.dtype(ORT_TYPES.get(logits.type, np.float32))
+
+    @classmethod
+    def _open(cls, directory: Path, manifest: Manifest, backend: str, target: str | None, threads: int | None,
+              chunk_size: int) -> OrtEngine:
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ConfigError(f"threads must be a positive integer; got {threads!r}")
+        if target is None:
+            target = next((t for t in ("ort", "generic", "onnx27") if t in manifest.targets), None)
+            if target is None:
+                raise BackendError(f"{directory} has no target onnxruntime can run (it has {', '.join(manifest.targets)}); "
+                                   "export with --target ort or generic")
+        elif target not in manifest.targets:
+            raise BackendError(f"{directory} has no {target!r} target (it has {', '.join(manifest.targets)})")
+        if target == "trt":
+            raise BackendError("the trt target is for TensorRT with edgemem's plugins, not onnxruntime; "
+                               "load the ort or generic target")
+        if backend == "ort-cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise BackendError(
+                f"backend 'ort-cuda' needs onnxruntime's CUDAExecutionProvider, which this onnxruntime "
+                f"{ort.__version__} does not have (it has {', '.join(ort.get_available_providers())}): install "
+                "onnxruntime-gpu (`pip install 'edgemem[gpu]'`, then uninstall onnxruntime) with the CUDA and cuDNN "
+                "libraries it needs, or use backend 'ort'"
+            )
+        return cls(directory, manifest, backend, target, threads, chunk_size)
+
+    def _options(self, arena: bool) -> ort.SessionOptions:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = self.threads or 0
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.log_severity_level = 3
+        options.enable_cpu_mem_arena = arena
+        return options
+
+    def _session(self, kind: str, options: ort.SessionOptions) -> ort.InferenceSession:
+        path = self.directory / self.target / f"{kind}.onnx"
+        providers: list[Any] = ["CPUExecutionProvider"]
+        if self.backend == "ort-cuda":
+            providers = [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
+        # In a QDQ graph, common-subexpression elimination merges the QuantizeLinear nodes of
+        # projections that read one input, and the merged node no longer fuses into an integer
+        # MatMul: static INT8 then ran ~4x slower than float on CPU.
+        static_int8 = (self.manifest.quantization or {}).get("method") == "static"
+        disabled = ["CommonSubexpressionElimination"] if static_int8 else None
+        try:
+            session = ort.InferenceSession(str(path), options, providers=providers, disabled_optimizers=disabled)
+        except Exception as e:  # noqa: BLE001 — onnxruntime raises its own, varied exception types
+            raise BackendError(f"onnxruntime cannot load {path}: {_summary(e)}") from None
+        if self.backend == "ort-cuda" and "CUDAExecutionProvider" not in session.get_providers():
+            raise BackendError("onnxruntime's CUDAExecutionProvider failed to initialise (CUDA or cuDNN libraries "
+                               "missing or no GPU visible); use backend 'ort'")
+        inputs = {i.name for i in session.get_inputs()}
+        outputs = {o.name for o in session.get_outputs()}
+        want_in = {self._tokens_name, *(s.input for s in self._specs)}
+        want_out = {self._logits_name, *(s.output for s in self._specs)}
+        if inputs != want_in or not want_out <= outputs:
+            raise BackendError(f"{path} does not match edgemem.json: inputs {sorted(inputs ^ want_in)} or outputs "
+                               f"{sorted(want_out - outputs)} differ")
+        return session
+
+    # ------------------------------------------------------------------ bindings and runs
+    def _bind(self, session: ort.InferenceSession, ids: ort.OrtValue, logits: ort.OrtValue | None,
+              reads: Mapping[str, ort.OrtValue], writes: Mapping[str, ort.OrtValue],
+              caches: Mapping[str, ort.OrtValue | _Row] | None = None) -> ort.IOBinding:
+        """A binding of `session`'s graph: token ids `ids`; fixed-size state read from `reads` and written to
+        `writes`; logits into `logits` (None: onnxruntime allocates them on the host); KV caches read from
+        `caches` (a tensor, or a batch's row by address) and written where onnxruntime allocates them."""
+        binding = session.io_binding()
+        binding.bind_ortvalue_input(self._tokens_name, ids)
+        if logits is None:
+            binding.bind_output(self._logits_name, "cpu")
+        else:
+            binding.bind_ortvalue_output(self._logits_name, logits)
+        for spec in self._fixed:
+            binding.bind_ortvalue_input(spec.input, reads[spec.input])
+            binding.bind_ortvalue_output(spec.output, writes[spec.input])
+        for spec in self._growing:
+            value = caches[spec.input]
+            if isinstance(value, _Row):
+                binding.bind_input(spec.input, self._memory.device, 0, np.dtype(spec.dtype), value.shape(),
+                                   value.address())
+            else:
+                binding.bind_ortvalue_input(spec.input, value)
+            binding.bind_output(spec.output, self._memory.device)
+        return binding
+
+    def _caches(self, binding: ort.IOBinding) -> list[ort.OrtValue]:
+        """The new KV caches a run of a `_bind` binding produced, in the order of `_growing`."""
+        return binding.get_outputs()[1 + len(self._fixed) :]
+
+    def _run(self, kind: str, binding: ort.IOBinding) -> None:
+        try:
+            self._sessions[kind].run_with_iobinding(binding)
+        except Exception as e:  # noqa: BLE001 — onnxruntime raises its own, varied exception types
+            raise EdgememError(f"onnxruntime failed running the {kind} graph of {self.manifest.arch}: {_summary(e)}") from None
+
+    # ------------------------------------------------------------------ streams and batches
+    def _new(self, state: Mapping[str, np.ndarray], position: int, logits: np.ndarray | None) -> OrtStream:
+        return OrtStream(self, state, position, logits)
+
+    def _new_slot(self, n: int) -> _OrtSlot:
+        return _OrtSlot(self, n)
+
+    def _check_batch(self, streams: Sequence[Stream], token_ids: Any) -> tuple[list[Stream], np.ndarray]:
+        streams, tokens = super()._check_batch(streams, token_ids)
+        if self.grows:
+            lengths = sorted({s._past_length() for s in streams})
+            if len(lengths) > 1:
+                raise BatchError(
+                    f"{self.manifest.arch}'s state grows (KV cache): a batch needs streams with caches of equal length, "
+                    f"got lengths {', '.join(map(str, lengths[:6]))}{'…' if len(lengths) > 6 else ''}; batch streams at "
+                    "the same position or step them one by one"
+                )
+        return streams, tokens
+
+    def _run_batch(self, slot: _OrtSlot, streams: list[OrtStream], tokens: np.ndarray) -> np.ndarray:
+        slot.ids_view[:, 0] = tokens
+        if not self.grows:
+            self._run("step", slot.bindings[slot.side])
+            return slot.logits_view[:, 0].copy()
+        caches = {spec.input: self._gather_cache(spec, streams) for spec in self._growing}
+        binding = self._bind(self._step_session, slot.ids, slot.logits, slot.bufs[slot.side], slot.bufs[1 - slot.side],
+                             caches)  # fresh: see the module docstring
+        self._run("step", binding)
+        for spec, value in zip(self._growing, self._caches(binding)):  # each stream views its row of the new cache
+            for i, s in enumerate(streams):
+                s._grown[spec.input] = _Row(value, i, len(streams))
+        return slot.logits_view[:, 0].copy()
+
+    def _gather_cache(self, spec: StateSpec, streams: list[OrtStream]) -> ort.OrtValue:
+        """The [n, ...] cache input: the previous batch's output itself when these streams are its rows in
+        order (the usual serving loop), else their caches copied into a new tensor."""
+        rows = [s._grown[spec.input] for s in streams]
+        first = rows[0]
+        if isinstance(first, _Row) and first.rows == len(rows) and all(
+            isinstance(r, _Row) and r.value is first.value and r.index == i for i, r in enumerate(rows)
+        ):
+            return first.value
+        memory = self._memory
+        if not memory.host:
+            return memory.new(np.concatenate([s._read(spec.input) for s in streams]))
+        value = memory.alloc([len(rows), *rows[0].shape()[1:]], spec.dtype)
+        view = value.numpy()
+        for i, s in enumerate(streams):
+            view[i] = s._read(spec.input)[0]
+        return value
+
+    def __repr__(self) -> str:
+        return (f"OrtEngine({self.manifest.arch}, {self.directory}, backend={self.backend}, target={self.target}, "
+                f"threads={self.threads or 'auto'})")
+
+
+class _OrtSlot(BatchSlot):
+    """[n, ...] state sides A and B with two bindings (A→B, B→A), token ids and logits."""
+
+    def __init__(self, engine: OrtEngine, n: int):
+        super().__init__(engine, n)
+        self.bufs, self.views = engine._memory.sides(engine._fixed, n)
+        self.ids, self.ids_view = _host([n, 1], np.int64)
+        self.logits, self.logits_view = _host([n, 1, engine.vocab_size], engine.logits_dtype)
+        self.bindings = [] if engine.grows else [  # with a KV cache, each batch binds afresh
+            engine._bind(engine._step_session, self.ids, self.logits, self.bufs[side], self.bufs[1 - side])
+            for side in (0, 1)
+        ]
+
+    def row(self, name: str, index: int) -> np.ndarray:
+        if self.views is not None:
+            return self.views[self.side][name][index : index + 1]
+        return self.engine._memory.read(self.bufs[self.side][name])[index : index + 1]
+
+    def _gather(self, streams: list[OrtStream]) -> None:
+        for spec in self.engine._fixed:
+            if self.views is not None:
+                rows = self.views[self.side][spec.input]
+                for i, s in enumerate(streams):
+                    rows[i] = s._own(spec.input)[0]
+            else:
+                self.engine._memory.write(self.bufs[self.side][spec.input],
+                                          np.concatenate([s._own(spec.input) for s in streams]))
+
+
+class OrtStream(Stream):
+    """A stream whose state lives in onnxruntime `OrtValue`s (see the module docstring)."""
+
+    def __init__(self, engine: OrtEngine, state: Mapping[str, np.ndarray], position: int, logits: np.ndarray | None):
+        super().__init__(engine)
+        self._bufs, self._views = engine._memory.sides(engine._fixed, 1)  # fixed-size state: sides A and B
+        self._grown: dict[str, ort.OrtValue | _Row] = {}  # KV caches: replaced every step
+        self._ids, self._ids_view = _host([1, 1], np.int64)
+        self._logits, self._logits_view = _host([1, 1, engine.vocab_size], engine.logits_dtype)
+        self._bindings = [] if engine.grows else [  # with a KV cache, each step binds afresh
+            engine._bind(engine._step_session, self._ids, self._logits, self._bufs[side], self._bufs[1 - side])
+            for side in (0, 1)
+        ]
+        self._assign(state, position, logits)
+
+    # ------------------------------------------------------------------ state
+    def _read(self, name: str) -> np.ndarray:
+        value = self._grown.get(name)
+        if value is None:
+            return super()._read(name)
+        if isinstance(value, _Row):
+            return self._engine._memory.read(value.value)[value.index : value.index + 1]
+        return self._engine._memory.read(value)
+
+    def _own(self, name: str) -> np.ndarray:
+        if self._views is not None:
+            return self._views[self._side][name]
+        return self._engine._memory.read(self._bufs[self._side][name])
+
+    def _write(self, name: str, value: np.ndarray) -> None:
+        if self._views is not None:
+            np.copyto(self._views[self._side][name], value)
+        else:
+            self._engine._memory.write(self._bufs[self._side][name], value)
+
+    def _assign(self, state: Mapping[str, np.ndarray], position: int, logits: np.ndarray | None) -> None:
+        super()._assign(state, position, logits)
+        memory = self._engine._memory
+        self._grown = {s.input: memory.new(np.ascontiguousarray(state[s.input])) for s in self._engine._growing}
+
+    def _past_length(self) -> int:
+        spec = self._engine._growing[0]
+        return self._grown[spec.input].shape()[spec.shape.index(GROWING)]  # OrtValue or _Row
+
+    @property
+    def state_bytes(self) -> int:
+        return self._engine._fixed_bytes + sum(
+            v.nbytes() if isinstance(v, _Row) else v.tensor_size_in_bytes() for v in self._grown.values()
+        )
+
+    # ------------------------------------------------------------------ runs
+    def _run_step(self, token: int) -> None:
+        engine = self._engine
+        self._ids_view[0, 0] = token
+        if not engine.grows:
+            engine._run("step", self._bindings[self._side])
+            return
+        binding = engine._bind(engine._step_session, self._ids, self._logits, self._bufs[self._side],
+                               self._bufs[1 - self._side], self._grown)
+        engine._run("step", binding)
+        self._grown.update(zip((s.input for s in engine._growing), engine._caches(binding)))
+
+    def _prefill_chunk(self, ids: np.ndarray) -> np.ndarray:
+        engine = self._engine
+        tokens, view = _host([1, ids.size], np.int64)
+        view[0] = ids
+        binding = engine._bind(engine._sessions["prefill"], tokens, None, self._bufs[self._side],
+                               self._bufs[1 - self._side], self._grown)
+        engine._run("prefill", binding)
+        logits = np.array(binding.get_outputs()[0].numpy()[0], copy=True)  # [T, V]
+        self._grown.update(zip((s.input for s in engine._growing), engine._caches(binding)))
+        return logits

@@ -1,22 +1,19 @@
 """The streaming runtime: engines, streams, checkpoints, batching, constant memory, CLI `run`/`bench`.
 
-Small presets are exported once per module (two export processes side by side, since tracing
-dominates the cost); every test then runs onnxruntime only, with one thread.
+Small presets are exported once (tests/conftest.py: two export processes side by side, since tracing
+dominates the cost, cached across runs); every test then runs onnxruntime only, with one thread.
 """
 
-import hashlib
 import json
-import os
-import shutil
 import subprocess
 import sys
 import textwrap
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from conftest import export_presets
 from safetensors import safe_open
 
 from edgemem import EdgememError
@@ -42,57 +39,11 @@ TARGETS = {"deltanet": ["generic", "ort"]}
 RECURRENT = ["deltanet", "gated-deltanet", "titans-mag", "longformer", "titans-mac"]
 ALL = [*RECURRENT, "softmax"]
 
-_EXPORT = textwrap.dedent("""
-    import json, sys
-    from edgemem.export import export
-    from edgemem.models import build
-    for arch, out, overrides, targets in json.loads(sys.argv[1]):
-        export(build(arch, seed=0, **overrides), out, targets=targets, extra_config={"seed": 0})
-""")
-
-
-def _exports_key() -> str:
-    """Changes with anything that changes an export: edgemem's sources, the recipes, these presets, versions."""
-    root = Path(__file__).resolve().parents[1]
-    versions = [metadata.version(p) for p in ("torch", "onnx", "onnxscript", "onnxruntime")]
-    digest = hashlib.sha256(json.dumps([PRESETS, TARGETS, versions]).encode())
-    sources = [p for p in (root / "edgemem").rglob("*.py") if "runtime" not in p.relative_to(root).parts]
-    for path in sorted([*sources, *(root / "export").glob("*.toml")]):
-        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
 @pytest.fixture(scope="module")
 def exports(request, tmp_path_factory):
-    """The presets exported in two processes side by side; kept in pytest's cache (when enabled) under
-    a key of everything an export depends on, so that only the first run after a change pays for it."""
-    cache = getattr(request.config, "cache", None)
-    key = _exports_key()
-    cached = cache.mkdir("edgemem-runtime-exports") / key if cache is not None else None
-    if cached is not None and (cached / "complete").is_file():
-        return {arch: cached / arch for arch in PRESETS}
-    root = tmp_path_factory.mktemp("runtime-exports")
-    jobs = [[arch, str(root / arch), overrides, TARGETS.get(arch, ["ort"])] for arch, overrides in PRESETS.items()]
-    procs = [
-        subprocess.Popen([sys.executable, "-c", _EXPORT, json.dumps(jobs[i::2])], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
-        for i in range(2)
-    ]
-    for p in procs:
-        output, _ = p.communicate(timeout=600)
-        assert p.returncode == 0, output[-3000:]
-    if cached is None:
-        return {arch: root / arch for arch in PRESETS}
-    (root / "complete").touch()
-    for old in cached.parent.iterdir():  # one key at a time
-        shutil.rmtree(old, ignore_errors=True)
-    staging = cached.parent / f".{key}-{os.getpid()}"
-    shutil.copytree(root, staging)
-    try:
-        staging.rename(cached)
-    except OSError:  # another session got there first
-        shutil.rmtree(staging, ignore_errors=True)
-    return {arch: cached / arch for arch in PRESETS}
+    """The presets above, exported once (tests/conftest.py: two processes, cached across runs)."""
+    jobs = {arch: (overrides, TARGETS.get(arch, ["ort"])) for arch, overrides in PRESETS.items()}
+    return export_presets(request, tmp_path_factory, "runtime-exports", jobs)
 
 
 @pytest.fixture(scope="module")

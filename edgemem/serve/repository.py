@@ -31,7 +31,8 @@ from onnx import TensorProto, helper
 from safetensors.numpy import load_file
 
 from edgemem.errors import EdgememError
-from edgemem.manifest import MANIFEST, STATE_INIT, Manifest, StateSpec, load, staged_directory, write_atomic
+from edgemem.files import staged_directory, write_atomic
+from edgemem.manifest import MANIFEST, STATE_INIT, Manifest, StateSpec, load
 
 TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "float64": "TYPE_FP64", "int64": "TYPE_INT64",
                 "int32": "TYPE_INT32"}

@@ -238,7 +238,7 @@ def bench_command(directory, positions, batches, steps, time_limit, threads, tar
     if min(batches) < 1:
         raise EdgememError("--batch sizes must be at least 1")
     if plot_path and importlib.util.find_spec("matplotlib") is None:
-        raise EdgememError("--plot needs matplotlib: pip install 'edgemem[bench]'")
+        raise EdgememError("--plot needs matplotlib: pip install 'edgemem-toolkit[bench]'")
     console = Console(stderr=True)
     total = len(set(positions)) * (1 + len(set(batches)) * (1 if no_eager else 2)) + (0 if no_eager else 1)
     with Progress(TextColumn("{task.description:<44}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),

@@ -17,7 +17,7 @@ from edgemem.manifest import load as load_manifest
 from edgemem.models import build
 from edgemem.runtime import Engine
 
-og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install 'edgemem[serve]')")
+og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install 'edgemem-toolkit[serve]')")
 
 SMALL = {"d_model": 32, "mlp_hidden": 32, "n_layers": 2, "num_heads": 2}
 PROMPT = list(b"The quick brown fox")

@@ -24,7 +24,7 @@ from edgemem.serve.repository import CONTROLS, onnx_reasons, write_repository
 from edgemem.serve.sequences import SequenceError, Sequences
 from edgemem.serve.server import ServerError, TritonServer
 
-grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient is not installed (pip install 'edgemem[serve]')")
+grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient is not installed (pip install 'edgemem-toolkit[serve]')")
 from google.protobuf import text_format  # noqa: E402  (comes with tritonclient[grpc])
 from tritonclient.grpc import model_config_pb2  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
@@ -53,7 +53,7 @@ def repo(export_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(repo, tmp_path_factory):
-    pytest.importorskip("pytriton", reason="tritonserver comes from the nvidia-pytriton wheel (pip install 'edgemem[serve]')")
+    pytest.importorskip("pytriton", reason="tritonserver comes from the nvidia-pytriton wheel (pip install 'edgemem-toolkit[serve]')")
     server = TritonServer(repo.path, log_file=tmp_path_factory.mktemp("log") / "tritonserver.log")
     with server:
         yield server
@@ -295,7 +295,7 @@ def _free_port():
 
 
 def test_edgemem_serve_and_the_sample_client_stream_greedy_bytes(export_dir, engine, tmp_path):
-    pytest.importorskip("pytriton", reason="tritonserver comes from the nvidia-pytriton wheel (pip install 'edgemem[serve]')")
+    pytest.importorskip("pytriton", reason="tritonserver comes from the nvidia-pytriton wheel (pip install 'edgemem-toolkit[serve]')")
     write_repository(export_dir, tmp_path / "models")
     grpc_port = _free_port()
     cli = [sys.executable, "-c", "from edgemem.cli import main; main()"]

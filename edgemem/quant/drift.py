@@ -145,7 +145,7 @@ def plot_report(report: dict[str, Any], path: str | Path) -> bool:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log.warning("matplotlib is not installed: no drift plot (pip install 'edgemem[bench]')")
+        log.warning("matplotlib is not installed: no drift plot (pip install 'edgemem-toolkit[bench]')")
         return False
     horizons = [int(h) for h in report["horizons"]]
     rows = [report["horizons"][str(h)] for h in horizons]

@@ -152,7 +152,7 @@ class OrtEngine(Engine):
             raise BackendError(
                 f"backend 'ort-cuda' needs onnxruntime's CUDAExecutionProvider, which this onnxruntime "
                 f"{ort.__version__} does not have (it has {', '.join(ort.get_available_providers())}): install "
-                "onnxruntime-gpu (`pip install 'edgemem[gpu]'`, then uninstall onnxruntime) with the CUDA and cuDNN "
+                "onnxruntime-gpu (`pip install 'edgemem-toolkit[gpu]'`, then uninstall onnxruntime) with the CUDA and cuDNN "
                 "libraries it needs, or use backend 'ort'"
             )
         return cls(directory, manifest, backend, target, threads, chunk_size)

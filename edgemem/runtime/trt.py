@@ -46,7 +46,7 @@ from edgemem.runtime.base import BatchSlot, Engine, Stream
 from edgemem.runtime.errors import BackendError
 from edgemem.runtime.state import concrete_shape, is_growing
 
-INSTALL = ("pip install 'edgemem[gpu]' (TensorRT and cuda-python; on Jetson, JetPack's python3-libnvinfer and "
+INSTALL = ("pip install 'edgemem-toolkit[gpu]' (TensorRT and cuda-python; on Jetson, JetPack's python3-libnvinfer and "
            "`pip install cuda-python`)")
 
 

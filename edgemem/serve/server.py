@@ -56,7 +56,7 @@ class ServerError(EdgememError):
 def _pytriton() -> Path:
     spec = find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
-        raise ServerError("tritonserver comes from the nvidia-pytriton wheel: pip install 'edgemem[serve]'")
+        raise ServerError("tritonserver comes from the nvidia-pytriton wheel: pip install 'edgemem-toolkit[serve]'")
     return Path(next(iter(spec.submodule_search_locations)))
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from onnx_helpers import OPSET, run_onnxruntime, run_reference, single_node_model
 
-from edgemem.ops.linear_attention import OP_TYPE, UPDATE_RULES, linear_attention
-from edgemem.ops.linear_attention.onnx import ATTRIBUTES, INPUTS, OUTPUTS, function
+from edgemem.ops.linear_attention import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS, UPDATE_RULES, linear_attention
+from edgemem.ops.linear_attention.onnx import function
 
 B, DK, DV = 2, 8, 6
 FLOAT, HALF = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16

@@ -15,8 +15,9 @@ from onnx import TensorProto
 from onnx_helpers import OPSET, run_onnxruntime, run_reference, single_node_model
 from torch import nn
 
-from edgemem.ops.neural_memory import neural_memory, neural_memory_step
-from edgemem.ops.neural_memory.onnx import ATTRIBUTES, DOMAIN, INPUTS, OP_TYPE, OUTPUTS, function
+from edgemem.opset import DOMAIN
+from edgemem.ops.neural_memory import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS, neural_memory, neural_memory_step
+from edgemem.ops.neural_memory.onnx import function
 
 FUNCTION = function(OPSET)
 RUNTIMES = {"onnxruntime": run_onnxruntime, "reference": run_reference}

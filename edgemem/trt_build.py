@@ -40,7 +40,7 @@ PLUGINS_ENV = "EDGEMEM_TRT_PLUGINS"
 ENGINES_DIR = "engines"
 ENGINES_JSON = "engines.json"
 ENGINES_FORMAT = "edgemem-engines/1"
-PLUGIN_DOMAIN = "edgemem"
+from edgemem.opset import DOMAIN as PLUGIN_DOMAIN  # noqa: E402
 SHAPE_ONLY = ("Shape", "Size")  # ONNX ops that read a tensor's dims, never its values
 
 

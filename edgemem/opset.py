@@ -101,7 +101,7 @@ class Graph:
 
         return add
 
-    def const(self, value: float | int | bool | Sequence[int], dtype: type | None = None, out: str | None = None) -> str:
+    def const(self, value: float | Sequence[int], dtype: type | None = None, out: str | None = None) -> str:
         """A constant: a scalar for a number, 1-D for a list; int64, float32 or bool unless
         `dtype` says otherwise. Unnamed ones are made once per value and scope."""
         from onnx import numpy_helper
@@ -185,6 +185,8 @@ class Graph:
         declaring every attribute of the table (with its default, if any)."""
         from onnx import helper
 
+        required = [name for name, spec in self.table.items() if spec.default is None]
+        defaults = [helper.make_attribute(n, a.default) for n, a in self.table.items() if a.default is not None]
         missing = [o for o in outputs if o not in self.produced]
         if missing:
             raise ValueError(f"{DOMAIN}::{op_type}: the body does not produce {missing}")
@@ -195,10 +197,8 @@ class Graph:
             list(outputs),
             self.nodes,
             [helper.make_opsetid("", opset)],
-            attributes=[name for name, spec in self.table.items() if spec.default is None],
-            attribute_protos=[
-                helper.make_attribute(name, spec.default) for name, spec in self.table.items() if spec.default is not None
-            ],
+            attributes=required,
+            attribute_protos=defaults,
             doc_string=doc,
         )
 

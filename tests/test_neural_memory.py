@@ -13,6 +13,7 @@ from edgemem.ops.neural_memory import (
     Memory,
     Options,
     ResidualNorm,
+    Tokens,
     neural_memory,
     neural_memory_chunk,
     neural_memory_naive,
@@ -79,7 +80,7 @@ def run_form(form, q, k, v, theta, eta, alpha, weights, momentum, chunk_weights=
     (y, weights, momentum, chunk_weights, position)."""
     norm = ResidualNorm.of(options.pop("norm_weight", None), options.pop("norm_bias", None))
     memory = Memory(weights, momentum, chunk_weights, position)
-    y, out = form(q, k, v, theta, eta, alpha, memory, Options(q.shape[2], **options), norm)
+    y, out = form(Tokens(q, k, v, theta, eta, alpha), memory, Options(q.shape[2], **options), norm)
     return y, out.weights, out.momentum, out.chunk_weights, out.position
 
 

@@ -94,10 +94,12 @@ def lower(model: onnx.ModelProto, target: str) -> onnx.ModelProto:
         out.functions.extend(fresh[f.name] if f.domain == DOMAIN else f for f in functions if f.domain != DOMAIN or f.name in used)
         _prune(out)
     elif target == "trt":
+        plugin = [
+            helper.make_attribute("plugin_namespace", DOMAIN),
+            helper.make_attribute("plugin_version", str(VERSION)),
+        ]
         for node in nodes:
-            node.attribute.extend(
-                [helper.make_attribute("plugin_namespace", DOMAIN), helper.make_attribute("plugin_version", str(VERSION))]
-            )
+            node.attribute.extend(plugin)
         keep = [f for f in out.functions if f.domain != DOMAIN]
         del out.functions[:]
         out.functions.extend(keep)

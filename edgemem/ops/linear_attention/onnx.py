@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from edgemem.errors import ShapeError
 from edgemem.opset import Graph, body
 from edgemem.ops.linear_attention.args import check
 from edgemem.ops.linear_attention.op import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS
@@ -55,13 +54,9 @@ def emit(
     decay/beta/past_state are materialised when absent; key, value, decay and beta take the
     query's dtype, past_state becomes float32 (so does present_state). The scale attribute is
     the resolved value (d_k^-½ for 0)."""
-    _, _, d_k, d_v = check(query, key, value, decay, beta, update_rule, q_num_heads, kv_num_heads)
+    _, _, d_k, d_v = check(query, key, value, past_state, decay, beta, update_rule, q_num_heads, kv_num_heads)
     b, t, _ = query.shape
     dtype = query.dtype
-    if decay is not None and decay.shape[-1] not in (kv_num_heads, kv_num_heads * d_k):
-        raise ShapeError(f"decay last dim must be H_kv ({kv_num_heads}) or H_kv*d_k; got {decay.shape[-1]}")
-    if beta is not None and beta.shape[-1] not in (kv_num_heads, 1):
-        raise ShapeError(f"beta last dim must be H_kv ({kv_num_heads}) or 1; got {beta.shape[-1]}")
 
     if past_state is None:
         past_state = query.new_zeros((b, kv_num_heads, d_k, d_v), dtype=torch.float32)

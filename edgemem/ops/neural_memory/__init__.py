@@ -1,7 +1,7 @@
 """Titans long-term neural memory (TTT as its special case): a per-head MLP memory trained
 online by momentum gradient descent with forgetting, in chunks (see `neural_memory`)."""
 
-from edgemem.ops.neural_memory.args import Memory, Options, ResidualNorm
+from edgemem.ops.neural_memory.args import Memory, Options, ResidualNorm, Tokens
 from edgemem.ops.neural_memory.chunk import neural_memory_chunk
 from edgemem.ops.neural_memory.naive import memory_read, neural_memory_naive
 from edgemem.ops.neural_memory.op import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS, neural_memory, neural_memory_step
@@ -14,6 +14,7 @@ __all__ = [
     "OUTPUTS",
     "Options",
     "ResidualNorm",
+    "Tokens",
     "memory_read",
     "neural_memory",
     "neural_memory_chunk",

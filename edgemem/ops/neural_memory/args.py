@@ -1,15 +1,28 @@
-"""The arguments every form of the neural memory passes on: the memory's state, TTT's residual
-norm and the static options."""
+"""The arguments every form of the neural memory passes on: the per-token tensors, the memory's
+state, TTT's residual norm and the static options."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from edgemem.errors import ShapeError
+
+class Tokens(NamedTuple):
+    """Per token: query, key, value `[B, T, H*D]` (or `[B, T, H, D]`), learning rate θ, momentum
+    decay η and forgetting α `[B, T, H]`."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    theta: Tensor
+    eta: Tensor
+    alpha: Tensor
+
 
 @dataclass(frozen=True)
 class Memory:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from edgemem.ops.neural_memory.args import Memory, Options, ResidualNorm
+from edgemem.ops.neural_memory.args import Memory, Options, ResidualNorm, Tokens
 from edgemem.ops.neural_memory.naive import (
     ACTIVATIONS,
     Norm,
@@ -82,15 +82,7 @@ def _shift(x: Tensor, index: Tensor, valid: Tensor, fill: float | None = None) -
 
 
 def neural_memory_chunk(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    theta: Tensor,
-    eta: Tensor,
-    alpha: Tensor,
-    memory: Memory,
-    options: Options,
-    norm: ResidualNorm | None = None,
+    tokens: Tokens, memory: Memory, options: Options, norm: ResidualNorm | None = None
 ) -> tuple[Tensor, Memory]:
     """Same contract and result as `neural_memory_naive`, one chunk at a time.
 
@@ -100,9 +92,9 @@ def neural_memory_chunk(
     with absolute positions in every row and the first chunk's gradients use the chunk weights.
     """
     chunk_size, activation, position = options.chunk_size, options.activation, memory.position
-    out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
-    batch, tokens = q.shape[:2]
-    q, k, v, theta, eta, alpha = (x.to(dtype) for x in (q, k, v, theta, eta, alpha))
+    out_dtype, dtype = tokens.query.dtype, compute_dtype(tokens.query.dtype)
+    q, k, v, theta, eta, alpha = (x.to(dtype) for x in tokens)
+    batch, length = q.shape[:2]
     w = [x.to(dtype, copy=True) for x in memory.weights]
     s = [x.to(dtype, copy=True) for x in memory.momentum]
     rows = norm_rows(norm, dtype)
@@ -113,21 +105,21 @@ def neural_memory_chunk(
     wc = w
     if memory.chunk_weights is not None:
         wc = [torch.where(mid_chunk, c.to(dtype), x) for c, x in zip(memory.chunk_weights, w)]
-    pad = chunk_size - 1 if position is not None and tokens else 0
+    pad = chunk_size - 1 if position is not None and length else 0
     real = None
     if pad:
-        index = torch.arange(tokens + pad, device=q.device) - offset[:, None]
-        valid = (index >= 0) & (index < tokens)
-        index = index.clamp(0, tokens - 1)
+        index = torch.arange(length + pad, device=q.device) - offset[:, None]
+        valid = (index >= 0) & (index < length)
+        index = index.clamp(0, length - 1)
         q, k, v = (_shift(x, index, valid) for x in (q, k, v))
         theta, eta, alpha = (_shift(g, index, valid, f) for g, f in ((theta, 0.0), (eta, 1.0), (alpha, 0.0)))
         real = valid.to(dtype)[:, None]
     q, k, v, theta, eta, alpha = (x.transpose(1, 2) for x in (q, k, v, theta, eta, alpha))
     ys = []
-    for start in range(0, tokens + pad, chunk_size):
+    for start in range(0, length + pad, chunk_size):
         if start:
             # a new chunk starts in every row that still has tokens at or after `start`
-            live = (start < offset + tokens).view(-1, 1, 1, 1)
+            live = (start < offset + length).view(-1, 1, 1, 1)
             wc = [torch.where(live, x, c) for x, c in zip(w, wc)]
         piece = (x[:, :, start : start + chunk_size] for x in (q, k, v, theta, eta, alpha))
         real_piece = None if real is None else real[..., start : start + chunk_size]
@@ -135,6 +127,6 @@ def neural_memory_chunk(
         ys.append(y)
     y = torch.cat(ys, 2).transpose(1, 2) if ys else q.transpose(1, 2)
     if pad:
-        y = _shift(y, offset[:, None] + torch.arange(tokens, device=q.device), valid)
+        y = _shift(y, offset[:, None] + torch.arange(length, device=q.device), valid)
     position = offset.new_zeros(1) if position is None else position
-    return y.to(out_dtype), Memory(tuple(w), tuple(s), tuple(wc), position + tokens)
+    return y.to(out_dtype), Memory(tuple(w), tuple(s), tuple(wc), position + length)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from edgemem.ops.neural_memory.args import Memory, Options, ResidualNorm
+from edgemem.ops.neural_memory.args import Memory, Options, ResidualNorm, Tokens
 
 Activation = tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]
 
@@ -116,17 +116,9 @@ def read(x: Tensor, weights: Sequence[Tensor], activation: str, norm: Norm | Non
 
 
 def neural_memory_naive(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    theta: Tensor,
-    eta: Tensor,
-    alpha: Tensor,
-    memory: Memory,
-    options: Options,
-    norm: ResidualNorm | None = None,
+    tokens: Tokens, memory: Memory, options: Options, norm: ResidualNorm | None = None
 ) -> tuple[Tensor, Memory]:
-    """Titans long-term memory, token by token.
+    """Titans long-term memory, token by token, over unpacked `[B, T, H, D]` q/k/v.
 
     Token t sits at absolute position `memory.position + t`; a chunk starts wherever that
     position is a multiple of `chunk_size`, and there the chunk weights become the current
@@ -138,6 +130,7 @@ def neural_memory_naive(
     eps `NORM_EPS`). Returns `(y [B,T,H,D], memory after the last token)` with every field
     set (position + T); state in the compute dtype, y in q's dtype.
     """
+    q, k, v, theta, eta, alpha = tokens
     out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
     chunk_weights = memory.weights if memory.chunk_weights is None else memory.chunk_weights
     position = q.new_zeros(1, dtype=torch.int64) if memory.position is None else memory.position

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from edgemem.opset import Build, Graph, body
-from edgemem.ops.neural_memory.args import Memory, Options, ResidualNorm
+from edgemem.ops.neural_memory.args import Memory, Options, ResidualNorm, Tokens
 from edgemem.ops.neural_memory.naive import NORM_EPS
 from edgemem.ops.neural_memory.op import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS
 from edgemem.ops.node import emit_node
@@ -44,21 +44,12 @@ if TYPE_CHECKING:
 MIN_OPSET = 20  # RegexFullMatch (reads activation) is new in opset 20
 
 
-def emit(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    theta: Tensor,
-    eta: Tensor,
-    alpha: Tensor,
-    memory: Memory,
-    options: Options,
-    norm: ResidualNorm | None,
-) -> tuple[Tensor, Memory]:
+def emit(tokens: Tokens, memory: Memory, options: Options, norm: ResidualNorm | None) -> tuple[Tensor, Memory]:
     """One `edgemem::NeuralMemory` node for the ONNX exporter, over validated, packed inputs.
 
     Returns what the custom op returns: y and the memory after the call (position + T); key,
     value and the gates take the query's dtype, the state is float32."""
+    query, key, value, theta, eta, alpha = tokens
     depth, dtype, f32 = memory.depth, query.dtype, torch.float32
     head_dim = query.shape[-1] // options.num_heads
     position = query.new_zeros((1,), dtype=torch.int64) if memory.position is None else memory.position
@@ -320,7 +311,8 @@ def function(opset: int = 20) -> onnx.FunctionProto:
     # --- chunk starts: (position + t) mod chunk_size = 0, [T,B|1,1,1,1]
     seq_len = g.Shape("query", out="seq_len_1d", start=1, end=2)
     seq_len_scalar = g.Squeeze(seq_len, out="seq_len")
-    steps = g.Unsqueeze(g.Range(c.zero_int, seq_len_scalar, c.one_int, out="steps"), g.const([1], out="axis_1"), out="steps_col")
+    steps = g.Range(c.zero_int, seq_len_scalar, c.one_int, out="steps")
+    steps = g.Unsqueeze(steps, g.const([1], out="axis_1"), out="steps_col")
     positions = g.Add(steps, g.Unsqueeze("position", "axis_0", out="position_row"), out="positions")
     in_chunk = g.Mod(positions, g.attr("chunk_size"), out="in_chunk")
     starts = g.Equal(in_chunk, c.zero_int, out="starts")

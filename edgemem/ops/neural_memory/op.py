@@ -16,7 +16,7 @@ from torch import Tensor
 
 from edgemem.errors import ShapeError
 from edgemem.opset import Attribute
-from edgemem.ops.neural_memory.args import Memory, Options, ResidualNorm
+from edgemem.ops.neural_memory.args import Memory, Options, ResidualNorm, Tokens
 from edgemem.ops.neural_memory.chunk import neural_memory_chunk
 from edgemem.ops.neural_memory.naive import ACTIVATIONS, compute_dtype, neural_memory_naive
 
@@ -44,21 +44,11 @@ _NAIVE_MAX_TOKENS = 2
 State = tuple[Tensor, ...]
 
 
-def _forward(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    theta: Tensor,
-    eta: Tensor,
-    alpha: Tensor,
-    memory: Memory,
-    options: Options,
-    norm: ResidualNorm | None,
-) -> tuple[Tensor, Memory]:
-    q, k, v = (x.unflatten(2, (options.num_heads, -1)) for x in (query, key, value))
+def _forward(tokens: Tokens, memory: Memory, options: Options, norm: ResidualNorm | None) -> tuple[Tensor, Memory]:
+    q, k, v = (x.unflatten(2, (options.num_heads, -1)) for x in tokens[:3])
     per_token = q.shape[1] <= _NAIVE_MAX_TOKENS or options.chunk_size == 1
     form = neural_memory_naive if per_token else neural_memory_chunk
-    y, memory = form(q, k, v, theta, eta, alpha, memory, options, norm)
+    y, memory = form(Tokens(q, k, v, *tokens[3:]), memory, options, norm)
     return y.flatten(2), memory
 
 
@@ -83,7 +73,8 @@ def _flat_forward(
 ) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor], Tensor]:
     memory = Memory(weights, momentum, chunk_weights or None, position)
     norm = ResidualNorm.of(norm_weight, norm_bias)
-    y, out = _forward(query, key, value, theta, eta, alpha, memory, Options(num_heads, chunk_size, activation), norm)
+    tokens = Tokens(query, key, value, theta, eta, alpha)
+    y, out = _forward(tokens, memory, Options(num_heads, chunk_size, activation), norm)
     return y, list(out.weights), list(out.momentum), list(out.chunk_weights), out.position
 
 
@@ -153,17 +144,7 @@ def _check_tensor(name: str, x: object, expected: tuple[int, ...], floating: boo
         raise ShapeError(f"neural_memory: {name} has dtype {x.dtype}, expected {kind} dtype")
 
 
-def _check(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    theta: Tensor,
-    eta: Tensor,
-    alpha: Tensor,
-    memory: Memory,
-    options: Options,
-    norm: ResidualNorm | None,
-) -> None:
+def _check(tokens: Tokens, memory: Memory, options: Options, norm: ResidualNorm | None) -> None:
     """Raise ShapeError, naming the argument, where a call does not fit the op's contract."""
     if options.activation not in ACTIVATIONS:
         raise ShapeError(f"neural_memory: activation is {options.activation!r}, expected one of {sorted(ACTIVATIONS)}")
@@ -171,6 +152,7 @@ def _check(
         n = getattr(options, name)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ShapeError(f"neural_memory: {name} is {n!r}, expected an integer >= 1")
+    query, key, value, theta, eta, alpha = tokens
     if not isinstance(query, Tensor) or query.dim() not in (3, 4):
         got = tuple(query.shape) if isinstance(query, Tensor) else type(query).__name__
         raise _shape_error("query", got, "(B, T, H*D) or (B, T, H, D)")
@@ -213,26 +195,15 @@ def _check(
         _check_tensor("norm_bias", norm.bias, (h, d))
 
 
-def _call(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    theta: Tensor,
-    eta: Tensor,
-    alpha: Tensor,
-    memory: Memory,
-    options: Options,
-    norm: ResidualNorm | None,
-) -> tuple[Tensor, Memory]:
-    tokens = (query, key, value, theta, eta, alpha)
-    _check(*tokens, memory, options, norm)
-    unpacked = query.dim() == 4
+def _call(tokens: Tokens, memory: Memory, options: Options, norm: ResidualNorm | None) -> tuple[Tensor, Memory]:
+    _check(tokens, memory, options, norm)
+    unpacked = tokens.query.dim() == 4
     if unpacked:
-        tokens = (*(x.flatten(2) for x in tokens[:3]), *tokens[3:])
+        tokens = Tokens(*(x.flatten(2) for x in tokens[:3]), *tokens[3:])
     if torch.onnx.is_in_onnx_export():
         from edgemem.ops.neural_memory.onnx import emit  # imports onnx only when exporting
 
-        y, memory = emit(*tokens, memory, options, norm)
+        y, memory = emit(tokens, memory, options, norm)
     else:
         y, w, s, wc, end = _neural_memory_op(*tokens, *_flat_args(memory, options, norm))
         memory = Memory(tuple(w), tuple(s), tuple(wc), end)
@@ -277,7 +248,8 @@ def neural_memory(
     """
     norm = ResidualNorm.of(norm_weight, norm_bias)
     memory = Memory(past_weights, past_momentum)
-    y, memory = _call(query, key, value, theta, eta, alpha, memory, Options(num_heads, chunk_size, activation), norm)
+    tokens = Tokens(query, key, value, theta, eta, alpha)
+    y, memory = _call(tokens, memory, Options(num_heads, chunk_size, activation), norm)
     return y, memory.weights, memory.momentum
 
 
@@ -313,5 +285,6 @@ def neural_memory_step(
     """
     norm = ResidualNorm.of(norm_weight, norm_bias)
     memory = Memory(past_weights, past_momentum, past_chunk_weights, past_position)
-    y, memory = _call(query, key, value, theta, eta, alpha, memory, Options(num_heads, chunk_size, activation), norm)
+    tokens = Tokens(query, key, value, theta, eta, alpha)
+    y, memory = _call(tokens, memory, Options(num_heads, chunk_size, activation), norm)
     return y, memory.weights, memory.momentum, memory.chunk_weights, memory.position

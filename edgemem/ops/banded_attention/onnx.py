@@ -1,7 +1,7 @@
 """ONNX side of BandedAttention: the opaque node emitted under export and its model-local function.
 
-Node `edgemem::BandedAttention` (names and attributes in op.py). Every input is always present, so one function body
-serves every call (the torch side materialises the defaults):
+Node `edgemem::BandedAttention` (names and attributes in op.py). Every input is always present, so one
+function body serves every call (the torch side materialises the defaults):
 
     query            [B, T, H*D]    float16 | float32
     key              [B, T, H*D]    query's type
@@ -53,9 +53,8 @@ def persistent_inputs(
     pair is expanded over B, and none becomes P = 0."""
     b = query.shape[0]
     if persistent_key is None:
-        return query.new_zeros(b, num_heads, 0, query.shape[2] // num_heads), query.new_zeros(
-            b, num_heads, 0, value.shape[2] // num_heads
-        )
+        d, dv = query.shape[2] // num_heads, value.shape[2] // num_heads
+        return query.new_zeros(b, num_heads, 0, d), query.new_zeros(b, num_heads, 0, dv)
     if persistent_key.dim() == 3:
         return persistent_key.expand(b, *persistent_key.shape), persistent_value.expand(b, *persistent_value.shape)
     return persistent_key, persistent_value

@@ -1,7 +1,7 @@
 """ONNX side of WindowAttention: the opaque node emitted under export and its model-local function.
 
-Node `edgemem::WindowAttention` (names and attributes in op.py). Every input is always present, so one function body
-serves every call (the torch side materialises the defaults):
+Node `edgemem::WindowAttention` (names and attributes in op.py). Every input is always present, so one
+function body serves every call (the torch side materialises the defaults):
 
     query            [B, T, H*D]    float16 | float32
     key              [B, T, H*D]    query's type

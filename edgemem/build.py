@@ -33,12 +33,12 @@ from edgemem.errors import EdgememError
 from edgemem.files import write_atomic
 from edgemem.manifest import Manifest
 from edgemem.manifest import load as load_manifest
+from edgemem.opset import DOMAIN
 from edgemem.runtime import engines as engines_json
 
 log = logging.getLogger(__name__)
 
 GRAPHS = ("step", "prefill")
-PLUGIN_DOMAIN = "edgemem"
 SHAPE_ONLY = ("Shape", "Size")  # ONNX ops that read a tensor's dims, never its values
 
 
@@ -121,7 +121,7 @@ def in_place_states(model: Any, manifest: Manifest) -> list[str]:
     found = []
     for spec in manifest.state:
         node = producer.get(spec.output)
-        if (node is not None and node.domain == PLUGIN_DOMAIN and spec.input in node.input
+        if (node is not None and node.domain == DOMAIN and spec.input in node.input
                 and readers.get(spec.input) == 1 and spec.output in outputs):
             found.append(spec.input)
     return found

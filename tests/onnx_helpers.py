@@ -8,6 +8,8 @@ import onnxruntime as ort
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
+from edgemem.opset import DOMAIN, VERSION
+
 OPSET = 20
 
 
@@ -25,7 +27,7 @@ def single_node_model(
     node_inputs = [name if name in feeds else "" for name in function.input]
     while node_inputs and node_inputs[-1] == "":
         node_inputs.pop()
-    node = helper.make_node(function.name, node_inputs, list(outputs), domain="edgemem", **attrs)
+    node = helper.make_node(function.name, node_inputs, list(outputs), domain=DOMAIN, **attrs)
     graph = helper.make_graph(
         [node],
         function.name,
@@ -34,7 +36,7 @@ def single_node_model(
     )
     model = helper.make_model(
         graph,
-        opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid("edgemem", 1)],
+        opset_imports=[helper.make_opsetid("", opset), helper.make_opsetid(DOMAIN, VERSION)],
         functions=[function],
     )
     model.ir_version = 10

@@ -21,6 +21,7 @@ from edgemem.ops.banded_attention.onnx import function as banded_function
 from edgemem.ops.window_attention import OP_TYPE as WINDOW
 from edgemem.ops.window_attention import init_window_state, ring_length, window_attention_prefill
 from edgemem.ops.window_attention.onnx import function as window_function
+from edgemem.opset import DOMAIN, VERSION
 
 B, H, D, DV = 2, 3, 4, 5
 FLOAT, HALF = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
@@ -303,7 +304,7 @@ def export(module, args, dynamic_shapes, function):
     assert not model.functions  # the exporter keeps the node opaque and attaches nothing
     model.functions.append(function)
     if not any(o.domain == "edgemem" for o in model.opset_import):
-        model.opset_import.append(onnx.helper.make_opsetid("edgemem", 1))
+        model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, VERSION))
     return model, nodes[0]
 
 

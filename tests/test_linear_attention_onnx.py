@@ -12,8 +12,9 @@ import pytest
 import torch
 from onnx_helpers import OPSET, run_onnxruntime, run_reference, single_node_model
 
-from edgemem.ops.linear_attention import OP_TYPE, UPDATE_RULES, linear_attention
-from edgemem.ops.linear_attention.onnx import ATTRIBUTES, INPUTS, OUTPUTS, function
+from edgemem.ops.linear_attention import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS, UPDATE_RULES, linear_attention
+from edgemem.ops.linear_attention.onnx import function
+from edgemem.opset import DOMAIN, VERSION
 
 B, DK, DV = 2, 8, 6
 FLOAT, HALF = onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16
@@ -164,7 +165,7 @@ def exported():
     assert not model.functions  # the exporter keeps the node opaque and attaches nothing
     model.functions.append(function(OPSET))
     if not any(o.domain == "edgemem" for o in model.opset_import):
-        model.opset_import.append(onnx.helper.make_opsetid("edgemem", 1))
+        model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, VERSION))
     return model, nodes[0]
 
 

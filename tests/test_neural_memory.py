@@ -10,6 +10,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from edgemem.errors import ShapeError
 from edgemem.ops.neural_memory import (
     OP_TYPE,
+    Memory,
+    Options,
+    ResidualNorm,
+    Tokens,
     neural_memory,
     neural_memory_chunk,
     neural_memory_naive,
@@ -71,6 +75,23 @@ def reference(q, k, v, theta, eta, alpha, weights, momentum, chunk_size, activat
     return torch.stack(ys, 1), w, s
 
 
+def run_form(form, q, k, v, theta, eta, alpha, weights, momentum, chunk_weights=None, position=None, **options):
+    """`form` (naive or chunk, unpacked tensors) over the public step's arguments and results:
+    (y, weights, momentum, chunk_weights, position)."""
+    norm = ResidualNorm.of(options.pop("norm_weight", None), options.pop("norm_bias", None))
+    memory = Memory(weights, momentum, chunk_weights, position)
+    y, out = form(Tokens(q, k, v, theta, eta, alpha), memory, Options(q.shape[2], **options), norm)
+    return y, out.weights, out.momentum, out.chunk_weights, out.position
+
+
+def naive(*args, **options):
+    return run_form(neural_memory_naive, *args, **options)
+
+
+def chunk(*args, **options):
+    return run_form(neural_memory_chunk, *args, **options)
+
+
 def assert_all_close(got, want, rtol, atol):
     for x, y in zip(got, want, strict=True):
         torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
@@ -98,7 +119,7 @@ def norm_tol(tol, dtype, residual_norm):
 def test_naive_matches_autograd_reference(depth, chunk_size, activation, residual_norm):
     inputs = make(depth, seed=chunk_size)
     norm = make_norm(chunk_size) if residual_norm else None
-    y, w, s, _, _ = neural_memory_naive(*inputs, chunk_size=chunk_size, activation=activation, **norm_kwargs(norm))
+    y, w, s, _, _ = naive(*inputs, chunk_size=chunk_size, activation=activation, **norm_kwargs(norm))
     y_ref, w_ref, s_ref = reference(*inputs, chunk_size, activation, norm)
     assert_all_close([y, *w, *s], [y_ref, *w_ref, *s_ref], rtol=1e-10, atol=1e-10)
 
@@ -110,8 +131,8 @@ def test_naive_matches_autograd_reference(depth, chunk_size, activation, residua
 def test_chunk_matches_naive(depth, activation, chunk_size, dtype, tol, residual_norm):
     inputs = make(depth, seed=7, t=11, dtype=dtype)
     norm = norm_kwargs(make_norm(7, dtype=dtype) if residual_norm else None)
-    got = neural_memory_chunk(*inputs, chunk_size=chunk_size, activation=activation, **norm)
-    want = neural_memory_naive(*inputs, chunk_size=chunk_size, activation=activation, **norm)
+    got = chunk(*inputs, chunk_size=chunk_size, activation=activation, **norm)
+    want = naive(*inputs, chunk_size=chunk_size, activation=activation, **norm)
     tol = norm_tol(tol, dtype, residual_norm)
     assert_all_close(flat(got), flat(want), rtol=tol, atol=tol)
 
@@ -125,8 +146,8 @@ def test_chunk_matches_naive_from_mid_chunk_positions(depth, dtype, tol, residua
     position = torch.tensor([0, 5, 11])
     args = (q, k, v, theta, eta, alpha, weights, momentum, chunk_weights, position)
     norm = norm_kwargs(make_norm(3, dtype=dtype) if residual_norm else None)
-    got = neural_memory_chunk(*args, chunk_size=4, **norm)
-    want = neural_memory_naive(*args, chunk_size=4, **norm)
+    got = chunk(*args, chunk_size=4, **norm)
+    want = naive(*args, chunk_size=4, **norm)
     tol = norm_tol(tol, dtype, residual_norm)
     assert_all_close(flat(got), flat(want), rtol=tol, atol=tol)
     assert got[-1].tolist() == [10, 15, 21]
@@ -296,11 +317,11 @@ def test_op_gradients_match_autograd_through_naive(depth, chunk_size, streaming,
     kw = dict(chunk_size=chunk_size, **norm_kwargs(norm or None))
     if streaming:
         out = neural_memory_step(*leaves, *states, chunk_weights, position, num_heads=2, **kw)
-        ref = neural_memory_naive(*leaves, *states, chunk_weights, position, **kw)
+        ref = naive(*leaves, *states, chunk_weights, position, **kw)
         wrt = [*leaves, *states[0], *states[1], *chunk_weights, *norm]
     else:
         out = neural_memory(*leaves, *states, num_heads=2, **kw)
-        ref = neural_memory_naive(*leaves, *states, **kw)[:3]
+        ref = naive(*leaves, *states, **kw)[:3]
         wrt = [*leaves, *states[0], *states[1], *norm]
     got_out, ref_out = flat(out[:4]), flat(ref[:4])
     g = torch.Generator().manual_seed(0)

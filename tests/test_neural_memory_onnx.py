@@ -15,8 +15,9 @@ from onnx import TensorProto
 from onnx_helpers import OPSET, run_onnxruntime, run_reference, single_node_model
 from torch import nn
 
-from edgemem.ops.neural_memory import neural_memory, neural_memory_step
-from edgemem.ops.neural_memory.onnx import ATTRIBUTES, DOMAIN, INPUTS, OP_TYPE, OUTPUTS, function
+from edgemem.ops.neural_memory import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS, neural_memory, neural_memory_step
+from edgemem.ops.neural_memory.onnx import function
+from edgemem.opset import DOMAIN, VERSION
 
 FUNCTION = function(OPSET)
 RUNTIMES = {"onnxruntime": run_onnxruntime, "reference": run_reference}
@@ -203,7 +204,7 @@ def test_export_emits_one_node_per_call_that_runs(tmp_path):
     assert all(len(n.input) == len(INPUTS) and len(n.output) == len(OUTPUTS) for n in nodes)
 
     if not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
+        model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, VERSION))
     model.functions.append(function(OPSET))
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     for b, t in ((3, 7), (1, 1)):  # another batch and length; the decode step

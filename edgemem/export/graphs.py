@@ -17,11 +17,10 @@ from onnx import helper
 from torch import nn
 
 from edgemem.errors import EdgememError
+from edgemem.opset import DOMAIN, VERSION
 from edgemem.ops import OP_PACKAGES, onnx_functions
 
 log = logging.getLogger(__name__)
-
-DOMAIN = "edgemem"
 
 
 def input_name(key: str) -> str:
@@ -134,4 +133,4 @@ def attach_functions(proto: onnx.ModelProto, opset: int) -> None:
     have = {(f.domain, f.name) for f in proto.functions}
     proto.functions.extend(functions[op] for op in used if (DOMAIN, op) not in have)
     if all(o.domain != DOMAIN for o in proto.opset_import):
-        proto.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+        proto.opset_import.append(helper.make_opsetid(DOMAIN, VERSION))

@@ -4,9 +4,10 @@
 - ort:     `LinearAttention` → onnxruntime's native `com.microsoft::LinearAttention` (same contract
            as ONNX opset 27; the inputs its update rule does not read are dropped).
 - onnx27:  `LinearAttention` → `ai.onnx::LinearAttention`, the model moved to opset 27.
-- trt:     every edgemem node gets `plugin_namespace="edgemem"`, `plugin_version="1"` and the
-           edgemem functions are removed, so TensorRT's ONNX parser takes our plugins (TensorRT
-           ≤ 10.6 would otherwise prefer a local function of the same name).
+- trt:     every edgemem node gets `plugin_namespace` (the edgemem domain) and `plugin_version`
+           (its version, as the string TensorRT's parser reads) and the edgemem functions are
+           removed, so TensorRT's ONNX parser takes our plugins (TensorRT ≤ 10.6 would otherwise
+           prefer a local function of the same name).
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import onnx
 from onnx import helper, version_converter
 
 from edgemem.errors import EdgememError
-from edgemem.export.graphs import DOMAIN
 from edgemem.manifest import TARGETS
+from edgemem.opset import DOMAIN, VERSION
 from edgemem.ops import onnx_functions
-
-LINEAR_ATTENTION = "LinearAttention"
+from edgemem.ops.linear_attention import ATTRIBUTES as LINEAR_ATTRIBUTES
+from edgemem.ops.linear_attention import OP_TYPE as LINEAR_ATTENTION
 
 
 def _attr(node: onnx.NodeProto, name: str):
@@ -41,7 +42,7 @@ def _standard_linear_attention(node: onnx.NodeProto, domain: str) -> None:
         inputs.pop()
     del node.input[:]
     node.input.extend(inputs)
-    keep = [a for a in node.attribute if a.name in ("update_rule", "scale", "q_num_heads", "kv_num_heads", "chunk_size")]
+    keep = [a for a in node.attribute if a.name in LINEAR_ATTRIBUTES]
     del node.attribute[:]
     node.attribute.extend(keep)
     node.domain = domain
@@ -93,10 +94,12 @@ def lower(model: onnx.ModelProto, target: str) -> onnx.ModelProto:
         out.functions.extend(fresh[f.name] if f.domain == DOMAIN else f for f in functions if f.domain != DOMAIN or f.name in used)
         _prune(out)
     elif target == "trt":
+        plugin = [
+            helper.make_attribute("plugin_namespace", DOMAIN),
+            helper.make_attribute("plugin_version", str(VERSION)),
+        ]
         for node in nodes:
-            node.attribute.extend(
-                [helper.make_attribute("plugin_namespace", DOMAIN), helper.make_attribute("plugin_version", "1")]
-            )
+            node.attribute.extend(plugin)
         keep = [f for f in out.functions if f.domain != DOMAIN]
         del out.functions[:]
         out.functions.extend(keep)

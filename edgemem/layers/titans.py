@@ -32,7 +32,7 @@ from edgemem.errors import ConfigError, EdgememError
 from edgemem.layers.base import State, StatefulLayer
 from edgemem.layers.common import ShortConv, l2norm, rope
 from edgemem.layers.longformer import SlidingWindowAttention
-from edgemem.ops.neural_memory import memory_read, neural_memory_step
+from edgemem.ops.neural_memory import ResidualNorm, memory_read, neural_memory_step
 
 
 class NeuralMemoryLayer(StatefulLayer):
@@ -219,7 +219,7 @@ class TitansMAC(StatefulLayer):
         memory = self.memory
         h = memory_read(
             read.to(state["memory.0"].dtype), memory.segment_memory(state), memory.activation,
-            memory.inner_norm_weight, memory.inner_norm_bias,
+            ResidualNorm.of(memory.inner_norm_weight, memory.inner_norm_bias),
         )
         h = h.to(x.dtype).transpose(1, 2).flatten(2)
 

@@ -3,6 +3,7 @@ ONNX side (`onnx.py`: the opaque node it emits under export and the model-local 
 
 from __future__ import annotations
 
+from importlib import import_module
 from typing import TYPE_CHECKING
 
 from edgemem.ops.banded_attention import banded_attention
@@ -13,19 +14,16 @@ from edgemem.ops.window_attention import window_attention_prefill, window_attent
 if TYPE_CHECKING:
     import onnx
 
+# op type → its package (each package's OP_TYPE)
 OP_PACKAGES = {
-    "LinearAttention": "linear_attention",
-    "NeuralMemory": "neural_memory",
-    "BandedAttention": "banded_attention",
-    "WindowAttention": "window_attention",
+    import_module(f"edgemem.ops.{package}").OP_TYPE: package
+    for package in ("linear_attention", "neural_memory", "banded_attention", "window_attention")
 }
 
 
 def onnx_functions(opset: int, op_types: list[str] | None = None) -> dict[str, onnx.FunctionProto]:
     """Op type → model-local FunctionProto (body in standard ops at `opset`) of the edgemem ops
     named (default: all)."""
-    from importlib import import_module
-
     return {
         op_type: import_module(f"edgemem.ops.{OP_PACKAGES[op_type]}.onnx").function(opset)
         for op_type in (op_types if op_types is not None else OP_PACKAGES)

@@ -10,6 +10,14 @@ this package's import.
 
 from edgemem.ops.banded_attention.chunk import banded_attention_chunk
 from edgemem.ops.banded_attention.naive import banded_attention_naive
-from edgemem.ops.banded_attention.op import OP_TYPE, banded_attention
+from edgemem.ops.banded_attention.op import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS, banded_attention
 
-__all__ = ["OP_TYPE", "banded_attention", "banded_attention_chunk", "banded_attention_naive"]
+__all__ = [
+    "ATTRIBUTES",
+    "INPUTS",
+    "OP_TYPE",
+    "OUTPUTS",
+    "banded_attention",
+    "banded_attention_chunk",
+    "banded_attention_naive",
+]

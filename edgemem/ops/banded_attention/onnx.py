@@ -1,7 +1,7 @@
 """ONNX side of BandedAttention: the opaque node emitted under export and its model-local function.
 
-Node `edgemem::BandedAttention` (version 1). Every input is always present, so one function body
-serves every call (the torch side materialises the defaults):
+Node `edgemem::BandedAttention` (names and attributes in op.py). Every input is always present, so one
+function body serves every call (the torch side materialises the defaults):
 
     query            [B, T, H*D]    float16 | float32
     key              [B, T, H*D]    query's type
@@ -30,92 +30,34 @@ from collections.abc import Sequence
 import numpy as np
 import onnx
 import torch
-from onnx import AttributeProto, TensorProto, helper, numpy_helper
+from onnx import TensorProto, numpy_helper
 
-from edgemem.ops.banded_attention.op import OP_TYPE
+from edgemem.opset import body
+from edgemem.ops.banded_attention.op import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS
+from edgemem.ops.node import emit_node
 
-DOMAIN = "edgemem"
-VERSION = 1
 MIN_OPSET = 18  # Reduce* and Split take their axes as inputs from 18 on
-INPUTS = ("query", "key", "value", "global_mask", "persistent_key", "persistent_value")
-OUTPUTS = ("output",)
-ATTRIBUTES = ("num_heads", "window", "dilation", "causal", "scale")
 
 _FLOAT, _INT64, _BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
 _LAST = np.iinfo(np.int64).max  # Slice "to the end"
 
 
-class FunctionBuilder:
-    """The nodes of a function body in the default domain, written like the ops they are.
-
-    `g.Op(*inputs, out=..., **attrs)` appends one node and returns its output name, or a list
-    of names when `out` is a list (or an int: that many unnamed outputs). Unnamed results get
-    `_<n>` names; given names must be unique. `g.const` adds a constant, `g.attr` a constant
-    that takes its value from one of the function's attributes.
-    """
-
-    def __init__(self) -> None:
-        self.nodes: list[onnx.NodeProto] = []
-        self._names: set[str] = set()
-        self._consts: dict[tuple, str] = {}
-
-    def _fresh(self, name: str | None) -> str:
-        name = name or f"_{len(self.nodes)}_{len(self._names)}"
-        if name in self._names:
-            raise ValueError(f"{name!r} is defined twice in the function body")
-        self._names.add(name)
-        return name
-
-    def __getattr__(self, op_type: str):
-        if not op_type[:1].isupper():
-            raise AttributeError(op_type)
-
-        def add(*inputs: str, out: str | list[str] | int | None = None, **attrs) -> str | list[str]:
-            names = [self._fresh(None) for _ in range(out)] if isinstance(out, int) else out
-            outputs = [self._fresh(n) for n in names] if isinstance(names, list) else [self._fresh(names)]
-            self.nodes.append(helper.make_node(op_type, list(inputs), outputs, **attrs))
-            return outputs if isinstance(names, list) else outputs[0]
-
-        return add
-
-    def const(self, value, dtype=np.int64, out: str | None = None) -> str:
-        """A constant tensor: a scalar for a number, 1-D for a list; unnamed ones are shared."""
-        array = np.array(value, dtype=dtype)
-        key = (array.dtype.str, array.shape, array.tobytes())
-        if out is None and key in self._consts:
-            return self._consts[key]
-        name = self.Constant(value=numpy_helper.from_array(array), out=out)
-        self._consts.setdefault(key, name)
-        return name
-
-    def attr(self, name: str, kind: int) -> str:
-        """The function attribute `name` as a tensor named after it: INT → int64 scalar,
-        INTS → int64 1-D, FLOAT → float32 scalar."""
-        field = {
-            AttributeProto.INT: "value_int",
-            AttributeProto.INTS: "value_ints",
-            AttributeProto.FLOAT: "value_float",
-        }[kind]
-        node = helper.make_node("Constant", [], [self._fresh(name)])
-        node.attribute.append(helper.make_attribute_ref(field, kind, ref_attr_name=name))
-        self.nodes.append(node)
-        return name
-
-    def function(
-        self, name: str, inputs: Sequence[str], outputs: Sequence[str], attributes: Sequence[str], opset: int, doc: str
-    ) -> onnx.FunctionProto:
-        if opset < MIN_OPSET:
-            raise ValueError(f"edgemem::{name}: the function body needs opset >= {MIN_OPSET}; got {opset}")
-        return helper.make_function(
-            DOMAIN,
-            name,
-            list(inputs),
-            list(outputs),
-            self.nodes,
-            opset_imports=[helper.make_opsetid("", opset)],
-            attributes=list(attributes),
-            doc_string=doc,
-        )
+def persistent_inputs(
+    query: torch.Tensor,
+    value: torch.Tensor,
+    persistent_key: torch.Tensor | None,
+    persistent_value: torch.Tensor | None,
+    num_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The persistent K/V inputs of a node: `[B, H, P, D]`, `[B, H, P, D_v]`; a shared `[H, P, D]`
+    pair is expanded over B, and none becomes P = 0."""
+    b = query.shape[0]
+    if persistent_key is None:
+        d, dv = query.shape[2] // num_heads, value.shape[2] // num_heads
+        return query.new_zeros(b, num_heads, 0, d), query.new_zeros(b, num_heads, 0, dv)
+    if persistent_key.dim() == 3:
+        return persistent_key.expand(b, *persistent_key.shape), persistent_value.expand(b, *persistent_value.shape)
+    return persistent_key, persistent_value
 
 
 def emit(
@@ -135,45 +77,31 @@ def emit(
     """Under `torch.onnx.export`: one opaque `edgemem::BandedAttention` node over validated,
     packed tensors (query, key `[B, T, H*D]`, value `[B, T, H*D_v]`), defaults materialised."""
     b, t, _ = query.shape
-    d, dv = query.shape[2] // num_heads, value.shape[2] // num_heads
     if global_mask is None:
         global_mask = torch.zeros(b, t, dtype=torch.bool, device=query.device)
-    if persistent_key is None:
-        persistent_key = query.new_zeros(b, num_heads, 0, d)
-        persistent_value = query.new_zeros(b, num_heads, 0, dv)
-    elif persistent_key.dim() == 3:
-        persistent_key = persistent_key.expand(b, *persistent_key.shape)
-        persistent_value = persistent_value.expand(b, *persistent_value.shape)
-    return torch.onnx.ops.symbolic(
-        f"{DOMAIN}::{OP_TYPE}",
-        (query, key, value, global_mask, persistent_key, persistent_value),
-        attrs=dict(
-            num_heads=int(num_heads),
-            window=int(window),
-            dilation=[int(x) for x in dilation],
-            causal=int(bool(causal)),
-            scale=float(scale),
-        ),
-        dtype=query.dtype,
-        shape=(b, t, value.shape[2]),
-        version=VERSION,
+    persistent = persistent_inputs(query, value, persistent_key, persistent_value, num_heads)
+    (output,) = emit_node(
+        OP_TYPE,
+        ATTRIBUTES,
+        (query, key, value, global_mask, *persistent),
+        dict(num_heads=num_heads, window=window, dilation=dilation, causal=int(bool(causal)), scale=scale),
+        dtypes=[query.dtype],
+        shapes=[(b, t, value.shape[2])],
     )
+    return output
 
 
 def function(opset: int = 20) -> onnx.FunctionProto:
     """The model-local function `edgemem::BandedAttention`, body in standard ops at `opset` (≥ 18)."""
-    g = FunctionBuilder()
+    g = body(OP_TYPE, INPUTS, ATTRIBUTES, opset, MIN_OPSET)
     zero, one = g.const(0, out="zero"), g.const(1, out="one")
     axis0 = g.const([0], out="axis0")
-    neg_inf = g.const(-np.inf, np.float32, out="neg_inf")
+    neg_inf = g.const(-np.inf, out="neg_inf")
     true = numpy_helper.from_array(np.array([True]))
 
     # attributes and sizes
-    heads = g.attr("num_heads", AttributeProto.INT)
-    window = g.attr("window", AttributeProto.INT)
-    dilation = g.attr("dilation", AttributeProto.INTS)
-    scale = g.attr("scale", AttributeProto.FLOAT)
-    causal = g.Cast(g.attr("causal", AttributeProto.INT), to=_BOOL, out="is_causal")
+    heads, window, dilation, scale = (g.attr(name) for name in ("num_heads", "window", "dilation", "scale"))
+    causal = g.Cast(g.attr("causal"), to=_BOOL, out="is_causal")
     B1 = g.Shape("query", start=0, end=1, out="B1")
     T1 = g.Shape("query", start=1, end=2, out="T1")
     P1 = g.Shape("persistent_key", start=2, end=3, out="P1")
@@ -283,4 +211,4 @@ def function(opset: int = 20) -> onnx.FunctionProto:
     out = g.ScatterND(out, g_index, g_update, out="out_with_globals")
     packed = g.Reshape(out, g.Concat(B1, T1, g.Shape("value", start=2), axis=0), out="packed")
     g.CastLike(packed, "query", out="output")
-    return g.function(OP_TYPE, INPUTS, OUTPUTS, ATTRIBUTES, opset, __doc__)
+    return g.function(OP_TYPE, INPUTS, OUTPUTS, opset, __doc__)

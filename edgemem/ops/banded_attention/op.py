@@ -11,9 +11,20 @@ from collections.abc import Sequence
 import torch
 
 from edgemem.errors import ShapeError
+from edgemem.opset import Attribute
 from edgemem.ops.banded_attention.chunk import banded_attention_chunk
 
+# The node contract (onnx.py has the details)
 OP_TYPE = "BandedAttention"
+INPUTS = ("query", "key", "value", "global_mask", "persistent_key", "persistent_value")
+OUTPUTS = ("output",)
+ATTRIBUTES = {
+    "num_heads": Attribute("int"),
+    "window": Attribute("int"),
+    "dilation": Attribute("ints"),
+    "causal": Attribute("int"),
+    "scale": Attribute("float"),
+}
 
 
 def _forward(

@@ -10,6 +10,15 @@ this package's import.
 from edgemem.ops.linear_attention.args import UPDATE_RULES
 from edgemem.ops.linear_attention.chunk import linear_attention_chunk
 from edgemem.ops.linear_attention.naive import linear_attention_naive
-from edgemem.ops.linear_attention.op import OP_TYPE, linear_attention
+from edgemem.ops.linear_attention.op import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS, linear_attention
 
-__all__ = ["OP_TYPE", "UPDATE_RULES", "linear_attention", "linear_attention_chunk", "linear_attention_naive"]
+__all__ = [
+    "ATTRIBUTES",
+    "INPUTS",
+    "OP_TYPE",
+    "OUTPUTS",
+    "UPDATE_RULES",
+    "linear_attention",
+    "linear_attention_chunk",
+    "linear_attention_naive",
+]

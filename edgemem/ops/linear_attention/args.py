@@ -47,6 +47,7 @@ def check(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
+    past_state: torch.Tensor | None,
     decay: torch.Tensor | None,
     beta: torch.Tensor | None,
     update_rule: str,
@@ -87,6 +88,19 @@ def check(
         raise ShapeError(f"update_rule {update_rule!r} {'requires' if gated else 'takes no'} decay")
     if delta != (beta is not None):
         raise ShapeError(f"update_rule {update_rule!r} {'requires' if delta else 'takes no'} beta")
+    if decay is not None and (
+        decay.dim() != 3 or decay.shape[:2] != (b, t) or decay.shape[-1] not in (kv_num_heads, kv_num_heads * d_k)
+    ):
+        raise ShapeError(
+            f"decay must be [B, T, H_kv] = {[b, t, kv_num_heads]} or [B, T, H_kv*d_k] = "
+            f"{[b, t, kv_num_heads * d_k]}; got {list(decay.shape)}"
+        )
+    if beta is not None and (beta.dim() != 3 or beta.shape[:2] != (b, t) or beta.shape[-1] not in (kv_num_heads, 1)):
+        raise ShapeError(f"beta must be [B, T, H_kv] = {[b, t, kv_num_heads]} or [B, T, 1]; got {list(beta.shape)}")
+    if past_state is not None and tuple(past_state.shape) != (b, kv_num_heads, d_k, d_v):
+        raise ShapeError(
+            f"past_state must be [B, H_kv, d_k, d_v] = {[b, kv_num_heads, d_k, d_v]}; got {list(past_state.shape)}"
+        )
     return gated, delta, d_k, d_v
 
 
@@ -102,7 +116,7 @@ def prepare(
     q_num_heads: int,
     kv_num_heads: int,
 ) -> Prepared:
-    gated, delta, d_k, d_v = check(query, key, value, decay, beta, update_rule, q_num_heads, kv_num_heads)
+    gated, delta, d_k, d_v = check(query, key, value, past_state, decay, beta, update_rule, q_num_heads, kv_num_heads)
     b, t, _ = query.shape
     dtype = compute_dtype(query, key, value, past_state)
     group = q_num_heads // kv_num_heads
@@ -111,31 +125,14 @@ def prepare(
     v = _heads(value, kv_num_heads).to(dtype)
 
     if decay is not None:
-        if decay.dim() != 3 or tuple(decay.shape[:2]) != (b, t) or decay.shape[-1] not in (
-            kv_num_heads,
-            kv_num_heads * d_k,
-        ):
-            raise ShapeError(
-                f"decay must be [B, T, H_kv] = {[b, t, kv_num_heads]} or [B, T, H_kv*d_k] = "
-                f"{[b, t, kv_num_heads * d_k]}; got {list(decay.shape)}"
-            )
         decay = _heads(decay, kv_num_heads).to(dtype)
     if beta is not None:
-        if beta.dim() != 3 or tuple(beta.shape[:2]) != (b, t) or beta.shape[-1] not in (kv_num_heads, 1):
-            raise ShapeError(
-                f"beta must be [B, T, H_kv] = {[b, t, kv_num_heads]} or [B, T, 1]; got {list(beta.shape)}"
-            )
         beta = _heads(beta, beta.shape[-1]).to(dtype).expand(b, kv_num_heads, t, 1)
 
     if past_state is None:
         state = query.new_zeros((b, kv_num_heads, d_k, d_v), dtype=dtype)
         state_dtype = dtype
     else:
-        if tuple(past_state.shape) != (b, kv_num_heads, d_k, d_v):
-            raise ShapeError(
-                f"past_state must be [B, H_kv, d_k, d_v] = {[b, kv_num_heads, d_k, d_v]}; "
-                f"got {list(past_state.shape)}"
-            )
         state = past_state.to(dtype)
         state_dtype = past_state.dtype
     return Prepared(

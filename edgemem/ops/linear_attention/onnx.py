@@ -7,7 +7,7 @@ function body serves every update rule. `function(opset)` is that body as a mode
 FunctionProto made of standard ONNX ops at the model's opset, so any ONNX runtime can run
 the node.
 
-Node contract (domain "edgemem", version 1):
+Node contract (`edgemem.opset` domain and version; names and attributes in op.py):
     inputs   query [B,T,H_q*d_k] (T), key [B,T,H_kv*d_k] (T), value [B,T,H_kv*d_v] (T),
              past_state [B,H_kv,d_k,d_v] (S), decay [B,T,H_kv] or [B,T,H_kv*d_k] (T, log-space),
              beta [B,T,H_kv] or [B,T,1] (T);  T ∈ {float16, float32}, S = float32
@@ -24,19 +24,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from edgemem.errors import ShapeError
+from edgemem.opset import Graph, body
 from edgemem.ops.linear_attention.args import check
-from edgemem.ops.linear_attention.op import OP_TYPE
+from edgemem.ops.linear_attention.op import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS
+from edgemem.ops.node import emit_node
 
 if TYPE_CHECKING:
     import onnx
 
-DOMAIN = "edgemem"
-VERSION = 1
 MIN_OPSET = 20  # RegexFullMatch (reads update_rule) is new in opset 20
-INPUTS = ("query", "key", "value", "past_state", "decay", "beta")
-OUTPUTS = ("output", "present_state")
-ATTRIBUTES = ("update_rule", "scale", "q_num_heads", "kv_num_heads", "chunk_size")
 
 
 def emit(
@@ -58,13 +54,9 @@ def emit(
     decay/beta/past_state are materialised when absent; key, value, decay and beta take the
     query's dtype, past_state becomes float32 (so does present_state). The scale attribute is
     the resolved value (d_k^-½ for 0)."""
-    _, _, d_k, d_v = check(query, key, value, decay, beta, update_rule, q_num_heads, kv_num_heads)
+    _, _, d_k, d_v = check(query, key, value, past_state, decay, beta, update_rule, q_num_heads, kv_num_heads)
     b, t, _ = query.shape
     dtype = query.dtype
-    if decay is not None and decay.shape[-1] not in (kv_num_heads, kv_num_heads * d_k):
-        raise ShapeError(f"decay last dim must be H_kv ({kv_num_heads}) or H_kv*d_k; got {decay.shape[-1]}")
-    if beta is not None and beta.shape[-1] not in (kv_num_heads, 1):
-        raise ShapeError(f"beta last dim must be H_kv ({kv_num_heads}) or 1; got {beta.shape[-1]}")
 
     if past_state is None:
         past_state = query.new_zeros((b, kv_num_heads, d_k, d_v), dtype=torch.float32)
@@ -75,58 +67,30 @@ def emit(
     inputs = [key.to(dtype), value.to(dtype), past_state.to(torch.float32), decay.to(dtype), beta.to(dtype)]
     attrs = dict(
         update_rule=update_rule,
-        scale=float(scale) if scale else 1.0 / math.sqrt(d_k),
-        q_num_heads=int(q_num_heads),
-        kv_num_heads=int(kv_num_heads),
-        chunk_size=int(chunk_size),
+        scale=scale if scale else 1.0 / math.sqrt(d_k),
+        q_num_heads=q_num_heads,
+        kv_num_heads=kv_num_heads,
+        chunk_size=chunk_size,
     )
-    output, present_state = torch.onnx.ops.symbolic_multi_out(
-        f"{DOMAIN}::{OP_TYPE}",
+    output, present_state = emit_node(
+        OP_TYPE,
+        ATTRIBUTES,
         [query, *inputs],
-        attrs=attrs,
+        attrs,
         dtypes=[dtype, torch.float32],
         shapes=[[b, t, q_num_heads * d_v], [b, kv_num_heads, d_k, d_v]],
-        version=VERSION,
     )
     return output, present_state
 
 
-class _Graph:
-    """The nodes of a graph body: `g.op(...)` appends one node and returns its output name."""
-
-    def __init__(self) -> None:
-        self.nodes: list[onnx.NodeProto] = []
-
-    def op(self, op_type: str, *inputs: str, out: str, **attrs) -> str:
-        from onnx import helper
-
-        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, **attrs))
-        return out
-
-    def ints(self, out: str, values: list[int]) -> str:
-        """A 1-D int64 constant."""
-        return self.op("Constant", out=out, value_ints=values)
-
-    def attr(self, out: str, attribute: str, kind: str) -> str:
-        """A scalar constant holding the function attribute `attribute` (kind: int | float | string)."""
-        from onnx import AttributeProto, helper
-
-        node = helper.make_node("Constant", [], [out], name=out)
-        ref = AttributeProto(name=f"value_{kind}", ref_attr_name=attribute)
-        ref.type = {"int": AttributeProto.INT, "float": AttributeProto.FLOAT, "string": AttributeProto.STRING}[kind]
-        node.attribute.append(ref)
-        self.nodes.append(node)
-        return out
-
-
-def _step(g: _Graph, state: str, q: str, k_col: str, k_row: str, v_row: str, w: str, tag: str) -> tuple[str, str]:
+def _step(g: Graph, state: str, q: str, k_col: str, k_row: str, v_row: str, w: str) -> tuple[str, str]:
     """One token on operands without the time axis or with a time axis of 1 (`state` alike)."""
-    decayed = g.op("Mul", state, w, out=f"decayed_{tag}")  # w ⊙ S
-    retrieved = g.op("MatMul", k_row, decayed, out=f"retrieved_{tag}")  # (δβ'k)ᵀ S      [.., 1, d_v]
-    written = g.op("Sub", v_row, retrieved, out=f"written_{tag}")  # u = β'v − δβ' Sᵀk   [.., 1, d_v]
-    update = g.op("MatMul", k_col, written, out=f"update_{tag}")  # k uᵀ             [.., d_k, d_v]
-    new_state = g.op("Add", decayed, update, out=f"state_{tag}")
-    read = g.op("MatMul", q, new_state, out=f"read_{tag}")  # scale·Sᵀq per query head   [.., G, d_v]
+    decayed = g.Mul(state, w, out="decayed")  # w ⊙ S
+    retrieved = g.MatMul(k_row, decayed, out="retrieved")  # (δβ'k)ᵀ S      [.., 1, d_v]
+    written = g.Sub(v_row, retrieved, out="written")  # u = β'v − δβ' Sᵀk   [.., 1, d_v]
+    update = g.MatMul(k_col, written, out="update")  # k uᵀ             [.., d_k, d_v]
+    new_state = g.Add(decayed, update, out="state")
+    read = g.MatMul(q, new_state, out="read")  # scale·Sᵀq per query head   [.., G, d_v]
     return new_state, read
 
 
@@ -150,130 +114,74 @@ def function(opset: int = 20) -> onnx.FunctionProto:
     when T is static). chunk_size is accepted and unused. An update_rule outside the four
     gives the linear rule.
     """
-    from onnx import TensorProto, helper
+    from onnx import TensorProto
 
-    if opset < MIN_OPSET:
-        raise ValueError(f"edgemem::{OP_TYPE}: the function body needs opset >= {MIN_OPSET}; got {opset}")
     FLOAT = TensorProto.FLOAT
-    g = _Graph()
+    g = body(OP_TYPE, INPUTS, ATTRIBUTES, opset, MIN_OPSET)
 
     # --- attributes → tensors
-    rule = g.attr("rule", "update_rule", "string")
-    delta = g.op("Cast", g.op("RegexFullMatch", rule, out="is_delta", pattern="(gated_)?delta"), out="delta", to=FLOAT)
-    gated = g.op("Cast", g.op("RegexFullMatch", rule, out="is_gated", pattern="gated(_delta)?"), out="gated", to=FLOAT)
-    axis0 = g.ints("axis0", [0])
-    hq = g.op("Unsqueeze", g.attr("hq_scalar", "q_num_heads", "int"), axis0, out="hq")
-    hkv = g.op("Unsqueeze", g.attr("hkv_scalar", "kv_num_heads", "int"), axis0, out="hkv")
-    group = g.op("Div", hq, hkv, out="group")  # G
+    rule = g.attr("update_rule", out="rule")
+    delta = g.Cast(g.RegexFullMatch(rule, pattern="(gated_)?delta", out="is_delta"), to=FLOAT, out="delta")
+    gated = g.Cast(g.RegexFullMatch(rule, pattern="gated(_delta)?", out="is_gated"), to=FLOAT, out="gated")
+    axis0 = g.const([0], out="axis0")
+    hq = g.Unsqueeze(g.attr("q_num_heads", out="hq_scalar"), axis0, out="hq")
+    hkv = g.Unsqueeze(g.attr("kv_num_heads", out="hkv_scalar"), axis0, out="hkv")
+    group = g.Div(hq, hkv, out="group")  # G
     # scale, or d_k^-½ for 0 (an If on a constant: onnxruntime folds it, and the shape ops with it)
-    scale_attr = g.attr("scale_attr", "scale", "float")
-    scale_is_zero = g.op("Equal", scale_attr, g.op("Constant", out="zero", value_float=0.0), out="scale_is_zero")
-    default = _Graph()
-    d_k = default.op("Div", default.op("Shape", "query", out="q_width", start=2), hq, out="d_k")
-    d_k_f = default.op("Cast", default.op("Squeeze", d_k, out="d_k_scalar"), out="d_k_f", to=FLOAT)
-    default.op("Reciprocal", default.op("Sqrt", d_k_f, out="sqrt_d_k"), out="default_scale")
-    given = _Graph()
-    given.op("Identity", scale_attr, out="given_scale")
-    scalar_out = lambda name: helper.make_tensor_value_info(name, FLOAT, [])  # noqa: E731
-    g.nodes.append(
-        helper.make_node(
-            "If",
-            [scale_is_zero],
-            ["scale"],
-            name="scale",
-            then_branch=helper.make_graph(default.nodes, "default_scale", [], [scalar_out("default_scale")]),
-            else_branch=helper.make_graph(given.nodes, "given_scale", [], [scalar_out("given_scale")]),
-        )
-    )
-    scale = "scale"
+    scale_attr = g.attr("scale", out="scale_attr")
+    scale_is_zero = g.Equal(scale_attr, g.const(0.0, out="zero"), out="scale_is_zero")
+
+    def default_scale(b: Graph) -> list[str]:
+        d_k = b.Cast(b.Squeeze(b.Div(b.Shape("query", start=2, out="q_width"), hq, out="d_k")), to=FLOAT, out="d_k_f")
+        return [b.Reciprocal(b.Sqrt(d_k, out="sqrt_d_k"), out="default_scale")]
+
+    (scale,) = g.branch(scale_is_zero, default_scale, lambda b: [scale_attr], ["scale"])
 
     # --- operands for all tokens: float32, [B, T, H, …] shaped for the step's MatMuls
-    seq_len = g.op("Shape", "query", out="seq_len", start=1, end=2)  # [T]
-    bt, one, minus_one = g.ints("bt", [0, 0]), g.ints("one_1d", [1]), g.ints("minus_one", [-1])
+    seq_len = g.Shape("query", start=1, end=2, out="seq_len")  # [T]
+    bt, one, minus_one = g.const([0, 0], out="bt"), g.const([1], out="one_1d"), g.const([-1], out="minus_one")
 
     def heads(name: str, *dims: str, out: str) -> str:
-        shape = g.op("Concat", bt, *dims, out=f"{out}_shape", axis=0)
-        return g.op("Cast", g.op("Reshape", name, shape, out=f"{out}_heads"), out=f"{out}_f", to=FLOAT)
+        shape = g.Concat(bt, *dims, axis=0, out=f"{out}_shape")
+        return g.Cast(g.Reshape(name, shape, out=f"{out}_heads"), to=FLOAT, out=f"{out}_f")
 
-    q = g.op("Mul", heads("query", hkv, group, minus_one, out="q"), scale, out="q_scaled")  # [B,T,H,G,d_k]
+    q = g.Mul(heads("query", hkv, group, minus_one, out="q"), scale, out="q_scaled")  # [B,T,H,G,d_k]
     k_col = heads("key", hkv, minus_one, one, out="k_col")  # [B,T,H,d_k,1]
     k = heads("key", hkv, one, minus_one, out="k")  # [B,T,H,1,d_k]
     v = heads("value", hkv, one, minus_one, out="v")  # [B,T,H,1,d_v]
     decay = heads("decay", hkv, minus_one, one, out="decay")  # [B,T,H,1|d_k,1]
     beta = heads("beta", minus_one, one, one, out="beta")  # [B,T,H|1,1,1]
-    state0 = g.op("Cast", "past_state", out="state0", to=FLOAT)  # [B,H,d_k,d_v]
+    state0 = g.Cast("past_state", to=FLOAT, out="state0")  # [B,H,d_k,d_v]
 
-    w = g.op("Exp", g.op("Mul", gated, decay, out="decay_used"), out="w")  # exp(γg)
-    delta_beta = g.op("Mul", delta, beta, out="delta_beta")  # δβ  (= δβ', as δ ∈ {0, 1})
-    not_delta = g.op("Sub", g.op("Constant", out="one", value_float=1.0), delta, out="not_delta")
-    beta_used = g.op("Add", delta_beta, not_delta, out="beta_used")  # β'
-    k_row = g.op("Mul", delta_beta, k, out="k_row")  # δβ'k  [B,T,H,1,d_k]
-    v_row = g.op("Mul", beta_used, v, out="v_row")  # β'v    [B,T,H,1,d_v]
+    w = g.Exp(g.Mul(gated, decay, out="decay_used"), out="w")  # exp(γg)
+    delta_beta = g.Mul(delta, beta, out="delta_beta")  # δβ  (= δβ', as δ ∈ {0, 1})
+    not_delta = g.Sub(g.const(1.0, out="one"), delta, out="not_delta")
+    beta_used = g.Add(delta_beta, not_delta, out="beta_used")  # β'
+    k_row = g.Mul(delta_beta, k, out="k_row")  # δβ'k  [B,T,H,1,d_k]
+    v_row = g.Mul(beta_used, v, out="v_row")  # β'v    [B,T,H,1,d_v]
     operands = (q, k_col, k_row, v_row, w)
 
-    float_out = lambda name: helper.make_tensor_value_info(name, FLOAT, None)  # noqa: E731
+    def single_token(b: Graph) -> list[str]:  # T = 1: one step on the operands as they are (S gets a time axis too)
+        state, read = _step(b, b.Unsqueeze(state0, one, out="state0_t"), *operands)
+        present = b.Reshape(state, b.Shape(state0, out="state_shape"), out="present_single")
+        output = b.Reshape(read, b.Concat(bt, minus_one, axis=0, out="packed_shape"), out="output_single")
+        return [present, output]
 
-    # --- T = 1: one step on the operands as they are (time axis of 1; S gets one too)
-    single = _Graph()
-    state_1, read_1 = _step(single, single.op("Unsqueeze", state0, one, out="state0_t"), *operands, tag="single")
-    single.op("Reshape", state_1, single.op("Shape", state0, out="state_shape"), out="present_single")
-    single.op("Reshape", read_1, single.op("Concat", bt, minus_one, out="packed_shape", axis=0), out="output_single")
-    single_token = helper.make_graph(
-        single.nodes, "single_token", [], [float_out("present_single"), float_out("output_single")]
-    )
+    def token_loop(b: Graph) -> list[str]:  # T > 1: a Loop over tokens carrying S; reads stacked [T,B,H,G,d_v]
+        def token(lb: Graph, t: str, carried: list[str]) -> tuple[list[str], list[str]]:
+            state, read = _step(lb, carried[0], *(lb.Gather(x, t, axis=1, out=f"{x}_t") for x in operands))
+            return [state], [read]
 
-    # --- T > 1: a Loop over tokens carrying S; token t's read is stacked into [T,B,H,G,d_v]
-    body = _Graph()
-    at_t = [body.op("Gather", x, "t", out=f"{x}_t", axis=1) for x in operands]
-    state_t, read_t = _step(body, "state_in", *at_t, tag="t")
-    body.op("Identity", "cond_in", out="cond_out")
-    token_step = helper.make_graph(
-        body.nodes,
-        "token_step",
-        [
-            helper.make_tensor_value_info("t", TensorProto.INT64, []),
-            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
-            float_out("state_in"),
-        ],
-        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), float_out(state_t), float_out(read_t)],
-    )
-    many = _Graph()
-    trip_count = many.op("Squeeze", seq_len, out="trip_count")
-    # An explicit `true` condition: onnx.reference runs no iteration when it is left out.
-    true = helper.make_tensor("keep_going", TensorProto.BOOL, [], [True])
-    keep_going = many.op("Constant", out="keep_going", value=true)
-    loop = helper.make_node("Loop", [trip_count, keep_going, state0], ["present_loop", "reads"], body=token_step)
-    many.nodes.append(loop)
-    # [T,B,H,G,d_v] → [B,T,H_q·d_v]. (Reshape to [T,B,-1] before the Transpose: onnx.reference
-    # concatenates Loop scan outputs along axis 0 where the standard stacks them.)
-    batch = many.op("Shape", "query", out="batch", start=0, end=1)
-    reads_shape = many.op("Concat", seq_len, batch, minus_one, out="reads_shape", axis=0)
-    reads_tb = many.op("Reshape", "reads", reads_shape, out="reads_tb")
-    many.op("Transpose", reads_tb, out="output_loop", perm=[1, 0, 2])
-    token_loop = helper.make_graph(many.nodes, "token_loop", [], [float_out("present_loop"), float_out("output_loop")])
+        present, reads = b.loop(b.Squeeze(seq_len, out="trip_count"), [state0], token, ["present_loop", "reads"])
+        # [T,B,H,G,d_v] → [B,T,H_q·d_v]. (Reshape to [T,B,-1] before the Transpose: onnx.reference
+        # concatenates Loop scan outputs along axis 0 where the standard stacks them.)
+        batch = b.Shape("query", start=0, end=1, out="batch")
+        reads_tb = b.Reshape(reads, b.Concat(seq_len, batch, minus_one, axis=0, out="reads_shape"), out="reads_tb")
+        return [present, b.Transpose(reads_tb, perm=[1, 0, 2], out="output_loop")]
 
-    is_single = g.op("Equal", seq_len, one, out="is_single")
-    g.nodes.append(
-        helper.make_node(
-            "If", [is_single], ["present_f", "output_f"], name="steps", then_branch=single_token, else_branch=token_loop
-        )
-    )
-    g.op("CastLike", "output_f", "query", out="output")
-    g.op("CastLike", "present_f", "past_state", out="present_state")
-
-    defaults = [  # as in ONNX opset 27; the required head counts have none
-        helper.make_attribute("update_rule", "gated_delta"),
-        helper.make_attribute("scale", 0.0),
-        helper.make_attribute("chunk_size", 64),
-    ]
-    return helper.make_function(
-        DOMAIN,
-        OP_TYPE,
-        list(INPUTS),
-        list(OUTPUTS),
-        g.nodes,
-        [helper.make_opsetid("", opset)],
-        attributes=["q_num_heads", "kv_num_heads"],
-        attribute_protos=defaults,
-        doc_string="ONNX opset-27 LinearAttention with decay and beta always present (edgemem).",
-    )
+    is_single = g.Equal(seq_len, one, out="is_single")
+    present_f, output_f = g.branch(is_single, single_token, token_loop, ["present_f", "output_f"])
+    g.CastLike(output_f, "query", out="output")
+    g.CastLike(present_f, "past_state", out="present_state")
+    doc = "ONNX opset-27 LinearAttention with decay and beta always present (edgemem)."
+    return g.function(OP_TYPE, INPUTS, OUTPUTS, opset, doc)

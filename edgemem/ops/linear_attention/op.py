@@ -12,12 +12,22 @@ from __future__ import annotations
 import torch
 
 from edgemem.errors import ShapeError
+from edgemem.opset import Attribute
 from edgemem.ops.linear_attention.args import compute_dtype
 from edgemem.ops.linear_attention.chunk import linear_attention_chunk
 from edgemem.ops.linear_attention.naive import linear_attention_naive
 
+# The node contract (onnx.py has the details); attributes as in ONNX opset 27
 OP_TYPE = "LinearAttention"
-_INPUTS = ("query", "key", "value", "past_state", "decay", "beta")
+INPUTS = ("query", "key", "value", "past_state", "decay", "beta")
+OUTPUTS = ("output", "present_state")
+ATTRIBUTES = {
+    "update_rule": Attribute("string", "gated_delta"),
+    "scale": Attribute("float", 0.0),
+    "q_num_heads": Attribute("int"),
+    "kv_num_heads": Attribute("int"),
+    "chunk_size": Attribute("int", 64),
+}
 
 
 @torch.library.custom_op("edgemem::linear_attention", mutates_args=())
@@ -113,7 +123,7 @@ def linear_attention(
         query, key, value = (x.flatten(2) for x in (query, key, value))
     if chunk_size < 1:
         raise ShapeError(f"chunk_size must be a positive integer; got {chunk_size}")
-    for name, x in zip(_INPUTS, (query, key, value, past_state, decay, beta)):
+    for name, x in zip(INPUTS, (query, key, value, past_state, decay, beta)):
         if x is not None and not isinstance(x, torch.Tensor):
             raise ShapeError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
     if torch.onnx.is_in_onnx_export():

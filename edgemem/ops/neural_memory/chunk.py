@@ -19,12 +19,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from edgemem.ops.neural_memory.args import Memory, Options, ResidualNorm, Tokens
 from edgemem.ops.neural_memory.naive import (
     ACTIVATIONS,
     Norm,
     compute_dtype,
     memory_deltas,
-    norm_params,
+    norm_rows,
     residual_norm,
 )
 
@@ -81,64 +82,51 @@ def _shift(x: Tensor, index: Tensor, valid: Tensor, fill: float | None = None) -
 
 
 def neural_memory_chunk(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    theta: Tensor,
-    eta: Tensor,
-    alpha: Tensor,
-    weights: Sequence[Tensor],
-    momentum: Sequence[Tensor],
-    chunk_weights: Sequence[Tensor] | None = None,
-    position: Tensor | None = None,
-    *,
-    chunk_size: int = 1,
-    activation: str = "silu",
-    norm_weight: Tensor | None = None,
-    norm_bias: Tensor | None = None,
-) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
+    tokens: Tokens, memory: Memory, options: Options, norm: ResidualNorm | None = None
+) -> tuple[Tensor, Memory]:
     """Same contract and result as `neural_memory_naive`, one chunk at a time.
 
-    Given a `position`, a row that starts `o = position % chunk_size` tokens into a chunk
+    Given a position, a row that starts `o = position % chunk_size` tokens into a chunk
     is shifted right by `o` slots that leave the state unchanged (the sequence grows by
     `chunk_size − 1` slots in all rows, so shapes do not depend on values), chunks line up
-    with absolute positions in every row and the first chunk's gradients use `chunk_weights`.
+    with absolute positions in every row and the first chunk's gradients use the chunk weights.
     """
-    out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
-    batch, tokens = q.shape[:2]
-    q, k, v, theta, eta, alpha = (x.to(dtype) for x in (q, k, v, theta, eta, alpha))
-    w = [x.to(dtype, copy=True) for x in weights]
-    s = [x.to(dtype, copy=True) for x in momentum]
-    norm = norm_params(norm_weight, norm_bias, dtype)
+    chunk_size, activation, position = options.chunk_size, options.activation, memory.position
+    out_dtype, dtype = tokens.query.dtype, compute_dtype(tokens.query.dtype)
+    q, k, v, theta, eta, alpha = (x.to(dtype) for x in tokens)
+    batch, length = q.shape[:2]
+    w = [x.to(dtype, copy=True) for x in memory.weights]
+    s = [x.to(dtype, copy=True) for x in memory.momentum]
+    rows = norm_rows(norm, dtype)
     offset = torch.zeros(batch, dtype=torch.int64, device=q.device)
     if position is not None:
         offset = offset + position % chunk_size
     mid_chunk = (offset > 0).view(-1, 1, 1, 1)
     wc = w
-    if chunk_weights is not None:
-        wc = [torch.where(mid_chunk, c.to(dtype), x) for c, x in zip(chunk_weights, w)]
-    pad = chunk_size - 1 if position is not None and tokens else 0
+    if memory.chunk_weights is not None:
+        wc = [torch.where(mid_chunk, c.to(dtype), x) for c, x in zip(memory.chunk_weights, w)]
+    pad = chunk_size - 1 if position is not None and length else 0
     real = None
     if pad:
-        index = torch.arange(tokens + pad, device=q.device) - offset[:, None]
-        valid = (index >= 0) & (index < tokens)
-        index = index.clamp(0, tokens - 1)
+        index = torch.arange(length + pad, device=q.device) - offset[:, None]
+        valid = (index >= 0) & (index < length)
+        index = index.clamp(0, length - 1)
         q, k, v = (_shift(x, index, valid) for x in (q, k, v))
         theta, eta, alpha = (_shift(g, index, valid, f) for g, f in ((theta, 0.0), (eta, 1.0), (alpha, 0.0)))
         real = valid.to(dtype)[:, None]
     q, k, v, theta, eta, alpha = (x.transpose(1, 2) for x in (q, k, v, theta, eta, alpha))
     ys = []
-    for start in range(0, tokens + pad, chunk_size):
+    for start in range(0, length + pad, chunk_size):
         if start:
             # a new chunk starts in every row that still has tokens at or after `start`
-            live = (start < offset + tokens).view(-1, 1, 1, 1)
+            live = (start < offset + length).view(-1, 1, 1, 1)
             wc = [torch.where(live, x, c) for x, c in zip(w, wc)]
         piece = (x[:, :, start : start + chunk_size] for x in (q, k, v, theta, eta, alpha))
         real_piece = None if real is None else real[..., start : start + chunk_size]
-        y, w, s = _chunk(*piece, w, s, wc, real_piece, activation, norm)
+        y, w, s = _chunk(*piece, w, s, wc, real_piece, activation, rows)
         ys.append(y)
     y = torch.cat(ys, 2).transpose(1, 2) if ys else q.transpose(1, 2)
     if pad:
-        y = _shift(y, offset[:, None] + torch.arange(tokens, device=q.device), valid)
+        y = _shift(y, offset[:, None] + torch.arange(length, device=q.device), valid)
     position = offset.new_zeros(1) if position is None else position
-    return y.to(out_dtype), tuple(w), tuple(s), tuple(wc), position + tokens
+    return y.to(out_dtype), Memory(tuple(w), tuple(s), tuple(wc), position + length)

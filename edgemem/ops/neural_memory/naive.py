@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from edgemem.ops.neural_memory.args import Memory, Options, ResidualNorm, Tokens
+
 Activation = tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]
 
 
@@ -50,11 +52,8 @@ NORM_EPS = 1e-6
 Norm = tuple[Tensor, Tensor]
 
 
-def norm_params(norm_weight: Tensor | None, norm_bias: Tensor | None, dtype: torch.dtype) -> Norm | None:
-    """`[H, D]` γ and β -> the `[H, 1, D]` pair `memory_deltas` and `memory_read` take (or None)."""
-    if norm_weight is None:
-        return None
-    return norm_weight.to(dtype)[:, None], norm_bias.to(dtype)[:, None]
+def norm_rows(norm: ResidualNorm | None, dtype: torch.dtype) -> Norm | None:
+    return None if norm is None else norm.rows(dtype)
 
 
 def _layer_norm(z: Tensor) -> tuple[Tensor, Tensor]:
@@ -104,70 +103,51 @@ def memory_deltas(
     return [(key, (dz @ w2.mT) * act_grad(h)), (a, dz)]
 
 
-def memory_read(
-    x: Tensor,
-    weights: Sequence[Tensor],
-    activation: str,
-    norm_weight: Tensor | None = None,
-    norm_bias: Tensor | None = None,
-) -> Tensor:
-    """M(x) for `x [B, H, N, D]`: f(x) = `x W1` or `act(x W1) W2` (depth 2), or, given
-    `[H, D]` γ = `norm_weight` and β = `norm_bias`, the TTT form x + γ ⊙ LN(f(x)) + β."""
-    return read(x, weights, activation, norm_params(norm_weight, norm_bias, x.dtype))
+def memory_read(x: Tensor, weights: Sequence[Tensor], activation: str, norm: ResidualNorm | None = None) -> Tensor:
+    """M(x) for `x [B, H, N, D]`: f(x) = `x W1` or `act(x W1) W2` (depth 2), or, given the
+    residual norm, the TTT form x + γ ⊙ LN(f(x)) + β."""
+    return read(x, weights, activation, norm_rows(norm, x.dtype))
 
 
 def read(x: Tensor, weights: Sequence[Tensor], activation: str, norm: Norm | None) -> Tensor:
-    """`memory_read` with the norm parameters as `norm_params` gives them."""
+    """`memory_read` with the norm parameters as `norm_rows` gives them."""
     z = x @ weights[0] if len(weights) == 1 else ACTIVATIONS[activation][0](x @ weights[0]) @ weights[1]
     return z if norm is None else residual_norm(x, z, norm)
 
 
 def neural_memory_naive(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    theta: Tensor,
-    eta: Tensor,
-    alpha: Tensor,
-    weights: Sequence[Tensor],
-    momentum: Sequence[Tensor],
-    chunk_weights: Sequence[Tensor] | None = None,
-    position: Tensor | None = None,
-    *,
-    chunk_size: int = 1,
-    activation: str = "silu",
-    norm_weight: Tensor | None = None,
-    norm_bias: Tensor | None = None,
-) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
-    """Titans long-term memory, token by token.
+    tokens: Tokens, memory: Memory, options: Options, norm: ResidualNorm | None = None
+) -> tuple[Tensor, Memory]:
+    """Titans long-term memory, token by token, over unpacked `[B, T, H, D]` q/k/v.
 
-    Token t sits at absolute position `position + t` (`position`: int64 `[B]` or `[1]`);
-    a chunk starts wherever that position is a multiple of `chunk_size`, and there
-    `chunk_weights` become the current weights (defaults: position 0, so the call starts
-    a fresh chunk and `chunk_weights` are not read). Per token (Titans eq. 13/14):
+    Token t sits at absolute position `memory.position + t`; a chunk starts wherever that
+    position is a multiple of `chunk_size`, and there the chunk weights become the current
+    weights (no position: position 0, so the call starts a fresh chunk and the chunk weights
+    are not read). Per token (Titans eq. 13/14):
         S_t = η_t S_{t−1} − θ_t ∇ℓ_t(W_chunk),   W_t = (1 − α_t) W_{t−1} + S_t,
         y_t = M(q_t; W_t).
-    Given `norm_weight` γ and `norm_bias` β (`[H, D]`, both or neither) the memory is TTT's
-    M(x) = x + γ ⊙ LN(f(x)) + β around the MLP f (LN over D, eps `NORM_EPS`).
-    Returns `(y [B,T,H,D], weights, momentum, chunk_weights, position + T)`; state in the
-    compute dtype, y in q's dtype.
+    Given `norm` the memory is TTT's M(x) = x + γ ⊙ LN(f(x)) + β around the MLP f (LN over D,
+    eps `NORM_EPS`). Returns `(y [B,T,H,D], memory after the last token)` with every field
+    set (position + T); state in the compute dtype, y in q's dtype.
     """
+    q, k, v, theta, eta, alpha = tokens
     out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
-    chunk_weights = weights if chunk_weights is None else chunk_weights
-    position = q.new_zeros(1, dtype=torch.int64) if position is None else position
+    chunk_weights = memory.weights if memory.chunk_weights is None else memory.chunk_weights
+    position = q.new_zeros(1, dtype=torch.int64) if memory.position is None else memory.position
+    activation = options.activation
     q, k, v = (x.to(dtype).transpose(1, 2) for x in (q, k, v))
     theta, eta, alpha = (g.to(dtype).transpose(1, 2)[..., None, None] for g in (theta, eta, alpha))
-    w = [x.to(dtype, copy=True) for x in weights]
-    s = [x.to(dtype, copy=True) for x in momentum]
+    w = [x.to(dtype, copy=True) for x in memory.weights]
+    s = [x.to(dtype, copy=True) for x in memory.momentum]
     wc = [x.to(dtype, copy=True) for x in chunk_weights]
-    norm = norm_params(norm_weight, norm_bias, dtype)
+    rows = norm_rows(norm, dtype)
     ys = []
     for t in range(q.shape[2]):
-        starts = ((position + t) % chunk_size == 0).view(-1, 1, 1, 1)
+        starts = ((position + t) % options.chunk_size == 0).view(-1, 1, 1, 1)
         wc = [torch.where(starts, wi, ci) for wi, ci in zip(w, wc)]
-        deltas = memory_deltas(k[:, :, t, None], v[:, :, t, None], wc, activation, norm)
+        deltas = memory_deltas(k[:, :, t, None], v[:, :, t, None], wc, activation, rows)
         s = [eta[:, :, t] * si - theta[:, :, t] * (x.mT @ d) for si, (x, d) in zip(s, deltas)]
         w = [(1 - alpha[:, :, t]) * wi + si for wi, si in zip(w, s)]
-        ys.append(read(q[:, :, t, None], w, activation, norm))
+        ys.append(read(q[:, :, t, None], w, activation, rows))
     y = torch.cat(ys, 2) if ys else torch.empty_like(q)
-    return y.transpose(1, 2).to(out_dtype), tuple(w), tuple(s), tuple(wc), position + q.shape[2]
+    return y.transpose(1, 2).to(out_dtype), Memory(tuple(w), tuple(s), tuple(wc), position + q.shape[2])

@@ -15,9 +15,28 @@ import torch
 from torch import Tensor
 
 from edgemem.errors import ShapeError
+from edgemem.opset import Attribute
+from edgemem.ops.neural_memory.args import Memory, Options, ResidualNorm, Tokens
 from edgemem.ops.neural_memory.chunk import neural_memory_chunk
 from edgemem.ops.neural_memory.naive import ACTIVATIONS, compute_dtype, neural_memory_naive
-from edgemem.ops.neural_memory.onnx import emit
+
+# The node contract (onnx.py has the details)
+OP_TYPE = "NeuralMemory"
+INPUTS = (
+    "query", "key", "value", "theta", "eta", "alpha", "position", "norm_weight", "norm_bias",
+    "weights_1", "momentum_1", "chunk_weights_1", "weights_2", "momentum_2", "chunk_weights_2",
+)  # fmt: skip
+OUTPUTS = (
+    "output", "present_position", "present_weights_1", "present_momentum_1", "present_chunk_weights_1",
+    "present_weights_2", "present_momentum_2", "present_chunk_weights_2",
+)  # fmt: skip
+ATTRIBUTES = {
+    "num_heads": Attribute("int"),
+    "chunk_size": Attribute("int", 1),
+    "depth": Attribute("int"),
+    "residual_norm": Attribute("int", 0),
+    "activation": Attribute("string", "silu"),
+}
 
 # the per-token form is faster for the step, very short blocks and chunk_size 1
 _NAIVE_MAX_TOKENS = 2
@@ -25,7 +44,17 @@ _NAIVE_MAX_TOKENS = 2
 State = tuple[Tensor, ...]
 
 
-def _forward(
+def _forward(tokens: Tokens, memory: Memory, options: Options, norm: ResidualNorm | None) -> tuple[Tensor, Memory]:
+    q, k, v = (x.unflatten(2, (options.num_heads, -1)) for x in tokens[:3])
+    per_token = q.shape[1] <= _NAIVE_MAX_TOKENS or options.chunk_size == 1
+    form = neural_memory_naive if per_token else neural_memory_chunk
+    y, memory = form(Tokens(q, k, v, *tokens[3:]), memory, options, norm)
+    return y.flatten(2), memory
+
+
+# The custom op's flat signature (tensors, tensor lists, scalars), its only place: `neural_memory`
+# passes no chunk weights (an empty list) and no position, and no γ, β without the residual norm.
+def _flat_forward(
     query: Tensor,
     key: Tensor,
     value: Tensor,
@@ -42,20 +71,23 @@ def _forward(
     chunk_size: int,
     activation: str,
 ) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor], Tensor]:
-    q, k, v = (x.unflatten(2, (num_heads, -1)) for x in (query, key, value))
-    per_token = q.shape[1] <= _NAIVE_MAX_TOKENS or chunk_size == 1
-    form = neural_memory_naive if per_token else neural_memory_chunk
-    y, w, s, wc, end = form(
-        q, k, v, theta, eta, alpha, weights, momentum, chunk_weights or None, position,
-        chunk_size=chunk_size, activation=activation, norm_weight=norm_weight, norm_bias=norm_bias,
-    )
-    return y.flatten(2), list(w), list(s), list(wc), end
+    memory = Memory(weights, momentum, chunk_weights or None, position)
+    norm = ResidualNorm.of(norm_weight, norm_bias)
+    tokens = Tokens(query, key, value, theta, eta, alpha)
+    y, out = _forward(tokens, memory, Options(num_heads, chunk_size, activation), norm)
+    return y, list(out.weights), list(out.momentum), list(out.chunk_weights), out.position
 
 
-# One opaque op: packed q/k/v, the state lists, (for `neural_memory_step`) the chunk weights
-# and position, and (for TTT's residual norm) γ and β; `neural_memory` passes no chunk
-# weights and no position.
-_neural_memory_op = torch.library.custom_op("edgemem::neural_memory", _forward, mutates_args=())
+def _flat_args(memory: Memory, options: Options, norm: ResidualNorm | None) -> list:
+    """The op's arguments after the six per-token tensors."""
+    return [
+        list(memory.weights), list(memory.momentum), list(memory.chunk_weights or ()), memory.position,
+        *((None, None) if norm is None else (norm.weight, norm.bias)),
+        options.num_heads, options.chunk_size, options.activation,
+    ]  # fmt: skip
+
+
+_neural_memory_op = torch.library.custom_op("edgemem::neural_memory", _flat_forward, mutates_args=())
 
 
 @_neural_memory_op.register_fake
@@ -85,7 +117,7 @@ def _backward(ctx, grad_y, grad_w, grad_s, grad_wc, grad_position):
     d = ctx.depth  # inputs: q, k, v, θ, η, α, d weights, d momenta, 0 or d chunk weights
     weights, momentum, chunk_weights = inputs[6 : 6 + d], inputs[6 + d : 6 + 2 * d], inputs[6 + 2 * d :]
     with torch.enable_grad():
-        y, w, s, wc, _ = _forward(*inputs[:6], weights, momentum, chunk_weights, position, *norm, *ctx.config)
+        y, w, s, wc, _ = _flat_forward(*inputs[:6], weights, momentum, chunk_weights, position, *norm, *ctx.config)
     pairs = [(o, g) for o, g in zip([y, *w, *s, *wc], [grad_y, *grad_w, *grad_s, *grad_wc]) if g is not None]
     outputs, grad_outputs = zip(*pairs)
     wrt = inputs + [x for x in norm if x is not None]
@@ -112,32 +144,19 @@ def _check_tensor(name: str, x: object, expected: tuple[int, ...], floating: boo
         raise ShapeError(f"neural_memory: {name} has dtype {x.dtype}, expected {kind} dtype")
 
 
-def _check(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    theta: Tensor,
-    eta: Tensor,
-    alpha: Tensor,
-    weights: Sequence[Tensor],
-    momentum: Sequence[Tensor],
-    chunk_weights: Sequence[Tensor] | None,
-    position: Tensor | None,
-    norm_weight: Tensor | None,
-    norm_bias: Tensor | None,
-    num_heads: int,
-    chunk_size: int,
-    activation: str,
-) -> None:
-    if activation not in ACTIVATIONS:
-        raise ShapeError(f"neural_memory: activation is {activation!r}, expected one of {sorted(ACTIVATIONS)}")
-    for name, n in (("num_heads", num_heads), ("chunk_size", chunk_size)):
+def _check(tokens: Tokens, memory: Memory, options: Options, norm: ResidualNorm | None) -> None:
+    """Raise ShapeError, naming the argument, where a call does not fit the op's contract."""
+    if options.activation not in ACTIVATIONS:
+        raise ShapeError(f"neural_memory: activation is {options.activation!r}, expected one of {sorted(ACTIVATIONS)}")
+    for name in ("num_heads", "chunk_size"):
+        n = getattr(options, name)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ShapeError(f"neural_memory: {name} is {n!r}, expected an integer >= 1")
+    query, key, value, theta, eta, alpha = tokens
     if not isinstance(query, Tensor) or query.dim() not in (3, 4):
         got = tuple(query.shape) if isinstance(query, Tensor) else type(query).__name__
         raise _shape_error("query", got, "(B, T, H*D) or (B, T, H, D)")
-    b, t, h = query.shape[0], query.shape[1], num_heads
+    b, t, h = query.shape[0], query.shape[1], options.num_heads
     if query.dim() == 4 and query.shape[2] != h:
         raise _shape_error("query", tuple(query.shape), f"(B, T, num_heads={h}, D)")
     if query.dim() == 3 and query.shape[2] % h:
@@ -147,6 +166,7 @@ def _check(
         _check_tensor(name, x, tuple(query.shape))
     for name, x in (("theta", theta), ("eta", eta), ("alpha", alpha)):
         _check_tensor(name, x, (b, t, h))
+    weights = memory.weights
     if not isinstance(weights, (tuple, list)) or len(weights) not in (1, 2):
         got = f"{len(weights)} tensors" if isinstance(weights, (tuple, list)) else type(weights).__name__
         raise ShapeError(f"neural_memory: past_weights has {got}, expected 1 (depth 1) or 2 (depth 2) tensors")
@@ -156,63 +176,40 @@ def _check(
         w1 = weights[0]
         e = w1.shape[-1] if isinstance(w1, Tensor) and w1.dim() == 4 else "E"
         expected = [(b, h, d, e), (b, h, e, d)]
-    states = [("past_weights", weights), ("past_momentum", momentum)]
-    if chunk_weights is not None:
-        states.append(("past_chunk_weights", chunk_weights))
+    states = [("past_weights", weights), ("past_momentum", memory.momentum)]
+    if memory.chunk_weights is not None:
+        states.append(("past_chunk_weights", memory.chunk_weights))
     for name, tensors in states:
         if not isinstance(tensors, (tuple, list)) or len(tensors) != len(weights):
             raise ShapeError(f"neural_memory: {name} must be a tuple of {len(weights)} tensors like past_weights")
         for i, x in enumerate(tensors):
             _check_tensor(f"{name}[{i}]", x, expected[i])
+    position = memory.position
     if position is not None:
         if not isinstance(position, Tensor) or position.dtype != torch.int64:
             raise ShapeError(f"neural_memory: past_position must be an int64 tensor of shape ({b},) or (1,)")
         if tuple(position.shape) not in ((b,), (1,)):
             raise _shape_error("past_position", tuple(position.shape), f"({b},) or (1,)")
-    if (norm_weight is None) != (norm_bias is None):
-        raise ShapeError("neural_memory: give both norm_weight and norm_bias (the residual norm) or neither")
-    if norm_weight is not None:
-        _check_tensor("norm_weight", norm_weight, (h, d))
-        _check_tensor("norm_bias", norm_bias, (h, d))
+    if norm is not None:
+        _check_tensor("norm_weight", norm.weight, (h, d))
+        _check_tensor("norm_bias", norm.bias, (h, d))
 
 
-def _call(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    theta: Tensor,
-    eta: Tensor,
-    alpha: Tensor,
-    weights: Sequence[Tensor],
-    momentum: Sequence[Tensor],
-    chunk_weights: Sequence[Tensor] | None,
-    position: Tensor | None,
-    norm_weight: Tensor | None,
-    norm_bias: Tensor | None,
-    num_heads: int,
-    chunk_size: int,
-    activation: str,
-) -> tuple[Tensor, State, State, State, Tensor]:
-    _check(
-        query, key, value, theta, eta, alpha, weights, momentum, chunk_weights, position, norm_weight, norm_bias,
-        num_heads, chunk_size, activation,
-    )
-    unpacked = query.dim() == 4
+def _call(tokens: Tokens, memory: Memory, options: Options, norm: ResidualNorm | None) -> tuple[Tensor, Memory]:
+    _check(tokens, memory, options, norm)
+    unpacked = tokens.query.dim() == 4
     if unpacked:
-        query, key, value = (x.flatten(2) for x in (query, key, value))
+        tokens = Tokens(*(x.flatten(2) for x in tokens[:3]), *tokens[3:])
     if torch.onnx.is_in_onnx_export():
-        y, w, s, wc, end = emit(
-            query, key, value, theta, eta, alpha, weights, momentum, chunk_weights, position, norm_weight, norm_bias,
-            num_heads=num_heads, chunk_size=chunk_size, activation=activation,
-        )
+        from edgemem.ops.neural_memory.onnx import emit  # imports onnx only when exporting
+
+        y, memory = emit(tokens, memory, options, norm)
     else:
-        y, w, s, wc, end = _neural_memory_op(
-            query, key, value, theta, eta, alpha, list(weights), list(momentum), list(chunk_weights or ()),
-            position, norm_weight, norm_bias, num_heads, chunk_size, activation,
-        )
+        y, w, s, wc, end = _neural_memory_op(*tokens, *_flat_args(memory, options, norm))
+        memory = Memory(tuple(w), tuple(s), tuple(wc), end)
     if unpacked:
-        y = y.unflatten(2, (num_heads, -1))
-    return y, tuple(w), tuple(s), tuple(wc), end
+        y = y.unflatten(2, (options.num_heads, -1))
+    return y, memory
 
 
 def neural_memory(
@@ -249,11 +246,11 @@ def neural_memory(
     at multiples of `chunk_size` continue each other; to split anywhere, stream with
     `neural_memory_step`. Bad shapes raise `ShapeError`.
     """
-    y, w, s, _, _ = _call(
-        query, key, value, theta, eta, alpha, past_weights, past_momentum, None, None, norm_weight, norm_bias,
-        num_heads, chunk_size, activation,
-    )
-    return y, w, s
+    norm = ResidualNorm.of(norm_weight, norm_bias)
+    memory = Memory(past_weights, past_momentum)
+    tokens = Tokens(query, key, value, theta, eta, alpha)
+    y, memory = _call(tokens, memory, Options(num_heads, chunk_size, activation), norm)
+    return y, memory.weights, memory.momentum
 
 
 def neural_memory_step(
@@ -286,7 +283,8 @@ def neural_memory_step(
     present_chunk_weights, present_position)` (position shaped like past_position);
     consecutive calls over pieces of a sequence reproduce one `neural_memory` call over it.
     """
-    return _call(
-        query, key, value, theta, eta, alpha, past_weights, past_momentum, past_chunk_weights, past_position,
-        norm_weight, norm_bias, num_heads, chunk_size, activation,
-    )
+    norm = ResidualNorm.of(norm_weight, norm_bias)
+    memory = Memory(past_weights, past_momentum, past_chunk_weights, past_position)
+    tokens = Tokens(query, key, value, theta, eta, alpha)
+    y, memory = _call(tokens, memory, Options(num_heads, chunk_size, activation), norm)
+    return y, memory.weights, memory.momentum, memory.chunk_weights, memory.position

@@ -11,7 +11,10 @@ op behind `window_attention_prefill` / `window_attention_step`; onnx.py — the 
 from edgemem.ops.window_attention.chunk import window_attention_chunk
 from edgemem.ops.window_attention.naive import window_attention_naive
 from edgemem.ops.window_attention.op import (
+    ATTRIBUTES,
+    INPUTS,
     OP_TYPE,
+    OUTPUTS,
     init_window_state,
     ring_length,
     window_attention_prefill,
@@ -19,7 +22,10 @@ from edgemem.ops.window_attention.op import (
 )
 
 __all__ = [
+    "ATTRIBUTES",
+    "INPUTS",
     "OP_TYPE",
+    "OUTPUTS",
     "init_window_state",
     "ring_length",
     "window_attention_chunk",

@@ -1,7 +1,7 @@
 """ONNX side of WindowAttention: the opaque node emitted under export and its model-local function.
 
-Node `edgemem::WindowAttention` (version 1). Every input is always present, so one function body
-serves every call (the torch side materialises the defaults):
+Node `edgemem::WindowAttention` (names and attributes in op.py). Every input is always present, so one
+function body serves every call (the torch side materialises the defaults):
 
     query            [B, T, H*D]    float16 | float32
     key              [B, T, H*D]    query's type
@@ -34,23 +34,12 @@ from collections.abc import Sequence
 import numpy as np
 import onnx
 import torch
-from onnx import AttributeProto, TensorProto
+from onnx import TensorProto
 
-from edgemem.ops.banded_attention.onnx import DOMAIN, VERSION, FunctionBuilder
-from edgemem.ops.window_attention.op import OP_TYPE
-
-INPUTS = (
-    "query",
-    "key",
-    "value",
-    "past_key",
-    "past_value",
-    "position",
-    "persistent_key",
-    "persistent_value",
-)
-OUTPUTS = ("output", "present_key", "present_value")
-ATTRIBUTES = ("num_heads", "window", "dilation", "scale")
+from edgemem.opset import body
+from edgemem.ops.banded_attention.onnx import MIN_OPSET, persistent_inputs
+from edgemem.ops.node import emit_node
+from edgemem.ops.window_attention.op import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS
 
 _FLOAT, _INT64 = TensorProto.FLOAT, TensorProto.INT64
 _LAST = np.iinfo(np.int64).max  # Slice "to the end"
@@ -75,41 +64,27 @@ def emit(
     packed tensors (query, key `[B, T, H*D]`, value `[B, T, H*D_v]`, position int64 `[B]`),
     defaults materialised."""
     b, t, _ = query.shape
-    d, dv = query.shape[2] // num_heads, value.shape[2] // num_heads
-    if persistent_key is None:
-        persistent_key = query.new_zeros(b, num_heads, 0, d)
-        persistent_value = query.new_zeros(b, num_heads, 0, dv)
-    elif persistent_key.dim() == 3:
-        persistent_key = persistent_key.expand(b, *persistent_key.shape)
-        persistent_value = persistent_value.expand(b, *persistent_value.shape)
-    output, present_key, present_value = torch.onnx.ops.symbolic_multi_out(
-        f"{DOMAIN}::{OP_TYPE}",
-        (query, key, value, past_key, past_value, position, persistent_key, persistent_value),
-        attrs=dict(
-            num_heads=int(num_heads),
-            window=int(window),
-            dilation=[int(x) for x in dilation],
-            scale=float(scale),
-        ),
+    persistent = persistent_inputs(query, value, persistent_key, persistent_value, num_heads)
+    output, present_key, present_value = emit_node(
+        OP_TYPE,
+        ATTRIBUTES,
+        (query, key, value, past_key, past_value, position, *persistent),
+        dict(num_heads=num_heads, window=window, dilation=dilation, scale=scale),
         dtypes=(query.dtype, past_key.dtype, past_value.dtype),
         shapes=((b, t, value.shape[2]), past_key.shape, past_value.shape),
-        version=VERSION,
     )
     return output, present_key, present_value
 
 
 def function(opset: int = 20) -> onnx.FunctionProto:
     """The model-local function `edgemem::WindowAttention`, body in standard ops at `opset` (≥ 18)."""
-    g = FunctionBuilder()
+    g = body(OP_TYPE, INPUTS, ATTRIBUTES, opset, MIN_OPSET)
     zero, one = g.const(0, out="zero"), g.const(1, out="one")
     axis0 = g.const([0], out="axis0")
-    neg_inf = g.const(-np.inf, np.float32, out="neg_inf")
+    neg_inf = g.const(-np.inf, out="neg_inf")
 
     # attributes and sizes
-    heads = g.attr("num_heads", AttributeProto.INT)
-    window = g.attr("window", AttributeProto.INT)
-    dilation = g.attr("dilation", AttributeProto.INTS)
-    scale = g.attr("scale", AttributeProto.FLOAT)
+    heads, window, dilation, scale = (g.attr(name) for name in ("num_heads", "window", "dilation", "scale"))
     B1 = g.Shape("query", start=0, end=1, out="B1")
     T1 = g.Shape("query", start=1, end=2, out="T1")
     L1 = g.Shape("past_key", start=2, end=3, out="L1")
@@ -178,4 +153,4 @@ def function(opset: int = 20) -> onnx.FunctionProto:
     keep_rows = g.Add(g.Unsqueeze(base, g.const([2])), g.Unsqueeze(keep, g.const([1])), out="keep_rows")  # [B, H, L]
     g.CastLike(g.Gather(k_rows, keep_rows, axis=0), "past_key", out="present_key")
     g.CastLike(g.Gather(v_rows, keep_rows, axis=0), "past_value", out="present_value")
-    return g.function(OP_TYPE, INPUTS, OUTPUTS, ATTRIBUTES, opset, __doc__)
+    return g.function(OP_TYPE, INPUTS, OUTPUTS, opset, __doc__)

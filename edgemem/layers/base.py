@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from edgemem.ops.dtypes import compute_dtype
+
 State = dict[str, torch.Tensor]
 
 
@@ -37,4 +39,4 @@ class StatefulLayer(nn.Module):
     def state_dtype(self, dtype: torch.dtype | None) -> torch.dtype:
         if dtype is not None:
             return dtype
-        return torch.float64 if next(self.parameters()).dtype == torch.float64 else torch.float32
+        return compute_dtype(next(self.parameters()))

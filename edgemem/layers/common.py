@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgemem.ops.dtypes import compute_dtype
+
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
@@ -35,7 +37,7 @@ class ShortConv(nn.Module):
 def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
     """Rotary embedding (Su et al. 2021), rotate-half form. x `[B, H, T, D]`, positions `[T]` or `[B, T]`."""
     half = x.shape[-1] // 2
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(x)
     freqs = base ** (-torch.arange(half, device=x.device, dtype=dtype) / half)
     angles = positions.to(dtype)[..., None] * freqs
     if angles.dim() == 3:  # per-stream positions: broadcast over heads

@@ -22,16 +22,8 @@ from edgemem.errors import ConfigError, EdgememError
 from edgemem.layers.base import State, StatefulLayer
 from edgemem.layers.common import rope
 from edgemem.ops.banded_attention import banded_attention
+from edgemem.ops.banded_attention.op import check_window
 from edgemem.ops.window_attention import init_window_state, window_attention_prefill
-
-
-def _dilation(dilation: int | list[int], num_heads: int) -> int | list[int]:
-    values = [dilation] if isinstance(dilation, int) else list(dilation)
-    if not values or any(not isinstance(d, int) or d < 1 for d in values):
-        raise ConfigError(f"dilation must be a positive int or a list of them; got {dilation!r}")
-    if not isinstance(dilation, int) and len(values) != num_heads:
-        raise ConfigError(f"dilation lists one value per head: {num_heads} expected, got {len(values)}")
-    return dilation if isinstance(dilation, int) else values
 
 
 class _Projections(StatefulLayer):
@@ -42,10 +34,8 @@ class _Projections(StatefulLayer):
         if d_model % num_heads or (rope and (d_model // num_heads) % 2):
             parity = " even-sized" if rope else ""
             raise ConfigError(f"d_model ({d_model}) must split into num_heads ({num_heads}){parity} heads")
-        if window < 1:
-            raise ConfigError(f"window must be ≥ 1; got {window}")
         self.num_heads, self.head_dim, self.window, self.rope = num_heads, d_model // num_heads, window, rope
-        self.dilation = _dilation(dilation, num_heads)
+        self.dilation = check_window(type(self).__name__, window, dilation, num_heads)  # one per head
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.out = nn.Linear(d_model, d_model, bias=bias)
 

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from edgemem.ops.dtypes import compute_dtype
+
 
 def band_index(rows: torch.Tensor, window: int, dilation: Sequence[int], causal: bool) -> torch.Tensor:
     """Key position of each band slot of each query row, per head: `[H, len(rows), K]`.
@@ -52,7 +54,7 @@ def banded_attention_chunk(
     """query, key `[B, T, H, D]`, value `[B, T, H, D_v]` → `[B, T, H, D_v]`; the rule of `banded_attention`."""
     b, t, h, d = query.shape
     dilation = [dilation] * h if isinstance(dilation, int) else list(dilation)
-    dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(query)
     q = query.to(dtype).transpose(1, 2) * (d**-0.5 if scale is None else scale)
     k, v = (x.to(dtype).transpose(1, 2) for x in (key, value))
     rows = torch.arange(t, device=q.device)

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from edgemem.ops.dtypes import compute_dtype
+
 
 def banded_attention_naive(
     query: torch.Tensor,
@@ -22,7 +24,7 @@ def banded_attention_naive(
 ) -> torch.Tensor:
     """query, key `[B, T, H, D]`, value `[B, T, H, D_v]` → `[B, T, H, D_v]`; the rule of `banded_attention`."""
     b, t, h, d = query.shape
-    dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(query)
     q = query.to(dtype) * (d**-0.5 if scale is None else scale)
     k, v = key.to(dtype), value.to(dtype)
     dil = torch.tensor([dilation] * h if isinstance(dilation, int) else list(dilation), device=q.device)[:, None]

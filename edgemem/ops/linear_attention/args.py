@@ -14,13 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from edgemem.errors import ShapeError
+from edgemem.ops.dtypes import compute_dtype
 
 UPDATE_RULES = ("linear", "gated", "delta", "gated_delta")
-
-
-def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
-    """float64 if any input is float64, else float32: state never accumulates in half."""
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 @dataclass

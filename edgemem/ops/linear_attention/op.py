@@ -13,7 +13,7 @@ import torch
 
 from edgemem.errors import ShapeError
 from edgemem.opset import Attribute
-from edgemem.ops.linear_attention.args import compute_dtype
+from edgemem.ops.dtypes import compute_dtype
 from edgemem.ops.linear_attention.chunk import linear_attention_chunk
 from edgemem.ops.linear_attention.naive import linear_attention_naive
 

@@ -19,11 +19,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from edgemem.ops.dtypes import compute_dtype
 from edgemem.ops.neural_memory.args import Memory, Options, ResidualNorm, Tokens
 from edgemem.ops.neural_memory.naive import (
     ACTIVATIONS,
     Norm,
-    compute_dtype,
     memory_deltas,
     norm_rows,
     residual_norm,
@@ -92,7 +92,7 @@ def neural_memory_chunk(
     with absolute positions in every row and the first chunk's gradients use the chunk weights.
     """
     chunk_size, activation, position = options.chunk_size, options.activation, memory.position
-    out_dtype, dtype = tokens.query.dtype, compute_dtype(tokens.query.dtype)
+    out_dtype, dtype = tokens.query.dtype, compute_dtype(tokens.query)
     q, k, v, theta, eta, alpha = (x.to(dtype) for x in tokens)
     batch, length = q.shape[:2]
     w = [x.to(dtype, copy=True) for x in memory.weights]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from edgemem.ops.neural_memory.args import Memory, Options, ResidualNorm, Tokens
+from edgemem.ops.dtypes import compute_dtype
 
 Activation = tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]
 
@@ -38,11 +39,6 @@ ACTIVATIONS: dict[str, Activation] = {
     "relu": (F.relu, lambda h: (h > 0).to(h.dtype)),
     "identity": (lambda h: h, torch.ones_like),
 }
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; every other floating dtype computes in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # eps of the LayerNorm inside the TTT inner model x + γ ⊙ LN(f(x)) + β
@@ -131,7 +127,7 @@ def neural_memory_naive(
     set (position + T); state in the compute dtype, y in q's dtype.
     """
     q, k, v, theta, eta, alpha = tokens
-    out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
+    out_dtype, dtype = q.dtype, compute_dtype(q)
     chunk_weights = memory.weights if memory.chunk_weights is None else memory.chunk_weights
     position = q.new_zeros(1, dtype=torch.int64) if memory.position is None else memory.position
     activation = options.activation

@@ -18,7 +18,8 @@ from edgemem.errors import ShapeError
 from edgemem.opset import Attribute
 from edgemem.ops.neural_memory.args import Memory, Options, ResidualNorm, Tokens
 from edgemem.ops.neural_memory.chunk import neural_memory_chunk
-from edgemem.ops.neural_memory.naive import ACTIVATIONS, compute_dtype, neural_memory_naive
+from edgemem.ops.neural_memory.naive import ACTIVATIONS, neural_memory_naive
+from edgemem.ops.dtypes import compute_dtype
 
 # The node contract (onnx.py has the details)
 OP_TYPE = "NeuralMemory"
@@ -92,7 +93,7 @@ _neural_memory_op = torch.library.custom_op("edgemem::neural_memory", _flat_forw
 
 @_neural_memory_op.register_fake
 def _(query, key, value, theta, eta, alpha, weights, momentum, chunk_weights, position, *rest):
-    dtype = compute_dtype(query.dtype)
+    dtype = compute_dtype(query)
     return (
         query.new_empty(query.shape),
         [w.new_empty(w.shape, dtype=dtype) for w in weights],

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from edgemem.ops.banded_attention.chunk import band_index, gather_band
+from edgemem.ops.dtypes import compute_dtype
 
 
 def window_attention_chunk(
@@ -31,7 +32,7 @@ def window_attention_chunk(
     the contract of `window_attention_prefill`, returning output `[B, T, H, D_v]`."""
     b, t, h, d = query.shape
     dilation = [dilation] * h if isinstance(dilation, int) else list(dilation)
-    dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(query)
     ring = past_key.shape[2]
     q = query.to(dtype).transpose(1, 2) * (d**-0.5 if scale is None else scale)
     # sources: ring slots 0..L−1, then the new tokens at L..L+T−1

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from edgemem.ops.dtypes import compute_dtype
+
 
 def window_attention_naive(
     query: torch.Tensor,
@@ -24,7 +26,7 @@ def window_attention_naive(
     """query, key `[B, T, H, D]`, value `[B, T, H, D_v]`, ring `[B, H, L, D | D_v]`, position `[B]`;
     the contract of `window_attention_prefill`, returning output `[B, T, H, D_v]`."""
     b, t, h, d = query.shape
-    dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype(query)
     q = query.to(dtype) * (d**-0.5 if scale is None else scale)
     k, v = key.to(dtype), value.to(dtype)
     ring_k, ring_v = past_key.to(dtype), past_value.to(dtype)

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from edgemem.config import positive_int
 from edgemem.errors import ConfigError
 from edgemem.manifest import Manifest
 from edgemem.manifest import load as load_manifest
@@ -48,12 +49,6 @@ TokenIds = Sequence[int] | np.ndarray | bytes | bytearray
 BACKENDS = ("ort", "ort-cuda", "trt")
 DEFAULT_CHUNK = 512  # tokens per prefill-graph run
 BATCH_SLOTS = 4  # batch sizes whose [n, ...] buffers an engine keeps
-
-
-def check_chunk_size(chunk_size: Any) -> int:
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ConfigError(f"chunk_size must be a positive integer; got {chunk_size!r}")
-    return chunk_size
 
 
 class Engine:
@@ -100,7 +95,7 @@ class Engine:
             raise BackendError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
         if backend != "trt" and (engines is not None or plugins is not None):
             raise ConfigError("engines= and plugins= are for backend 'trt'")
-        check_chunk_size(chunk_size)
+        positive_int(chunk_size, "chunk_size")
         directory = Path(directory)
         manifest = load_manifest(directory, check_files=check_files)
         if not manifest.graphs.get("step"):
@@ -395,7 +390,7 @@ class Stream:
         """
         engine = self._engine
         ids = engine._tokens(token_ids)
-        chunk = check_chunk_size(chunk_size or engine.chunk_size)
+        chunk = positive_int(engine.chunk_size if chunk_size is None else chunk_size, "chunk_size")
         rows: list[np.ndarray] = []
         if not engine.has_prefill:
             for token in ids.tolist():

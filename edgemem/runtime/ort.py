@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from edgemem.errors import ConfigError, EdgememError
+from edgemem.config import positive_int
+from edgemem.errors import EdgememError
 from edgemem.manifest import Manifest, StateSpec
 from edgemem.runtime.base import BatchSlot, Engine, Stream
 from edgemem.runtime.errors import BackendError, BatchError
@@ -136,8 +137,8 @@ class OrtEngine(Engine):
     @classmethod
     def _open(cls, directory: Path, manifest: Manifest, backend: str, target: str | None, threads: int | None,
               chunk_size: int) -> OrtEngine:
-        if threads is not None and (not isinstance(threads, int) or threads < 1):
-            raise ConfigError(f"threads must be a positive integer; got {threads!r}")
+        if threads is not None:
+            positive_int(threads, "threads")
         if target is None:
             target = next((t for t in ("ort", "generic", "onnx27") if t in manifest.targets), None)
             if target is None:

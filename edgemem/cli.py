@@ -94,6 +94,8 @@ def _parse_set(items: tuple[str, ...]) -> dict:
 
 @main.command("export")
 @click.option("--arch", help="Preset to export (see `edgemem archs`).")
+@click.option("--hf", "hf_dir", type=click.Path(file_okay=False),
+              help="A Hugging Face / flash-linear-attention save_pretrained directory to import instead.")
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output directory.")
 @click.option("--target", "targets", default="generic,ort,trt", show_default=True,
               help="Comma-separated targets: generic, ort, onnx27, trt.")
@@ -103,7 +105,7 @@ def _parse_set(items: tuple[str, ...]) -> dict:
 @click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
               help="Weights and activations; state is always fp32.")
 @click.option("--force", is_flag=True, help="Replace a non-empty output directory.")
-def export_command(arch, out_dir, targets, seed, checkpoint, overrides, dtype, force) -> None:
+def export_command(arch, hf_dir, out_dir, targets, seed, checkpoint, overrides, dtype, force) -> None:
     """Export prefill and step ONNX graphs, lowered per target, with edgemem.json."""
     from rich.console import Console
 
@@ -111,8 +113,16 @@ def export_command(arch, out_dir, targets, seed, checkpoint, overrides, dtype, f
     from edgemem.export import export
     from edgemem.models import build, load_checkpoint
 
-    extra = {}
-    if checkpoint:
+    extra, tokenizer = {}, []
+    if hf_dir:
+        if arch or checkpoint or overrides:
+            raise ConfigError("--hf imports a model as saved: it takes no --arch, --checkpoint or --set")
+        from edgemem.models.hf import from_hf, tokenizer_files
+
+        model = from_hf(hf_dir)
+        extra["source"] = str(Path(hf_dir).resolve())
+        tokenizer = tokenizer_files(hf_dir)
+    elif checkpoint:
         if overrides:
             raise ConfigError("--set cannot change a checkpoint's architecture; export it as trained")
         model = load_checkpoint(checkpoint)
@@ -123,11 +133,11 @@ def export_command(arch, out_dir, targets, seed, checkpoint, overrides, dtype, f
         model = build(arch, seed=seed, **_parse_set(overrides))
         extra["seed"] = seed
     else:
-        raise ConfigError("give --arch (a preset) or --checkpoint")
+        raise ConfigError("give --arch (a preset), --checkpoint or --hf DIR")
     console = Console(stderr=True)
     with console.status(f"exporting {model.config.arch}"):
         manifest = export(model, out_dir, targets=[t.strip() for t in targets.split(",") if t.strip()],
-                          dtype=dtype, force=force, extra_config=extra)
+                          dtype=dtype, force=force, extra_config=extra, tokenizer=tokenizer)
     itemsize = {"int64": 8, "float64": 8, "float16": 2}
     fixed = sum(_numel(s.shape) * itemsize.get(s.dtype, 4) for s in manifest.state if "past_sequence" not in s.shape)
     growth = sum(_numel(s.shape) * itemsize.get(s.dtype, 4) for s in manifest.state if "past_sequence" in s.shape)

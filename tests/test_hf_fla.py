@@ -151,3 +151,22 @@ def test_forward_and_state_match_fla_naive_ops(tmp_path, case):
                 assert torch.allclose(ours[..., 1:], r[:, -(config["conv_size"] - 1):].transpose(1, 2), atol=1e-5)
     back = from_external(model, layers, layout="fla")
     assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("case", ["gdn-gva-neg-eig", "deltanet-gate-expand"])
+def test_imported_model_follows_the_protocol_law_in_fp64(tmp_path, case):
+    """prefill, steps and more prefill from the carried state reproduce forward (fp64 within 1e-9)."""
+    model_type, options = CASES[case]
+    fla_checkpoint(tmp_path, model_type, **options)
+    model = from_hf(tmp_path).double()
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        whole = model(ids)
+        state = model.init_state(2, dtype=torch.float64)
+        a, state = model.prefill(ids[:, :3], state)
+        rows = [a]
+        for t in range(3, 5):
+            row, state = model.step(ids[:, t], state)
+            rows.append(row[:, None])
+        b, _ = model.prefill(ids[:, 5:], state)
+    assert float((torch.cat([*rows, b], 1) - whole).abs().max() / whole.abs().max()) <= 1e-9

@@ -51,6 +51,8 @@ def test_cli_export_hf_writes_a_runnable_export(checkpoint, tmp_path):
     assert result.exit_code == 0, result.output
     manifest = json.loads((tmp_path / "out" / "edgemem.json").read_text())
     assert manifest["arch"] == "qwen3_5_text" and manifest["config"]["source"] == str(single.resolve())
+    result = CliRunner().invoke(main, ["verify", str(tmp_path / "out"), "--threads", "1"])
+    assert result.exit_code == 0 and "checks within tolerance" in result.output, result.output
 
 
 def _break(kind, path):

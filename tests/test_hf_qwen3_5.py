@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -191,3 +194,26 @@ def test_state_hands_over_both_ways_with_transformers_cache(exported):
         handed = from_external(ours, layers)
         for name, tensor in state.items():
             assert torch.allclose(handed[name], tensor, rtol=1e-4, atol=1e-5), name
+
+
+def test_text_codec_and_hybrid_engine_run_without_torch(exported):
+    """An app on a device: the tokenizer export streams text with torch, onnx and transformers unimportable."""
+    _, _, out, _ = exported
+    code = textwrap.dedent(f"""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split('.')[0] in ('torch', 'onnx', 'onnxscript', 'transformers'):
+                    raise ImportError('blocked: ' + name)
+        sys.meta_path.insert(0, Block())
+        from edgemem.runtime import Engine
+        from edgemem.runtime.text import load_codec
+        engine = Engine.load({str(out)!r}, threads=1)
+        codec = load_codec({str(out)!r}, engine.manifest)
+        ids = codec.encode('w1 w2 w3')
+        assert ids == [2, 3, 4], ids
+        print(codec.decode(engine.generate(ids, max_new_tokens=4)))
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert all(word.startswith("w") for word in result.stdout.split()) and len(result.stdout.split()) == 4

@@ -118,9 +118,8 @@ class LM(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = rms_norm(config.d_model, config.norm_eps, config.norm_unit_offset)
-        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.head.weight = self.embed.weight
+        # tied: the head reads the embedding matrix (one parameter, so checkpoints hold it once)
+        self.head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
 
     @property
     def streaming(self) -> bool:
@@ -149,7 +148,8 @@ class LM(nn.Module):
             mine = {name[len(prefix) :]: t for name, t in state.items() if name.startswith(prefix)}
             x, mine = block.prefill(x, mine)
             new_state.update({prefix + kind: t for kind, t in mine.items()})
-        return self.head(self.norm(x)), new_state
+        x = self.norm(x)
+        return (F.linear(x, self.embed.weight) if self.head is None else self.head(x)), new_state
 
     def step(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         """tokens `[B]` → (logits `[B, V]`, state)."""

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 # model_type → family module (imported when used; a family missing from an install is an error only for its types)
 FAMILIES = {

@@ -75,11 +75,9 @@ def lm_config(config: dict[str, Any]) -> LMConfig:
 
 def table(config: LMConfig) -> dict[str, str | tuple[str, ...]]:
     """edgemem parameter name → fla checkpoint name(s) (tuples are concatenated along dim 0)."""
-    names: dict[str, str | tuple[str, ...]] = {
-        "embed.weight": "model.embeddings.weight",
-        "norm.weight": "model.norm.weight",
-        "head.weight": "model.embeddings.weight" if config.tie_embeddings else "lm_head.weight",
-    }
+    names: dict[str, str | tuple[str, ...]] = {"embed.weight": "model.embeddings.weight", "norm.weight": "model.norm.weight"}
+    if not config.tie_embeddings:
+        names["head.weight"] = "lm_head.weight"
     options = config.mixer_options
     for i in range(config.n_layers):
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."

@@ -81,11 +81,9 @@ def lm_config(config: dict[str, Any]) -> LMConfig:
 
 def table(config: LMConfig, prefix: str) -> dict[str, str | tuple[str, ...]]:
     """edgemem parameter name → checkpoint name(s) (tuples are concatenated along dim 0)."""
-    names: dict[str, str | tuple[str, ...]] = {
-        "embed.weight": f"{prefix}embed_tokens.weight",
-        "norm.weight": f"{prefix}norm.weight",
-        "head.weight": f"{prefix}embed_tokens.weight" if config.tie_embeddings else "lm_head.weight",
-    }
+    names: dict[str, str | tuple[str, ...]] = {"embed.weight": f"{prefix}embed_tokens.weight", "norm.weight": f"{prefix}norm.weight"}
+    if not config.tie_embeddings:
+        names["head.weight"] = "lm_head.weight"
     for i, kind in enumerate(config.layer_types):
         ours, theirs = f"blocks.{i}.", f"{prefix}layers.{i}."
         names |= {

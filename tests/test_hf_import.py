@@ -73,6 +73,8 @@ def _break(kind, path):
         save_file(tensors, shard, metadata={"format": "pt"})
     elif kind == "unsupported option":
         config["num_experts"] = 8
+    elif kind == "tied in config, not in weights":
+        config["tie_word_embeddings"] = True
     (path / "config.json").write_text(json.dumps(config))
 
 
@@ -82,6 +84,7 @@ def _break(kind, path):
     ("missing shard", "listed in model.safetensors.index.json is missing"),
     ("wrong tensor shape", "in_proj_qkv.weight [31, 16]; config.json implies [32, 16]"),
     ("unsupported option", "mixture-of-experts layers are not supported"),
+    ("tied in config, not in weights", "ties the embeddings but lm_head.weight differs from model.embed_tokens.weight"),
 ])
 def test_bad_checkpoint_is_one_error_line_and_nothing_written(checkpoint, tmp_path, kind, message):
     _, _, sharded = checkpoint

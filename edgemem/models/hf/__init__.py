@@ -43,7 +43,7 @@ FAMILIES = {
     "longformer": "longformer",
 }
 
-Table = Mapping[str, "str | tuple[str, ...]"]
+Table = Mapping[str, str | tuple[str, ...]]  # edgemem name → checkpoint name(s), concatenated along dim 0
 
 
 def read_config(directory: str | Path) -> dict[str, Any]:
@@ -137,6 +137,13 @@ def require(config: Mapping[str, Any], key: str, kind: type | tuple[type, ...], 
     return value
 
 
+def tied_ignore(weights: Mapping[str, torch.Tensor], head: str, embedding: str) -> list[str]:
+    """With tied embeddings a checkpoint may still hold the head: then it must be the embedding again."""
+    if head in weights and embedding in weights and not torch.equal(weights[head], weights[embedding]):
+        raise ConfigError(f"config.json ties the embeddings but {head} differs from {embedding}")
+    return [head]
+
+
 def load_table(model: nn.Module, weights: Mapping[str, torch.Tensor], table: Table, *,
                ignore: Iterable[str] = (), what: str = "config.json") -> None:
     """Fill `model` from `weights` by `table` (edgemem name → checkpoint name, or names concatenated
@@ -169,4 +176,4 @@ def load_table(model: nn.Module, weights: Mapping[str, torch.Tensor], table: Tab
     model.load_state_dict(loaded)
 
 
-__all__ = ["FAMILIES", "from_hf", "load_table", "read_config", "read_weights", "tokenizer_files"]
+__all__ = ["FAMILIES", "from_hf", "load_table", "read_config", "read_weights", "tied_ignore", "tokenizer_files"]

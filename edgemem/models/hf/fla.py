@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from edgemem.errors import ConfigError
-from edgemem.models.hf import load_table, require
+from edgemem.models.hf import load_table, require, tied_ignore
 from edgemem.models.lm import LM, LMConfig
 
 MODEL_TYPES = ("gated_deltanet", "delta_net")
@@ -107,5 +107,6 @@ def build(config: dict[str, Any], weights: dict[str, torch.Tensor]) -> LM:
         model = LM(lm)
     except ConfigError as e:
         raise ConfigError(f"config.json: {e}") from None
-    load_table(model, weights, table(lm), ignore=["lm_head."] if lm.tie_embeddings else [])
+    ignore = tied_ignore(weights, "lm_head.weight", "model.embeddings.weight") if lm.tie_embeddings else []
+    load_table(model, weights, table(lm), ignore=ignore)
     return model

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from edgemem.errors import ConfigError
-from edgemem.models.hf import Table, load_table, require
+from edgemem.models.hf import load_table, require, tied_ignore
 from edgemem.models.lm import LM, LMConfig
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
@@ -121,6 +121,6 @@ def build(config: dict[str, Any], weights: dict[str, torch.Tensor]) -> LM:
     prefix = "model.language_model." if multimodal else "model."
     ignore = ["mtp.", "model.visual.", "visual."]
     if lm.tie_embeddings:
-        ignore.append("lm_head.")  # a tied head saved anyway is the embedding again
+        ignore += tied_ignore(weights, "lm_head.weight", f"{prefix}embed_tokens.weight")
     load_table(model, weights, table(lm, prefix), ignore=ignore)
     return model

@@ -132,7 +132,7 @@ def require(config: Mapping[str, Any], key: str, kind: type | tuple[type, ...], 
     if key not in config or config[key] is None:
         raise ConfigError(f"{where}: {key} is missing")
     value = config[key]
-    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+    if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
         raise ConfigError(f"{where}: {key} must be {getattr(kind, '__name__', kind)}; got {value!r}")
     return value
 
@@ -144,8 +144,7 @@ def tied_ignore(weights: Mapping[str, torch.Tensor], head: str, embedding: str) 
     return [head]
 
 
-def load_table(model: nn.Module, weights: Mapping[str, torch.Tensor], table: Table, *,
-               ignore: Iterable[str] = (), what: str = "config.json") -> None:
+def load_table(model: nn.Module, weights: Mapping[str, torch.Tensor], table: Table, *, ignore: Iterable[str] = ()) -> None:
     """Fill `model` from `weights` by `table` (edgemem name → checkpoint name, or names concatenated
     along dim 0). Every parameter must be mapped, every checkpoint tensor used (or under an
     `ignore` prefix), and every shape must match what the config implies."""
@@ -158,13 +157,13 @@ def load_table(model: nn.Module, weights: Mapping[str, torch.Tensor], table: Tab
         sources = (source,) if isinstance(source, str) else tuple(source)
         absent = [s for s in sources if s not in weights]
         if absent:
-            raise ConfigError(f"the weights lack {absent[0]}, which {what} implies")
+            raise ConfigError(f"the weights lack {absent[0]}, which config.json implies")
         parts = [weights[s] for s in sources]
         want = params[name].shape
         got = torch.Size([sum(p.shape[0] for p in parts), *parts[0].shape[1:]]) if parts[0].dim() else parts[0].shape
         if any(p.shape[1:] != parts[0].shape[1:] for p in parts) or got != want:
             shapes = ", ".join(f"{s} {list(p.shape)}" for s, p in zip(sources, parts))
-            raise ConfigError(f"tensor shape mismatch: {shapes}; {what} implies {list(want)}"
+            raise ConfigError(f"tensor shape mismatch: {shapes}; config.json implies {list(want)}"
                               + (" (concatenated)" if len(parts) > 1 else ""))
         loaded[name] = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(params[name].dtype)
         used.update(sources)
@@ -172,7 +171,8 @@ def load_table(model: nn.Module, weights: Mapping[str, torch.Tensor], table: Tab
     extra = sorted(k for k in weights if k not in used and not k.startswith(prefixes))
     if extra:
         more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
-        raise ConfigError(f"the weights hold {extra[0]}{more}, which {what} does not describe (more layers or options than configured?)")
+        raise ConfigError(f"the weights hold {extra[0]}{more}, which config.json does not describe "
+                          "(more layers or options than configured?)")
     model.load_state_dict(loaded)
 
 

@@ -5,6 +5,8 @@
                                      model's prefill is a data-dependent loop: prompts are stepped)
     DIR/<target>/step.onnx           one token (absent for bidirectional models)
     DIR/state_init.safetensors       initial values of the states that do not start at zero
+    DIR/tokenizer/                   the model's tokenizer files, when given (config["tokenizer"]
+                                     names the tokenizer.json the runtime reads)
 
 The directory is built beside DIR under a temporary name and renamed into place, so an
 interrupted export never leaves a half-written DIR.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,7 @@ from edgemem.manifest import MANIFEST, STATE_INIT, TARGETS, Manifest, StateSpec
 log = logging.getLogger(__name__)
 
 OPSET = 20
+TOKENIZER_DIR = "tokenizer"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 _ONNX_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.float64: "float64", torch.int64: "int64"}
 
@@ -81,9 +85,15 @@ def export(
     dtype: str = "fp32",
     force: bool = False,
     extra_config: dict[str, Any] | None = None,
+    tokenizer: Sequence[str | Path] = (),
 ) -> Manifest:
-    """Export `model` (stateful protocol, `config.vocab_size`) to `out_dir` for `targets`."""
+    """Export `model` (stateful protocol, `config.vocab_size`) to `out_dir` for `targets`; `tokenizer`:
+    files that travel with it (a tokenizer.json among them is what the runtime encodes text with)."""
     _check_protocol(model)
+    tokenizer = [Path(p) for p in tokenizer]
+    missing = [str(p) for p in tokenizer if not p.is_file()]
+    if missing:
+        raise EdgememError(f"tokenizer file(s) not found: {', '.join(missing)}")
     unknown = [t for t in targets if t not in TARGETS]
     if unknown or not targets:
         raise EdgememError(f"unknown target(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(TARGETS)}")
@@ -117,6 +127,12 @@ def export(
             write_atomic(tmp / STATE_INIT, save_safetensors(initial))
             files[STATE_INIT] = sha256(tmp / STATE_INIT)
         config = {**_config(model), **(extra_config or {}), "dtype": dtype}
+        for path in tokenizer:
+            (tmp / TOKENIZER_DIR).mkdir(exist_ok=True)
+            shutil.copyfile(path, tmp / TOKENIZER_DIR / path.name)
+            files[f"{TOKENIZER_DIR}/{path.name}"] = sha256(tmp / TOKENIZER_DIR / path.name)
+            if path.name == "tokenizer.json":
+                config["tokenizer"] = f"{TOKENIZER_DIR}/{path.name}"
         extras, output = graph_io(model)
         manifest = Manifest(
             arch=str(getattr(model.config, "arch", "custom")), config=config, opset=OPSET, targets=list(targets),

@@ -1,7 +1,7 @@
 """`edgemem verify DIR`: run each target that can run here against the PyTorch model.
 
 The PyTorch model is rebuilt from the manifest (arch, config, seed) or loaded from the
-checkpoint it was exported from. One random stream is prefilled and then stepped; every
+checkpoint or Hugging Face directory it was exported from. One random stream is prefilled and then stepped; every
 output and state of every graph is compared, and prefill ≡ prefill + steps is checked inside
 ONNX Runtime itself.
 """
@@ -44,6 +44,10 @@ def rebuild(manifest: Manifest, checkpoint: str | Path | None = None) -> LM:
     path = checkpoint or config.pop("checkpoint", None)
     if path is not None:
         model = load_checkpoint(path)
+    elif "source" in config:  # imported with `edgemem export --hf DIR`
+        from edgemem.models.hf import from_hf
+
+        model = from_hf(config["source"])
     else:
         if "seed" not in config:
             raise EdgememError("the manifest records no seed and no checkpoint: pass --checkpoint")

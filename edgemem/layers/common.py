@@ -1,4 +1,4 @@
-"""Small building blocks shared by the layers: short causal convolution, RoPE, L2 norm."""
+"""Small building blocks shared by the layers: short causal convolution, RoPE, L2 norm, RMSNorm variants."""
 
 from __future__ import annotations
 
@@ -11,6 +11,25 @@ from edgemem.ops.dtypes import compute_dtype
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class OffsetRMSNorm(nn.Module):
+    """RMSNorm whose scale is 1 + weight (weight starts at 0), computed in fp32 (Gemma, Qwen3.5)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float() if x.dtype != torch.float64 else x
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.to(h.dtype))).to(x.dtype)
+
+
+def rms_norm(dim: int, eps: float, unit_offset: bool = False) -> nn.Module:
+    """RMSNorm with scale `weight` (nn.RMSNorm) or, with `unit_offset`, `1 + weight`."""
+    return OffsetRMSNorm(dim, eps) if unit_offset else nn.RMSNorm(dim, eps=eps)
 
 
 class ShortConv(nn.Module):
@@ -34,8 +53,11 @@ class ShortConv(nn.Module):
         return F.silu(y.transpose(1, 2)), window[:, :, t:].to(state.dtype)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotary embedding (Su et al. 2021), rotate-half form. x `[B, H, T, D]`, positions `[T]` or `[B, T]`."""
+def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0, rotary_dim: int | None = None) -> torch.Tensor:
+    """Rotary embedding (Su et al. 2021), rotate-half form, on the first `rotary_dim` channels
+    (default all; the rest pass through). x `[B, H, T, D]`, positions `[T]` or `[B, T]`."""
+    if rotary_dim is not None and rotary_dim < x.shape[-1]:
+        return torch.cat([rope(x[..., :rotary_dim], positions, base), x[..., rotary_dim:]], dim=-1)
     half = x.shape[-1] // 2
     dtype = compute_dtype(x)
     freqs = base ** (-torch.arange(half, device=x.device, dtype=dtype) / half)

@@ -1,4 +1,11 @@
-"""Causal multi-head softmax attention with RoPE and a KV cache: the baseline whose state grows."""
+"""Causal multi-head softmax attention with RoPE and a KV cache: the baseline whose state grows.
+
+Options cover the attention layers of hybrid models: grouped K/V heads (GQA), a head width of
+its own, RoPE on the first `rotary_dim` channels of a head only (partial RoPE) with base
+`rope_theta`, per-head RMSNorm of q and k before RoPE (`qk_norm`, scale 1 + w with
+`norm_unit_offset`), and a sigmoid output gate per channel (`output_gate`: the q projection
+gives, per head, d query channels then d gate channels).
+"""
 
 from __future__ import annotations
 
@@ -8,36 +15,77 @@ from torch import nn
 
 from edgemem.errors import ConfigError
 from edgemem.layers.base import State, StatefulLayer
-from edgemem.layers.common import rope
+from edgemem.layers.common import rms_norm, rope
 
 
 class SoftmaxAttention(StatefulLayer):
-    """State: `key`, `value` `[B, H, L, D]` holding every past token (L = position)."""
+    """State: `key`, `value` `[B, H_kv, L, D]` holding every past token (L = position), after RoPE."""
 
-    def __init__(self, d_model: int, num_heads: int):
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        rope_theta: float = 10000.0,
+        rotary_dim: int | None = None,
+        qk_norm: bool = False,
+        norm_unit_offset: bool = False,
+        norm_eps: float = 1e-6,
+        output_gate: bool = False,
+    ):
         super().__init__()
-        if d_model % num_heads or (d_model // num_heads) % 2:
-            raise ConfigError(f"d_model ({d_model}) must split into num_heads ({num_heads}) even-sized heads")
-        self.num_heads, self.head_dim = num_heads, d_model // num_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
-        self.out = nn.Linear(d_model, d_model, bias=False)
+        if head_dim is None and d_model % num_heads:
+            raise ConfigError(f"d_model ({d_model}) is not divisible by num_heads ({num_heads})")
+        self.num_heads, self.head_dim = num_heads, head_dim or d_model // num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.rotary_dim = rotary_dim or self.head_dim
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ConfigError(f"rotary_dim ({self.rotary_dim}) must be even and at most head_dim ({self.head_dim})")
+        if num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        self.rope_theta, self.output_gate = rope_theta, output_gate
+        q_width = num_heads * self.head_dim * (2 if output_gate else 1)
+        self.split = [q_width, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim]
+        self.qkv = nn.Linear(d_model, sum(self.split), bias=False)
+        self.out = nn.Linear(num_heads * self.head_dim, d_model, bias=False)
+        self.q_norm = rms_norm(self.head_dim, norm_eps, norm_unit_offset) if qk_norm else None
+        self.k_norm = rms_norm(self.head_dim, norm_eps, norm_unit_offset) if qk_norm else None
 
     def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> State:
-        shape = (batch, self.num_heads, 0, self.head_dim)
+        shape = (batch, self.num_kv_heads, 0, self.head_dim)
         dtype = self.state_dtype(dtype)
         return {"key": torch.zeros(shape, device=device, dtype=dtype), "value": torch.zeros(shape, device=device, dtype=dtype)}
 
     def prefill(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         b, t, _ = x.shape
         past = state["key"].shape[2]
-        q, k, v = self.qkv(x).unflatten(2, (3, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4)
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
+        gate = None
+        if self.output_gate:
+            q, gate = q.unflatten(2, (self.num_heads, 2, self.head_dim)).unbind(3)
+            gate = gate.flatten(2)
+        else:
+            q = q.unflatten(2, (self.num_heads, self.head_dim))
+        k = k.unflatten(2, (self.num_kv_heads, self.head_dim))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.unflatten(2, (self.num_kv_heads, self.head_dim)).transpose(1, 2)
         positions = torch.arange(past, past + t, device=x.device)
-        q, k = rope(q, positions), rope(k, positions)
+        q, k = rope(q, positions, self.rope_theta, self.rotary_dim), rope(k, positions, self.rope_theta, self.rotary_dim)
         keys = torch.cat([state["key"].to(x.dtype), k], dim=2)
         values = torch.cat([state["value"].to(x.dtype), v], dim=2)
+        if self.num_kv_heads != self.num_heads:
+            group = self.num_heads // self.num_kv_heads
+            keys_q, values_q = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        else:
+            keys_q, values_q = keys, values
         # query i sits at position past + i and sees keys 0 … past + i
         mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        y = self.out(y.transpose(1, 2).reshape(b, t, -1))
+        y = F.scaled_dot_product_attention(q, keys_q, values_q, attn_mask=mask).transpose(1, 2).reshape(b, t, -1)
+        if gate is not None:
+            y = y * torch.sigmoid(gate)
+        y = self.out(y)
         dtype = state["key"].dtype
         return y, {"key": keys.to(dtype), "value": values.to(dtype)}

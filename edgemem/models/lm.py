@@ -1,7 +1,11 @@
-"""Byte-level language model around any stateful mixer (nanoGPT-style, one file).
+"""Language model around any stateful mixers (nanoGPT-style, one file): the presets' byte-level
+LMs and the models imported from Hugging Face directories (`edgemem.models.hf`).
 
 embedding → N × [RMSNorm → mixer → residual → RMSNorm → SwiGLU → residual] → RMSNorm → head
 (mlp_hidden = 0 drops the SwiGLU, for mixers such as GAU that carry their own gating MLP).
+Every layer uses `mixer` unless `layer_types` names a mixer per layer (hybrids); the options of
+a mixer other than `mixer` are in `layer_type_options`. `norm_unit_offset` makes every RMSNorm
+scale by 1 + w (Qwen3.5); `tie_embeddings` shares the embedding with the head.
 The model follows the stateful protocol on token ids: its state is the flat, ordered union of
 its layers' states, named `"{layer}.{kind}"` (export maps them to
 `past_key_values.{layer}.{kind}` / `present.{layer}.{kind}`).
@@ -16,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgemem.errors import EdgememError
+from edgemem.errors import ConfigError, EdgememError
 from edgemem.layers import (
     AFT,
     GAU,
@@ -33,6 +37,7 @@ from edgemem.layers import (
     TitansMAG,
     TitansMAL,
 )
+from edgemem.layers.common import rms_norm
 
 MIXERS: dict[str, type[StatefulLayer]] = {
     "softmax": SoftmaxAttention,
@@ -60,6 +65,15 @@ class LMConfig:
     vocab_size: int = 256
     norm_eps: float = 1e-5
     mixer_options: dict[str, Any] = field(default_factory=dict)
+    layer_types: list[str] = field(default_factory=list)
+    layer_type_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    norm_unit_offset: bool = False
+    tie_embeddings: bool = False
+
+    def mixer_of(self, layer: int) -> tuple[str, dict[str, Any]]:
+        """The mixer type of `layer` and its constructor options."""
+        kind = self.layer_types[layer] if self.layer_types else self.mixer
+        return kind, self.mixer_options if kind == self.mixer else self.layer_type_options.get(kind, {})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,11 +91,13 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: LMConfig):
+    def __init__(self, config: LMConfig, layer: int):
         super().__init__()
-        self.mixer_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.mixer = MIXERS[config.mixer](config.d_model, **config.mixer_options)
-        self.mlp_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps) if config.mlp_hidden else None
+        kind, options = config.mixer_of(layer)
+        norm = config.norm_unit_offset
+        self.mixer_norm = rms_norm(config.d_model, config.norm_eps, norm)
+        self.mixer = MIXERS[kind](config.d_model, **options)
+        self.mlp_norm = rms_norm(config.d_model, config.norm_eps, norm) if config.mlp_hidden else None
         self.mlp = SwiGLU(config.d_model, config.mlp_hidden) if config.mlp_hidden else None
 
     def prefill(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
@@ -94,10 +110,16 @@ class LM(nn.Module):
     def __init__(self, config: LMConfig):
         super().__init__()
         self.config = config
+        if config.layer_types and len(config.layer_types) != config.n_layers:
+            raise ConfigError(f"layer_types has {len(config.layer_types)} entries for {config.n_layers} layers")
+        unknown = sorted({t for t in [config.mixer, *config.layer_types] if t not in MIXERS})
+        if unknown:
+            raise ConfigError(f"unknown mixer type(s) {', '.join(unknown)}; known: {', '.join(MIXERS)}")
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
-        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
-        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = rms_norm(config.d_model, config.norm_eps, config.norm_unit_offset)
+        # tied: the head reads the embedding matrix (one parameter, so checkpoints hold it once)
+        self.head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
 
     @property
     def streaming(self) -> bool:
@@ -126,7 +148,8 @@ class LM(nn.Module):
             mine = {name[len(prefix) :]: t for name, t in state.items() if name.startswith(prefix)}
             x, mine = block.prefill(x, mine)
             new_state.update({prefix + kind: t for kind, t in mine.items()})
-        return self.head(self.norm(x)), new_state
+        x = self.norm(x)
+        return (F.linear(x, self.embed.weight) if self.head is None else self.head(x)), new_state
 
     def step(self, tokens: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         """tokens `[B]` → (logits `[B, V]`, state)."""

@@ -50,7 +50,7 @@ class TokenizerCodec(TextCodec):
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise EdgememError(f"{path.parent.parent} carries a tokenizer: pip install tokenizers to encode text") from None
+            raise EdgememError(f"{path.parent.parent} carries a tokenizer: pip install 'edgemem-toolkit[text]' to encode text") from None
         try:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as e:  # the tokenizers package raises a bare Exception for a malformed file

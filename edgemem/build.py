@@ -145,8 +145,8 @@ def build_engines(
     _check_precision(manifest, directory, fp16)
     if max_batch < 1 or max_sequence < 1:
         raise EdgememError("--max-batch and the maximum sequence must be at least 1")
-    library = engines_json.plugin_library(plugins)
     trt = _import_tensorrt()
+    library = engines_json.plugin_library(plugins)
     logger = trt.Logger(trt.Logger.WARNING)
     engines_json.load_plugins(trt, library)
     try:

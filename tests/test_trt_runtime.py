@@ -154,7 +154,7 @@ def test_load_says_what_is_missing(export_dir, tmp_path, monkeypatch):
         Engine.load(export, backend="trt", plugins=other)
     monkeypatch.setenv("EDGEMEM_TRT_PLUGINS", str(library))
     if importlib.util.find_spec("tensorrt") is None:  # every check passed: TensorRT itself is what is missing
-        with pytest.raises(BackendError, match=r"needs TensorRT's Python package.*pip install 'edgemem\[gpu\]'"):
+        with pytest.raises(BackendError, match=r"needs TensorRT's Python package.*pip install 'edgemem-toolkit\[gpu\]'"):
             Engine.load(export, backend="trt")
     (export / "engines" / "step.engine").write_bytes(b"changed")
     with pytest.raises(BackendError, match=r"step.engine does not match its sha256 in engines.json"):

@@ -1,7 +1,7 @@
 """Fixtures shared by the test modules: every preset exported once per session, small.
 
-`small_exports` is each preset at one layer of width 64 (every other setting as shipped), in all four
-targets, exported in two processes side by side. It is kept in pytest's cache (when enabled) under a key
+`small_exports` is each preset at one layer of width 64 (MLP width 64 where it has one; every other
+setting as shipped), in all four targets, exported in two processes side by side. It is kept in pytest's cache (when enabled) under a key
 of everything an export depends on, so only the first run after a change pays for it.
 """
 
@@ -20,8 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from edgemem.models import archs, load_config
+
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = {"d_model": 64, "n_layers": 1}
+SMALL = {"d_model": 64, "n_layers": 1, "mlp_hidden": 64}  # mlp_hidden only where the preset has an MLP
 TARGETS = ["generic", "ort", "onnx27", "trt"]
 
 _EXPORT = textwrap.dedent("""
@@ -85,6 +87,9 @@ def _export(root: Path, jobs: dict[str, tuple[dict, list[str]]]) -> dict[str, Pa
 @pytest.fixture(scope="session")
 def small_exports(request, tmp_path_factory) -> dict[str, Path]:
     """{arch: directory}: every preset, one layer of width 64, exported to all four targets."""
-    from edgemem.models import archs
+    return export_presets(request, tmp_path_factory, "small-exports", {arch: (small(arch), TARGETS) for arch in archs()})
 
-    return export_presets(request, tmp_path_factory, "small-exports", {arch: (SMALL, TARGETS) for arch in archs()})
+
+def small(arch: str) -> dict:
+    """The overrides `small_exports` builds `arch` with."""
+    return {k: v for k, v in SMALL.items() if k != "mlp_hidden" or load_config(arch).mlp_hidden}

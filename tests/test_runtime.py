@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import export_presets
+from conftest import export_presets, small
 from safetensors import safe_open
 
 from edgemem import EdgememError
@@ -40,10 +40,13 @@ RECURRENT = ["deltanet", "gated-deltanet", "titans-mag", "longformer", "titans-m
 ALL = [*RECURRENT, "softmax"]
 
 @pytest.fixture(scope="module")
-def exports(request, tmp_path_factory):
-    """The presets above, exported once (tests/conftest.py: two processes, cached across runs)."""
-    jobs = {arch: (overrides, TARGETS.get(arch, ["ort"])) for arch, overrides in PRESETS.items()}
-    return export_presets(request, tmp_path_factory, "runtime-exports", jobs)
+def exports(request, tmp_path_factory, small_exports):
+    """The presets above, exported once (tests/conftest.py: two processes, cached across runs); those
+    whose settings are the session's small ones come from `small_exports`."""
+    shared = {arch: small_exports[arch] for arch, overrides in PRESETS.items()
+              if overrides == small(arch) and arch not in TARGETS}
+    jobs = {arch: (o, TARGETS.get(arch, ["ort"])) for arch, o in PRESETS.items() if arch not in shared}
+    return {**shared, **export_presets(request, tmp_path_factory, "runtime-exports", jobs)}
 
 
 @pytest.fixture(scope="module")

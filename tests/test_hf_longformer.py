@@ -21,7 +21,9 @@ from safetensors.torch import load_file, save_file
 
 from edgemem.errors import ConfigError, EdgememError, ShapeError
 from edgemem.export import export
+from edgemem.export.verify import verify
 from edgemem.manifest import load as load_manifest
+from edgemem.models.hf import from_hf
 from edgemem.models.hf.longformer import build
 
 transformers = pytest.importorskip("transformers")
@@ -30,9 +32,8 @@ TOLERANCE = 1e-4  # fp32, relative to the largest reference value
 
 
 def import_dir(directory: Path) -> torch.nn.Module:
-    """The checkpoint in `directory` through edgemem's Longformer import."""
-    config = json.loads((directory / "config.json").read_text())
-    return build(config, load_file(directory / "model.safetensors"))
+    """The checkpoint in `directory` through edgemem's Hugging Face import."""
+    return from_hf(directory)
 
 
 def checkpoint(directory: Path, *, cls=None, seed: int = 0, **options) -> torch.nn.Module:
@@ -198,6 +199,20 @@ def one_line(error: pytest.ExceptionInfo) -> str:
 def hf_dir(tmp_path):
     checkpoint(tmp_path)
     return tmp_path
+
+
+def test_cli_exports_and_verifies_an_import_with_global_tokens(hf_dir, tmp_path):
+    """`edgemem export --hf` then `edgemem verify`, which feeds a global-attention mask to both sides."""
+    from click.testing import CliRunner
+
+    from edgemem.cli import main
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["export", "--hf", str(hf_dir), "--out", str(out), "--target", "generic"])
+    assert result.exit_code == 0, result.output
+    checks, _ = verify(out, threads=1)
+    assert [(c.target, c.graph, c.tensor) for c in checks] == [("generic", "prefill", "last_hidden_state")]
+    assert all(c.ok for c in checks), checks
 
 
 def test_a_weight_of_the_wrong_shape_is_named(hf_dir):

@@ -19,6 +19,7 @@ import torch
 
 from edgemem.errors import EdgememError
 from edgemem.export.genai import unfit_reasons
+from edgemem.export.graphs import graph_io
 from edgemem.manifest import Manifest, load
 from edgemem.models import LM, LMConfig, load_checkpoint
 from edgemem.runtime.state import initial_state  # one definition of a fresh stream's state, shared with the runtime
@@ -96,12 +97,17 @@ def verify(
     tokens = torch.randint(0, manifest.vocab_size, (batch, prompt + steps), generator=rng)
     state0 = initial_state(manifest, directory, batch)
     names = [s.input for s in manifest.state]
-    outputs = ["logits", *(s.output for s in manifest.state)]
+    extras, output = graph_io(model)
+    if extras and manifest.graphs["step"]:
+        raise EdgememError(f"{directory}: verify feeds per-token inputs ({', '.join(extras)}) to prefill-only models only")
+    # per-token inputs such as Longformer's global_attention_mask: about one token in four set
+    extra = {name: (torch.rand(batch, prompt, generator=rng) < 0.25).to(dtype) for name, dtype in extras.items()}
+    outputs = [output, *(s.output for s in manifest.state)]
 
     # the PyTorch run: prefill the prompt, then one step per token
     with torch.no_grad():
         torch_state = {k: torch.from_numpy(v.copy()) for k, v in zip(model.init_state(batch), state0.values())}
-        logits, torch_state = model.prefill(tokens[:, :prompt], torch_state)
+        logits, torch_state = model.prefill(tokens[:, :prompt], torch_state, **extra)
         expected = {"prefill": [logits.numpy(), *(t.numpy() for t in torch_state.values())], "step": []}
         for i in range(prompt, prompt + steps if manifest.graphs["step"] else prompt):
             logits, torch_state = model.step(tokens[:, i], torch_state)
@@ -124,7 +130,7 @@ def verify(
         def prefill(ids: np.ndarray, state: dict[str, np.ndarray]) -> list[np.ndarray]:
             """The prefill graph, or token by token through the step graph when there is none."""
             if "prefill" in sessions:
-                return sessions["prefill"].run(outputs, {"input_ids": ids, **state})
+                return sessions["prefill"].run(outputs, {"input_ids": ids, **{k: v.numpy() for k, v in extra.items()}, **state})
             logits = []
             for i in range(ids.shape[1]):
                 result = sessions["step"].run(outputs, {"input_ids": ids[:, i : i + 1], **state})
@@ -141,7 +147,7 @@ def verify(
                 result = sessions["step"].run(outputs, {"input_ids": tokens[:, i : i + 1].numpy(), **state})
                 state = dict(zip(names, result[1:]))
                 for n, a, e in zip(outputs, result, expected["step"][j]):
-                    e = e[:, None] if n == "logits" else e
+                    e = e[:, None] if n == output else e
                     worst[n] = tuple(map(max, worst.get(n, (0.0, 0.0)), _compare(a, e)))
             checks += [Check(target, "step", n, *err, True) for n, err in worst.items()]
             if "prefill" in sessions:  # inside ONNX Runtime: prefill of everything ≡ the prefill then the steps

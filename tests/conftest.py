@@ -93,3 +93,24 @@ def small_exports(request, tmp_path_factory) -> dict[str, Path]:
 def small(arch: str) -> dict:
     """The overrides `small_exports` builds `arch` with."""
     return {k: v for k, v in SMALL.items() if k != "mlp_hidden" or load_config(arch).mlp_hidden}
+
+
+def genai_greedy(directory: Path, prompt: list[int], n: int, eos: int) -> list[int]:
+    """`n` greedy tokens from onnxruntime-genai on the export in `directory` after `prompt`. `eos` overrides
+    the end token (genai needs one; byte-level presets name byte 0): pass one the reference never emits, so
+    that all `n` tokens are compared."""
+    import numpy as np
+    import onnxruntime_genai as og
+
+    config = og.Config(str(directory))
+    config.overlay(json.dumps({"model": {"eos_token_id": eos}}))
+    model = og.Model(config)
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + n, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.array([prompt], dtype=np.int32))
+    tokens = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        tokens.append(int(generator.get_next_tokens()[0]))
+    return tokens

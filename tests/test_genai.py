@@ -5,9 +5,9 @@ not fit says why (manifest, `edgemem verify`)."""
 import json
 import logging
 
-import numpy as np
 import pytest
 import torch
+from conftest import genai_greedy
 
 from edgemem.export import export
 from edgemem.export.genai import GENAI_CONFIG, decide
@@ -39,23 +39,6 @@ def exported(tmp_path_factory):
     return get
 
 
-def _genai_greedy(directory, prompt, n, eos):
-    config = og.Config(str(directory))
-    # byte-level presets name byte 0 as end token (genai needs one); here it is a token the reference never emits,
-    # so that all n tokens are compared
-    config.overlay(json.dumps({"model": {"eos_token_id": eos}}))
-    model = og.Model(config)
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + n, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(np.array([prompt], dtype=np.int32))
-    tokens = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        tokens.append(int(generator.get_next_tokens()[0]))
-    return tokens
-
-
 @pytest.mark.parametrize("arch, dtype", [
     ("gated-deltanet", "fp32"),
     pytest.param("deltanet", "fp32", marks=pytest.mark.slow),
@@ -69,7 +52,7 @@ def test_genai_generates_the_runtime_greedy_tokens(exported, arch, dtype):
     assert GENAI_CONFIG in manifest.files  # checked like every other file of the export
     reference = list(Engine.load(directory, threads=1).generate(bytes(PROMPT), max_new_tokens=NEW_TOKENS))
     eos = min(set(range(manifest.vocab_size)) - set(reference))
-    assert _genai_greedy(directory, PROMPT, NEW_TOKENS, eos) == reference
+    assert genai_greedy(directory, PROMPT, NEW_TOKENS, eos) == reference
 
 
 @pytest.mark.slow
@@ -83,7 +66,7 @@ def test_genai_runs_a_hybrid_of_recurrent_and_attention_layers(tmp_path):
     decoder = json.loads((tmp_path / "hybrid" / GENAI_CONFIG).read_text())["model"]["decoder"]
     assert decoder["layer_types"] == ["linear_attention", "full_attention"]
     reference = list(Engine.load(tmp_path / "hybrid", threads=1).generate(bytes(PROMPT), max_new_tokens=NEW_TOKENS))
-    assert _genai_greedy(tmp_path / "hybrid", PROMPT, NEW_TOKENS, min(set(range(256)) - set(reference))) == reference
+    assert genai_greedy(tmp_path / "hybrid", PROMPT, NEW_TOKENS, min(set(range(256)) - set(reference))) == reference
 
 
 def test_genai_config_names_the_manifest_state(exported):

@@ -9,6 +9,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from conftest import genai_greedy
 import torch
 from click.testing import CliRunner
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -152,6 +153,19 @@ def test_runtime_greedy_generation_equals_transformers_generate_and_survives_che
     restored = engine.load_stream(tmp_path / "s.safetensors")
     rest = [s.generate(max_new_tokens=22) for s in (stream, fork, restored)]
     assert first + rest[0] == reference and rest[0] == rest[1] == rest[2]
+
+
+def test_onnxruntime_genai_generates_what_transformers_generates(exported):
+    """The hybrid import's export fits onnxruntime-genai's contract, and genai's greedy tokens equal
+    transformers' `generate`."""
+    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install 'edgemem-toolkit[serve]')")
+    hf, _, out, manifest = exported
+    assert manifest.genai["fits"] and (out / manifest.genai["config"]).is_file(), manifest.genai
+    prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        reference = hf.generate(prompt, max_new_tokens=32, do_sample=False)[0, 9:].tolist()
+    eos = min(set(range(VOCAB)) - set(reference))
+    assert genai_greedy(out, prompt[0].tolist(), 32, eos) == reference
 
 
 def test_edgemem_run_encodes_and_decodes_text_with_the_exported_tokenizer(exported):

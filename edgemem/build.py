@@ -21,9 +21,10 @@ flag. `fp16=True` (`--fp16`) asks for FP16 engines and is refused unless the exp
 Dynamic dims get one optimisation profile: batch 1..max_batch, sequence 1..max_sequence,
 past_sequence 0..max_sequence. Engines are written atomically, then `engines.json` (written last)
 records what the runtime (`edgemem.runtime.trt`) checks before loading them: the library
-(tensorrt or tensorrt_rtx) and its version, the target compute capabilities, the plugin library's sha256, the export they come from (`Manifest.identity()`), each engine's
-sha256, profile and plugin layers (op, namespace, version: edgemem's ops, LinearAttention
-included, are edgemem's plugins), and which state tensors may be bound to one buffer for input and output
+(tensorrt or tensorrt_rtx), its version and target compute capabilities, the plugin library's
+sha256, the export they come from (`Manifest.identity()`), each engine's sha256, profile and
+plugin layers (op, namespace, version: every edgemem node, LinearAttention included, is edgemem's
+plugin), and which state tensors may be bound to one buffer for input and output
 (`in_place_states`); `edgemem.runtime.engines` owns that format. Imports neither torch nor
 tensorrt nor onnx at module import.
 """
@@ -37,8 +38,8 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 from edgemem.errors import EdgememError

@@ -294,9 +294,9 @@ def build_engines(
         raise EdgememError("--max-batch and the maximum sequence must be at least 1")
     if sm and not rtx:
         raise EdgememError("--sm picks TensorRT for RTX's target GPUs: add --rtx (TensorRT builds for the GPU it runs on)")
-    library = engines_json.plugin_library(plugins)
     module = RTX if rtx else "tensorrt"
     trt = _import_library(module)
+    library = engines_json.plugin_library(plugins)
     targets = [c.name for c in compute_capabilities(trt, sm)] if rtx else []
     out_dir = Path(out) if out else directory / engines_json.ENGINES_DIR
     out_dir.mkdir(parents=True, exist_ok=True)

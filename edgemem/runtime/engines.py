@@ -36,6 +36,7 @@ ENGINES_DIR = "engines"
 ENGINES_JSON = "engines.json"
 FORMAT = "edgemem-engines/2"
 LIBRARIES = {"tensorrt": "TensorRT", "tensorrt_rtx": "TensorRT for RTX"}  # module → name
+PLUGINS_ENV = "EDGEMEM_TRT_PLUGINS"
 
 
 class Toolkit(NamedTuple):
@@ -44,7 +45,6 @@ class Toolkit(NamedTuple):
     module: str
     version: str
     compute_capabilities: Sequence[str] = ()
-PLUGINS_ENV = "EDGEMEM_TRT_PLUGINS"
 
 
 def plugin_library(plugins: str | os.PathLike | None, built: Mapping[str, str] | None = None) -> Path:

@@ -260,23 +260,14 @@ def test_parser_abort_is_the_missing_library_name_not_the_plugin(identity_plugin
 
 
 @pytest.fixture(scope="module")
-def trt_graphs(tmp_path_factory) -> dict[str, Path]:
-    """The trt-lowered graphs of every arch (one layer each): `<arch>-<kind>` -> path."""
-    import onnx
-    import torch
-
-    from edgemem.export.graphs import export_graph
-    from edgemem.export.lower import lower
-    from edgemem.models import build
-
-    out, graphs = tmp_path_factory.mktemp("rtx_graphs"), {}
+def trt_graphs(small_exports) -> dict[str, Path]:
+    """The trt target's graphs of ARCHS (conftest's small exports: one layer, width 64): `<arch>-<kind>` -> path."""
+    graphs = {}
     for arch in ARCHS:
-        model = build(arch, seed=0, n_layers=1).eval()
-        kinds = [k for k, present in (("step", model.streaming), ("prefill", model.parallel_prefill)) if present]
-        for kind in kinds:
-            path = out / f"{arch}-{kind}.onnx"
-            onnx.save(lower(export_graph(model, kind, 20, torch.float32), "trt"), path)
-            graphs[path.stem] = path
+        for kind in ("step", "prefill"):
+            path = small_exports[arch] / "trt" / f"{kind}.onnx"
+            if path.is_file():
+                graphs[f"{arch}-{kind}"] = path
     return graphs
 
 

@@ -118,11 +118,12 @@ def _profile_range(name: str | int, max_batch: int, max_sequence: int) -> tuple[
 
 
 def profile(dims: dict[str, list[str | int]], max_batch: int, max_sequence: int) -> dict[str, list[list[int]]]:
-    """The optimisation profile: each input's [min, opt, max] shapes (inputs with dynamic dims only)."""
+    """The optimisation profile: each input's [min, opt, max] shapes (inputs with symbolic dims only; every one
+    of them, even where min = max, as with max_batch 1: TensorRT builds nothing while a dynamic input has no range)."""
     shapes = {}
     for name, names in dims.items():
-        ranges = [_profile_range(d, max_batch, max_sequence) for d in names]
-        if ranges and any(lo != hi for lo, _, hi in ranges):
+        if any(not isinstance(d, int) or d < 1 for d in names):
+            ranges = [_profile_range(d, max_batch, max_sequence) for d in names]
             shapes[name] = [[r[k] for r in ranges] for k in range(3)]
     return shapes
 

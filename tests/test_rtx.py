@@ -349,10 +349,10 @@ def test_build_command_makes_rtx_engines_with_edgemem_plugins(edgemem_plugins, s
 
     assert "libtensorrt_rtx.so" not in os.environ.get("LD_LIBRARY_PATH", "")
     seen, built = set(), []
-    for arch in ARCHS:
-        export, out = small_exports[arch], tmp_path / arch
+    for i, arch in enumerate(ARCHS):
+        export, out, max_batch = small_exports[arch], tmp_path / arch, 1 + i % 2  # batch 1: a step graph of fixed dims
         result = CliRunner().invoke(main, ["build", str(export), "--rtx", "--sm", ",".join(map(str, SM)), "--plugins",
-                                           str(edgemem_plugins), "--max-batch", "2", "--max-sequence", "64",
+                                           str(edgemem_plugins), "--max-batch", str(max_batch), "--max-sequence", "64",
                                            "--out", str(out)])
         assert result.exit_code == 0, (arch, result.output)
         manifest = load(export)
@@ -362,14 +362,15 @@ def test_build_command_makes_rtx_engines_with_edgemem_plugins(edgemem_plugins, s
                                    "compute_capabilities": [f"SM{s}" for s in SM]}
         assert info["plugins"] == {"file": str(edgemem_plugins.resolve()), "sha256": sha256(edgemem_plugins)}
         assert info["export"] == {"arch": arch, "identity": manifest.identity(), "dtype": "fp32"}
-        assert (info["max_batch"], info["max_sequence"]) == (2, 64)
+        assert (info["max_batch"], info["max_sequence"]) == (max_batch, 64)
         assert set(info["engines"]) == {kind for kind, present in manifest.graphs.items() if present}
         for kind, record in info["engines"].items():
             graph = export / "trt" / f"{kind}.onnx"
             model = onnx.load(str(graph), load_external_data=False)
             nodes = _edgemem_nodes(graph)
             assert record["plugins"] == [{"op": op, "namespace": "edgemem", "version": "1"} for op, _ in nodes], (arch, kind)
-            assert record["profile"] == profile(dim_names(model), 2, 64)
+            assert record["profile"] == profile(dim_names(model), max_batch, 64)
+            assert record["profile"]["input_ids"][2] == [max_batch, 1 if kind == "step" else 64]  # every graph: batch dynamic
             assert record["in_place"] == in_place_states(model, manifest)
             assert record["sha256"] == sha256(out / record["file"])
             seen |= {op for op, _ in nodes}

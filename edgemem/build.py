@@ -1,4 +1,4 @@
-"""`edgemem build`: TensorRT engines from the `trt` target of an export directory.
+"""`edgemem build`: TensorRT (or TensorRT for RTX) engines from the `trt` target of an export directory.
 
     DIR/trt/{prefill,step}.onnx  ──TensorRT ONNX parser + libedgemem_trt_plugins.so──▶  OUT/{prefill,step}.engine
                                                                                         OUT/engines.json
@@ -8,6 +8,11 @@ so the parser takes them from the plugin library (built from plugins/ for the in
 TensorRT major; see plugins/README.md). Needs TensorRT's Python package and an NVIDIA GPU;
 without them this raises an EdgememError saying which is missing.
 
+`rtx=True` (`--rtx`) builds with TensorRT for RTX (`tensorrt_rtx`) instead: the same parse, profile
+and build, ahead of time and without a GPU, for the compute capabilities `sm` (`--sm 86,89,120`; the
+plugin library must hold kernels for them). Its parse and build run in a child process (`_child`):
+see `_rtx_environment` for why.
+
 Networks are strongly typed (`NetworkDefinitionCreationFlag.STRONGLY_TYPED`; TensorRT 11 builds
 nothing else): every tensor keeps the type the ONNX graph gives it, so precision is chosen at
 export (`edgemem export --dtype fp16`: FP16 weights and activations, FP32 state), not by a builder
@@ -15,17 +20,25 @@ flag. `fp16=True` (`--fp16`) asks for FP16 engines and is refused unless the exp
 
 Dynamic dims get one optimisation profile: batch 1..max_batch, sequence 1..max_sequence,
 past_sequence 0..max_sequence. Engines are written atomically, then `engines.json` (written last)
-records what the runtime (`edgemem.runtime.trt`) checks before loading them: the TensorRT version,
-the plugin library's sha256, the export they come from (`Manifest.identity()`), each engine's
-sha256 and profile, and which state tensors may be bound to one buffer for input and output
+records what the runtime (`edgemem.runtime.trt`) checks before loading them: the library
+(tensorrt or tensorrt_rtx), its version and target compute capabilities, the plugin library's
+sha256, the export they come from (`Manifest.identity()`), each engine's sha256, profile and
+plugin layers (op, namespace, version: every edgemem node, LinearAttention included, is edgemem's
+plugin), and which state tensors may be bound to one buffer for input and output
 (`in_place_states`); `edgemem.runtime.engines` owns that format. Imports neither torch nor
 tensorrt nor onnx at module import.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import logging
 import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +52,7 @@ from edgemem.runtime import engines as engines_json
 log = logging.getLogger(__name__)
 
 GRAPHS = ("step", "prefill")
+RTX = "tensorrt_rtx"
 SHAPE_ONLY = ("Shape", "Size")  # ONNX ops that read a tensor's dims, never its values
 
 
@@ -63,15 +77,27 @@ def _check_precision(manifest: Manifest, directory: Path, fp16: bool) -> None:
         )
 
 
-def _import_tensorrt():
+def _import_library(module: str) -> Any:
+    """tensorrt or tensorrt_rtx."""
+    import importlib  # noqa: PLC0415
+
     try:
-        import tensorrt as trt  # noqa: PLC0415
+        return importlib.import_module(module)
     except ImportError as e:
-        raise EdgememError(
-            "TensorRT's Python package is not installed (`pip install tensorrt`, or JetPack's "
-            f"python3-libnvinfer); `edgemem build` needs TensorRT and an NVIDIA GPU ({e})"
-        ) from None
-    return trt
+        hint = ("`pip install 'edgemem-toolkit[rtx]'` (tensorrt-rtx-cu13); it builds without a GPU" if module == RTX
+                else "`pip install tensorrt`, or JetPack's python3-libnvinfer; `edgemem build` needs TensorRT and an "
+                     "NVIDIA GPU (or `--rtx`: TensorRT for RTX, no GPU needed)")
+        raise EdgememError(f"{engines_json.LIBRARIES[module]}'s Python package is not installed: {hint} ({e})") from None
+
+
+def compute_capabilities(trt: Any, sm: Sequence[int]) -> list[Any]:
+    """TensorRT for RTX's `ComputeCapability` members for `sm` (86 → SM86); an unknown one is refused."""
+    known = {name: value for name, value in trt.ComputeCapability.__members__.items() if name.startswith("SM")}
+    wrong = [s for s in sm if f"SM{s}" not in known]
+    if wrong:
+        raise EdgememError(f"--sm {','.join(map(str, wrong))}: TensorRT for RTX {trt.__version__} targets compute "
+                           f"capabilities {','.join(n[2:] for n in known)}")
+    return [known[f"SM{s}"] for s in sm]
 
 
 def dim_names(model: Any) -> dict[str, list[str | int]]:
@@ -92,11 +118,12 @@ def _profile_range(name: str | int, max_batch: int, max_sequence: int) -> tuple[
 
 
 def profile(dims: dict[str, list[str | int]], max_batch: int, max_sequence: int) -> dict[str, list[list[int]]]:
-    """The optimisation profile: each input's [min, opt, max] shapes (inputs with dynamic dims only)."""
+    """The optimisation profile: each input's [min, opt, max] shapes (inputs with symbolic dims only; every one
+    of them, even where min = max, as with max_batch 1: TensorRT builds nothing while a dynamic input has no range)."""
     shapes = {}
     for name, names in dims.items():
-        ranges = [_profile_range(d, max_batch, max_sequence) for d in names]
-        if ranges and any(lo != hi for lo, _, hi in ranges):
+        if any(not isinstance(d, int) or d < 1 for d in names):
+            ranges = [_profile_range(d, max_batch, max_sequence) for d in names]
             shapes[name] = [[r[k] for r in ranges] for k in range(3)]
     return shapes
 
@@ -127,44 +154,51 @@ def in_place_states(model: Any, manifest: Manifest) -> list[str]:
     return found
 
 
-def build_engines(
-    directory: str | os.PathLike,
-    *,
-    fp16: bool = False,
-    plugins: str | os.PathLike | None = None,
-    max_batch: int = 1,
-    max_sequence: int = 2048,
-    out: str | os.PathLike | None = None,
-) -> list[Path]:
-    """Builds one serialized engine per ONNX graph of DIR/trt, then engines.json; returns the engines' paths."""
+def plugin_layers(trt: Any, network: Any) -> list[dict[str, str]]:
+    """The network's IPluginV3 layers as {op, namespace, version}: which plugin each custom node became."""
+    found = []
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.type == trt.LayerType.PLUGIN_V3:
+            layer.__class__ = trt.IPluginV3Layer  # get_layer returns the ILayer base
+            core = layer.plugin.get_capability_interface(trt.PluginCapabilityType.CORE)
+            found.append({"op": core.plugin_name, "namespace": core.plugin_namespace, "version": core.plugin_version})
+    return found
+
+
+def _build_graphs(module: str, directory: Path, graphs: Sequence[Path], library: Path, out_dir: Path, max_batch: int,
+                  max_sequence: int, sm: Sequence[int]) -> dict[str, Any]:
+    """Parse and build each graph with `module` (tensorrt or tensorrt_rtx); write the engines; their records."""
     import onnx  # noqa: PLC0415
 
-    directory = Path(directory)
-    graphs = _graphs(directory)
-    manifest = load_manifest(directory)  # every file's sha256 checked: engines.json vouches for this export
-    _check_precision(manifest, directory, fp16)
-    if max_batch < 1 or max_sequence < 1:
-        raise EdgememError("--max-batch and the maximum sequence must be at least 1")
-    trt = _import_tensorrt()
-    library = engines_json.plugin_library(plugins)
+    trt = _import_library(module)
+    manifest = load_manifest(directory, check_files=False)  # build_engines checked the files
     logger = trt.Logger(trt.Logger.WARNING)
     engines_json.load_plugins(trt, library)
     try:
         builder = trt.Builder(logger)
-    except Exception as e:  # CUDA initialisation fails without a GPU/driver
+    except Exception as e:  # CUDA initialisation fails without a GPU/driver (TensorRT, not TensorRT for RTX)
         raise EdgememError(f"TensorRT could not create a builder: no usable NVIDIA GPU or driver ({e})") from None
     if builder is None:
         raise EdgememError("TensorRT could not create a builder: no usable NVIDIA GPU or driver")
-    out_dir = Path(out) if out else directory / engines_json.ENGINES_DIR
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written, engines = [], {}
+    targets = compute_capabilities(trt, sm) if sm else []
+    engines = {}
     for onnx_path in graphs:
         network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
         parser = trt.OnnxParser(network, logger)
         if not parser.parse_from_file(str(onnx_path)):
             errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-            raise EdgememError(f"TensorRT's ONNX parser rejected {onnx_path}: {errors}")
+            raise EdgememError(f"{engines_json.LIBRARIES[module]}'s ONNX parser rejected {onnx_path}: {errors}")
+        plugins = plugin_layers(trt, network)
+        foreign = [p for p in plugins if p["namespace"] != DOMAIN]
+        if foreign:
+            raise EdgememError(f"{onnx_path}: {foreign[0]['op']} became another library's plugin (namespace "
+                               f"{foreign[0]['namespace']!r}), not edgemem's: is {library} the edgemem plugin library?")
         config = builder.create_builder_config()
+        if targets:
+            config.num_compute_capabilities = len(targets)
+            for i, target in enumerate(targets):
+                config.set_compute_capability(target, i)
         model = onnx.load(str(onnx_path), load_external_data=False)
         shapes = profile(dim_names(model), max_batch, max_sequence)
         optimisation = builder.create_optimization_profile()
@@ -173,11 +207,104 @@ def build_engines(
         config.add_optimization_profile(optimisation)
         serialized = builder.build_serialized_network(network, config)
         if serialized is None:
-            raise EdgememError(f"TensorRT failed to build an engine from {onnx_path} (see its log above)")
+            raise EdgememError(f"{engines_json.LIBRARIES[module]} failed to build an engine from {onnx_path} "
+                               "(see its log above)")
         path = out_dir / f"{onnx_path.stem}.engine"
         write_atomic(path, bytes(serialized))
         log.info("wrote %s", path)
-        written.append(path)
-        engines[onnx_path.stem] = engines_json.entry(path, shapes, in_place_states(model, manifest))
-    log.info("wrote %s", engines_json.write(out_dir, manifest, trt.__version__, library, max_batch, max_sequence, engines))
-    return written
+        engines[onnx_path.stem] = engines_json.entry(path, shapes, in_place_states(model, manifest), plugins)
+    return engines
+
+
+def _rtx_environment(folder: Path) -> dict[str, str]:
+    """The environment of a child process in which TensorRT for RTX's ONNX parser can add plugin layers.
+
+    TensorRT for RTX 1.7.1's parser adds an IPluginV3 layer through `dlopen("libtensorrt_rtx.so")`,
+    the unversioned name, inside a noexcept function; the wheel ships only `libtensorrt_rtx.so.1`,
+    so the failed dlopen ends in std::terminate (plugins/README.md, tests/test_rtx.py). A symlink of
+    that name in FOLDER, first on LD_LIBRARY_PATH, resolves it to the library already loaded. ld.so
+    reads LD_LIBRARY_PATH at process start only: hence a child process.
+    """
+    spec = importlib.util.find_spec("tensorrt_rtx_libs")
+    libs = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+    real = sorted((f for d in libs for f in d.glob("libtensorrt_rtx.so.*")), key=lambda f: len(f.name))
+    if not real:
+        raise EdgememError("TensorRT for RTX's libraries (package tensorrt_rtx_libs, libtensorrt_rtx.so.*) were not "
+                           "found: reinstall `pip install 'edgemem-toolkit[rtx]'`")
+    (folder / "libtensorrt_rtx.so").symlink_to(real[0])
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(folder), env.get("LD_LIBRARY_PATH")) if p)
+    return env
+
+
+def _child() -> None:
+    """`_build_graphs` in a child process: the job as JSON on stdin, {"engines"} or {"error"} as JSON on stdout."""
+    job = json.loads(sys.stdin.read())
+    logging.basicConfig(level=job["log_level"], format="%(levelname)s %(name)s: %(message)s")
+    try:
+        engines = _build_graphs(RTX, Path(job["directory"]), [Path(g) for g in job["graphs"]], Path(job["library"]),
+                                Path(job["out"]), job["max_batch"], job["max_sequence"], job["sm"])
+    except EdgememError as e:
+        print(json.dumps({"error": str(e)}))
+        return
+    print(json.dumps({"engines": engines}))
+
+
+def _build_rtx(directory: Path, graphs: Sequence[Path], library: Path, out_dir: Path, max_batch: int,
+               max_sequence: int, sm: Sequence[int]) -> dict[str, Any]:
+    """`_build_graphs` with TensorRT for RTX, in a child process (`_rtx_environment`)."""
+    job = {"directory": str(directory), "graphs": [str(g) for g in graphs], "library": str(library), "out": str(out_dir),
+           "max_batch": max_batch, "max_sequence": max_sequence, "sm": list(sm),
+           "log_level": logging.getLogger("edgemem").getEffectiveLevel()}
+    with tempfile.TemporaryDirectory(prefix="edgemem-rtx-") as folder:
+        proc = subprocess.run([sys.executable, "-c", "from edgemem.build import _child; _child()"],
+                              input=json.dumps(job), stdout=subprocess.PIPE, text=True, env=_rtx_environment(Path(folder)))
+    lines = proc.stdout.strip().splitlines()
+    try:
+        result = json.loads(lines[-1]) if proc.returncode == 0 and lines else {}
+    except ValueError:
+        result = {}
+    if "error" in result:
+        raise EdgememError(result["error"])
+    if "engines" not in result:
+        raise EdgememError(f"TensorRT for RTX's build process ended with status {proc.returncode} and no result "
+                           f"(see its log above){': ' + lines[-1] if lines else ''}")
+    return result["engines"]
+
+
+def build_engines(
+    directory: str | os.PathLike,
+    *,
+    fp16: bool = False,
+    plugins: str | os.PathLike | None = None,
+    max_batch: int = 1,
+    max_sequence: int = 2048,
+    out: str | os.PathLike | None = None,
+    rtx: bool = False,
+    sm: Sequence[int] = (),
+) -> list[Path]:
+    """Builds one serialized engine per ONNX graph of DIR/trt, then engines.json; returns the engines' paths.
+
+    `rtx`: with TensorRT for RTX, for the compute capabilities `sm` (e.g. (86, 89, 120); empty: its default set).
+    """
+    directory = Path(directory)
+    graphs = _graphs(directory)
+    manifest = load_manifest(directory)  # every file's sha256 checked: engines.json vouches for this export
+    _check_precision(manifest, directory, fp16)
+    if max_batch < 1 or max_sequence < 1:
+        raise EdgememError("--max-batch and the maximum sequence must be at least 1")
+    if sm and not rtx:
+        raise EdgememError("--sm picks TensorRT for RTX's target GPUs: add --rtx (TensorRT builds for the GPU it runs on)")
+    module = RTX if rtx else "tensorrt"
+    trt = _import_library(module)
+    library = engines_json.plugin_library(plugins)
+    targets = [c.name for c in compute_capabilities(trt, sm)] if rtx else []
+    out_dir = Path(out) if out else directory / engines_json.ENGINES_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if rtx:
+        engines = _build_rtx(directory, graphs, library, out_dir, max_batch, max_sequence, sm)
+    else:
+        engines = _build_graphs(module, directory, graphs, library, out_dir, max_batch, max_sequence, sm)
+    toolkit = engines_json.Toolkit(module, trt.__version__, targets)
+    log.info("wrote %s", engines_json.write(out_dir, manifest, toolkit, library, max_batch, max_sequence, engines))
+    return [out_dir / record["file"] for record in engines.values()]

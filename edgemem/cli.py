@@ -301,23 +301,40 @@ def bench_command(directory, positions, batches, steps, time_limit, threads, tar
         click.echo(f"wrote {plot_path}", err=True)
 
 
+def _sm_list(ctx, param, value: str | None) -> tuple[int, ...]:
+    """`--sm 86,89,120` → (86, 89, 120)."""
+    if not value:
+        return ()
+    try:
+        return tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected compute capabilities as comma-separated numbers, "
+                                 "e.g. 86,89,120") from None
+
+
 @main.command("build")
 @click.argument("directory", type=click.Path(file_okay=False, exists=True))
 @click.option("--fp16", is_flag=True, help="Require an FP16 export (`edgemem export --dtype fp16`): engines are "
               "strongly typed, so precision comes from the export (state stays FP32).")
 @click.option("--plugins", "plugins", type=click.Path(dir_okay=False),
-              help="libedgemem_trt_plugins.so built for this TensorRT major (default: $EDGEMEM_TRT_PLUGINS).")
+              help="libedgemem_trt_plugins.so built for this TensorRT major (default: $EDGEMEM_TRT_PLUGINS); "
+              "with --rtx, built against the TensorRT 11 headers with kernels for the --sm targets.")
 @click.option("--max-batch", default=1, show_default=True, type=click.IntRange(min=1),
               help="Largest batch (streams) of the optimisation profile.")
 @click.option("--max-sequence", default=2048, show_default=True, type=click.IntRange(min=1),
               help="Longest prompt of the prefill profile.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Engine directory (default: DIRECTORY/engines).")
-def build_command(directory, fp16, plugins, max_batch, max_sequence, out_dir) -> None:
-    """Build strongly typed TensorRT engines and engines.json from an export's trt target (needs TensorRT and a GPU)."""
+@click.option("--rtx", is_flag=True, help="Build with TensorRT for RTX (pip install 'edgemem-toolkit[rtx]'): "
+              "ahead of time, no GPU needed.")
+@click.option("--sm", callback=_sm_list, metavar="86,89,120",
+              help="With --rtx: the compute capabilities to build for (default: TensorRT for RTX's default set).")
+def build_command(directory, fp16, plugins, max_batch, max_sequence, out_dir, rtx, sm) -> None:
+    """Build strongly typed TensorRT engines and engines.json from an export's trt target (needs TensorRT and a GPU;
+    with --rtx, TensorRT for RTX and no GPU)."""
     from edgemem.build import build_engines
 
     paths = build_engines(directory, fp16=fp16, plugins=plugins, max_batch=max_batch, max_sequence=max_sequence,
-                          out=out_dir)
+                          out=out_dir, rtx=rtx, sm=sm)
     click.echo(f"built {len(paths)} engine(s): {', '.join(str(p) for p in paths)}")
 
 

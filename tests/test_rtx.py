@@ -1,4 +1,5 @@
-"""TensorRT for RTX builds engines with edgemem's plugins ahead of time, on a machine without a GPU.
+"""TensorRT for RTX builds engines with edgemem's plugins ahead of time, on a machine without a GPU,
+and `edgemem build --rtx` does so for an export, with engines.json.
 
 Needs `tensorrt_rtx` (pip: tensorrt-rtx-cu13==1.7.1.116; the module skips without it), the
 TensorRT 11.1 headers under ../shared/third_party/tensorrt (or `EDGEMEM_RTX_TENSORRT_ROOT`),
@@ -46,6 +47,7 @@ PLUGINS = ROOT / "plugins"
 HEADERS = Path(os.environ.get("EDGEMEM_RTX_TENSORRT_ROOT") or ROOT.parent / "shared" / "third_party" / "tensorrt" / "v11.1")
 OPS = {"LinearAttention", "NeuralMemory", "WindowAttention", "BandedAttention"}
 ARCHS = ("deltanet", "gated-deltanet", "titans-mag", "ttt-linear", "longformer", "longformer-encoder")
+SM = (86, 120)  # two RTX generations (Ampere, Blackwell): the plugin kernels and the engines target both
 
 
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -99,22 +101,44 @@ def identity_plugin(tmp_path_factory, headers) -> Path:
 
 @pytest.fixture(scope="module")
 def edgemem_plugins(tmp_path_factory, headers) -> Path:
-    """libedgemem_trt_plugins.so against the TensorRT 11.1 headers, kernels for sm_86 (an RTX architecture)."""
+    """libedgemem_trt_plugins.so against the TensorRT 11.1 headers, kernels for the RTX architectures SM."""
     if not shutil.which("cmake") or not (shutil.which("nvcc") or Path("/usr/local/cuda/bin/nvcc").exists()):
         pytest.skip("cmake and nvcc are needed to build libedgemem_trt_plugins.so")
     build = tmp_path_factory.mktemp("rtx_plugins")
     _run(["cmake", "-S", str(PLUGINS), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", f"-DTensorRT_ROOT={headers}",
-          "-DCMAKE_CUDA_ARCHITECTURES=86"])
+          f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(map(str, SM))}"])
     _run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", "edgemem_trt_plugins"])
     return build / "libedgemem_trt_plugins.so"
 
 
+# What TensorRT-RTX can tell about an engine without a GPU: its validity verdict (and that of a
+# copy with a broken magic number) and the 64-byte header as observed (undocumented): b"vtrt", ...,
+# u64 size at 16, u8 version at 24..27.
+ENGINE_REPORT = textwrap.dedent(
+    """
+    import struct
+
+    def engine_report(trt, logger, blob):
+        runtime = trt.Runtime(logger)
+
+        def validity(data):
+            verdict, diagnostics = runtime.get_engine_validity(data)
+            flags = trt.EngineInvalidityDiagnostics.__members__.items()
+            return [verdict.name, [name for name, flag in flags if diagnostics & int(flag)]]
+
+        return dict(engine_bytes=len(blob), header_bytes=runtime.engine_header_size, validity=validity(blob),
+                    corrupt_validity=validity(b"\\0" + blob[1:]), magic=blob[:4].decode("latin-1"),
+                    size_field=struct.unpack_from("<Q", blob, 16)[0],
+                    version_field=".".join(str(b) for b in blob[24:28]), version=trt.__version__)
+    """
+)
+
 # The child: plain tensorrt_rtx + onnx, no edgemem build code. Parses, lists the plugin layers,
 # builds with one optimisation profile (batch 1..2, sequence 1..64, past_sequence 0..64) for
 # the default compute capabilities, checks the engine without a GPU, prints one JSON line.
-RTX_BUILD = textwrap.dedent(
+RTX_BUILD = ENGINE_REPORT + textwrap.dedent(
     """
-    import json, struct, sys, time
+    import json, sys, time
     import onnx
     import tensorrt_rtx as trt
 
@@ -154,22 +178,25 @@ RTX_BUILD = textwrap.dedent(
             blob = bytes(serialized)
             with open(engine_path, "wb") as f:
                 f.write(blob)
-            runtime = trt.Runtime(logger)
-
-            def validity(data):
-                verdict, diagnostics = runtime.get_engine_validity(data)
-                flags = trt.EngineInvalidityDiagnostics.__members__.items()
-                return [verdict.name, [name for name, flag in flags if diagnostics & int(flag)]]
-
-            report.update(
-                engine_bytes=len(blob), header_bytes=runtime.engine_header_size, validity=validity(blob),
-                corrupt_validity=validity(b"\\0" + blob[1:]),
-                # the header as observed (undocumented): b"vtrt", ..., u64 size at 16, u8 version at 24..27
-                magic=blob[:4].decode("latin-1"), size_field=struct.unpack_from("<Q", blob, 16)[0],
-                version_field=".".join(str(b) for b in blob[24:28]))
+            report.update(engine_report(trt, logger, blob))
     with open("/proc/self/maps") as maps:  # the libtensorrt_rtx files mapped: one, not a second copy
         report["mapped"] = sorted({line.split()[-1] for line in maps if "/libtensorrt_rtx.so" in line})
     print(json.dumps(report))
+    """
+)
+
+# The GPU-free check of engine files (argv), in a plain environment: {path: engine_report}.
+RTX_CHECK = ENGINE_REPORT + textwrap.dedent(
+    """
+    import json, sys
+    import tensorrt_rtx as trt
+
+    logger = trt.Logger(trt.Logger.WARNING)
+    reports = {}
+    for path in sys.argv[1:]:
+        with open(path, "rb") as f:
+            reports[path] = engine_report(trt, logger, f.read())
+    print(json.dumps(reports))
     """
 )
 
@@ -233,23 +260,14 @@ def test_parser_abort_is_the_missing_library_name_not_the_plugin(identity_plugin
 
 
 @pytest.fixture(scope="module")
-def trt_graphs(tmp_path_factory) -> dict[str, Path]:
-    """The trt-lowered graphs of every arch (one layer each): `<arch>-<kind>` -> path."""
-    import onnx
-    import torch
-
-    from edgemem.export.graphs import export_graph
-    from edgemem.export.lower import lower
-    from edgemem.models import build
-
-    out, graphs = tmp_path_factory.mktemp("rtx_graphs"), {}
+def trt_graphs(small_exports) -> dict[str, Path]:
+    """The trt target's graphs of ARCHS (conftest's small exports: one layer, width 64): `<arch>-<kind>` -> path."""
+    graphs = {}
     for arch in ARCHS:
-        model = build(arch, seed=0, n_layers=1).eval()
-        kinds = [k for k, present in (("step", model.streaming), ("prefill", model.parallel_prefill)) if present]
-        for kind in kinds:
-            path = out / f"{arch}-{kind}.onnx"
-            onnx.save(lower(export_graph(model, kind, 20, torch.float32), "trt"), path)
-            graphs[path.stem] = path
+        for kind in ("step", "prefill"):
+            path = small_exports[arch] / "trt" / f"{kind}.onnx"
+            if path.is_file():
+                graphs[f"{arch}-{kind}"] = path
     return graphs
 
 
@@ -313,3 +331,52 @@ def test_linear_attention_without_edgemem_library_goes_to_the_builtin_importer(n
     assert not report["parsed"]
     assert any("importLinearAttention" in e and "failed to load LinearAttention plugin" in e for e in report["errors"]), \
         report["errors"]
+
+
+def test_build_command_makes_rtx_engines_with_edgemem_plugins(edgemem_plugins, small_exports, tmp_path):
+    """`edgemem build --rtx --sm 86,120`, from this process's plain environment (the parser workaround is
+    edgemem's), on the step and prefill graphs of six presets: every edgemem node became edgemem's plugin
+    (engines.json says so per engine), engines.json records the library, targets, plugin library, export,
+    profile and in-place states, and every engine passes the GPU-free checks."""
+    import onnx
+    import tensorrt_rtx
+    from click.testing import CliRunner
+
+    from edgemem.build import dim_names, in_place_states, profile
+    from edgemem.cli import main
+    from edgemem.files import sha256
+    from edgemem.manifest import load
+
+    assert "libtensorrt_rtx.so" not in os.environ.get("LD_LIBRARY_PATH", "")
+    seen, built = set(), []
+    for i, arch in enumerate(ARCHS):
+        export, out, max_batch = small_exports[arch], tmp_path / arch, 1 + i % 2  # batch 1: a step graph of fixed dims
+        result = CliRunner().invoke(main, ["build", str(export), "--rtx", "--sm", ",".join(map(str, SM)), "--plugins",
+                                           str(edgemem_plugins), "--max-batch", str(max_batch), "--max-sequence", "64",
+                                           "--out", str(out)])
+        assert result.exit_code == 0, (arch, result.output)
+        manifest = load(export)
+        info = json.loads((out / "engines.json").read_text())
+        assert info["format"] == "edgemem-engines/2"
+        assert info["library"] == {"module": "tensorrt_rtx", "version": tensorrt_rtx.__version__,
+                                   "compute_capabilities": [f"SM{s}" for s in SM]}
+        assert info["plugins"] == {"file": str(edgemem_plugins.resolve()), "sha256": sha256(edgemem_plugins)}
+        assert info["export"] == {"arch": arch, "identity": manifest.identity(), "dtype": "fp32"}
+        assert (info["max_batch"], info["max_sequence"]) == (max_batch, 64)
+        assert set(info["engines"]) == {kind for kind, present in manifest.graphs.items() if present}
+        for kind, record in info["engines"].items():
+            graph = export / "trt" / f"{kind}.onnx"
+            model = onnx.load(str(graph), load_external_data=False)
+            nodes = _edgemem_nodes(graph)
+            assert record["plugins"] == [{"op": op, "namespace": "edgemem", "version": "1"} for op, _ in nodes], (arch, kind)
+            assert record["profile"] == profile(dim_names(model), max_batch, 64)
+            assert record["profile"]["input_ids"][2] == [max_batch, 1 if kind == "step" else 64]  # every graph: batch dynamic
+            assert record["in_place"] == in_place_states(model, manifest)
+            assert record["sha256"] == sha256(out / record["file"])
+            seen |= {op for op, _ in nodes}
+            built.append(out / record["file"])
+    assert seen == OPS, f"ops without an engine: {OPS - seen}"
+    assert len(built) == 11  # longformer-encoder has no step graph
+    reports = json.loads(_run([sys.executable, "-c", RTX_CHECK, *map(str, built)]).stdout.strip().splitlines()[-1])
+    for engine in built:
+        _check_engine(reports[str(engine)], engine)

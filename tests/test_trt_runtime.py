@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +53,12 @@ def export_dir(tmp_path_factory) -> Path:
     return out
 
 
-def _fake_engines(export: Path, folder: Path, max_batch: int = 4, max_sequence: int = 5) -> Path:
+TENSORRT = engines.Toolkit("tensorrt", "10.13.0")
+RTX = engines.Toolkit("tensorrt_rtx", "1.7.1.116", ["SM86", "SM120"])
+
+
+def _fake_engines(export: Path, folder: Path, max_batch: int = 4, max_sequence: int = 5,
+                  toolkit: engines.Toolkit = TENSORRT) -> Path:
     """engines.json as `edgemem build` writes it, over placeholder engine files and a placeholder plugin library."""
     folder.mkdir(parents=True, exist_ok=True)
     manifest = load_manifest(export)
@@ -63,9 +69,11 @@ def _fake_engines(export: Path, folder: Path, max_batch: int = 4, max_sequence: 
         model = onnx.load(str(export / "trt" / f"{kind}.onnx"))
         path = folder / f"{kind}.engine"
         path.write_bytes(f"placeholder {kind} engine".encode())
+        plugins = [{"op": n.op_type, "namespace": "edgemem", "version": "1"} for n in model.graph.node
+                   if n.domain == "edgemem"]
         entries[kind] = engines.entry(path, profile(dim_names(model), max_batch, max_sequence),
-                                      in_place_states(model, manifest))
-    engines.write(folder, manifest, "10.13.0", library, max_batch, max_sequence, entries)
+                                      in_place_states(model, manifest), plugins)
+    engines.write(folder, manifest, toolkit, library, max_batch, max_sequence, entries)
     return library
 
 
@@ -91,6 +99,8 @@ def test_in_place_only_for_state_a_plugin_alone_reads_and_writes(export_dir):
 def test_profile_ranges():
     dims = {"input_ids": ["batch", "sequence"], "past": ["batch", 4, 8], "fixed": [1, 4]}
     assert profile(dims, 8, 100) == {"input_ids": [[1, 1], [8, 64], [8, 100]], "past": [[1, 4, 8], [8, 4, 8], [8, 4, 8]]}
+    # max_batch 1: a step graph's dims all collapse, yet its symbolic inputs still need their range (or nothing builds)
+    assert profile({"input_ids": ["batch", 1], "fixed": [1, 4]}, 1, 100) == {"input_ids": [[1, 1], [1, 1], [1, 1]]}
 
 
 def test_fp16_needs_an_fp16_export(export_dir):
@@ -192,6 +202,76 @@ def test_models_the_backend_cannot_run():
         trt_runtime.check_model(manifest, Path("x"))
 
 
+def test_engines_load_into_the_library_that_built_them(export_dir, tmp_path, monkeypatch):
+    """engines.json's "library" picks the module the backend imports (tensorrt or tensorrt_rtx) and its version
+    must match; stand-in modules make this independent of what is installed."""
+    export = tmp_path / "export"
+    shutil.copytree(export_dir, export)
+    library = _fake_engines(export, export / "engines", toolkit=RTX)
+    info = json.loads((export / "engines" / ENGINES_JSON).read_text())
+    assert info["library"] == {"module": "tensorrt_rtx", "version": "1.7.1.116", "compute_capabilities": ["SM86", "SM120"]}
+    assert [p["op"] for p in info["engines"]["step"]["plugins"]] == ["LinearAttention"]
+    monkeypatch.setitem(sys.modules, "tensorrt_rtx", None)  # not importable
+    with pytest.raises(BackendError, match=r"needs TensorRT for RTX's Python package \(`import tensorrt_rtx`\).*\[rtx\]"):
+        Engine.load(export, backend="trt", plugins=library)
+    rtx = types.ModuleType("tensorrt_rtx")
+    rtx.__version__ = "1.8.0.1"
+    monkeypatch.setitem(sys.modules, "tensorrt_rtx", rtx)
+    with pytest.raises(BackendError, match=r"built by TensorRT for RTX 1.7.1.116, this is TensorRT for RTX 1.8.0.1"):
+        Engine.load(export, backend="trt", plugins=library)
+    library = _fake_engines(export, export / "engines", toolkit=TENSORRT)  # the same export, TensorRT engines
+    trt = types.ModuleType("tensorrt")
+    trt.__version__ = "10.3.0"
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    with pytest.raises(BackendError, match=r"built by TensorRT 10.13.0, this is TensorRT 10.3.0"):
+        Engine.load(export, backend="trt", plugins=library)
+    info = json.loads((export / "engines" / ENGINES_JSON).read_text())
+    info["library"]["module"] = "tensorrt_llm"
+    (export / "engines" / ENGINES_JSON).write_text(json.dumps(info))
+    with pytest.raises(BackendError, match=r"not a valid engines.json \('library' needs a module \(tensorrt or tensorrt_rtx"):
+        Engine.load(export, backend="trt", plugins=library)
+
+
+def test_build_refuses_bad_targets(export_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from edgemem.cli import main
+
+    library = tmp_path / "lib.so"
+    library.write_bytes(b"placeholder")
+    runner = CliRunner()
+    result = runner.invoke(main, ["build", str(export_dir), "--plugins", str(library), "--sm", "86"])
+    assert result.exit_code == 2 and "--sm picks TensorRT for RTX's target GPUs: add --rtx" in result.output
+    result = runner.invoke(main, ["build", str(export_dir), "--rtx", "--sm", "8.6"])
+    assert result.exit_code == 2 and "expected compute capabilities as comma-separated numbers" in result.output
+    if importlib.util.find_spec("tensorrt_rtx") is None:
+        result = runner.invoke(main, ["build", str(export_dir), "--plugins", str(library), "--rtx"])
+        assert result.exit_code == 2 and "TensorRT for RTX's Python package is not installed" in result.output
+    else:  # 9.0 (H100) is not an RTX architecture
+        result = runner.invoke(main, ["build", str(export_dir), "--plugins", str(library), "--rtx", "--sm", "86,90"])
+        assert result.exit_code == 2 and "--sm 90: TensorRT for RTX" in result.output and "86,89,120" in result.output
+    assert not (export_dir / "engines").exists()  # refused before anything was written
+
+
+def test_verify_skips_the_trt_target_when_tensorrt_is_importable(export_dir, tmp_path, monkeypatch):
+    """The bug: with `tensorrt` importable, verify raised instead of checking the other targets."""
+    from click.testing import CliRunner
+
+    from edgemem.cli import main
+    from edgemem.export.verify import TRT_SKIPPED, verify
+
+    (tmp_path / "tensorrt").mkdir()
+    (tmp_path / "tensorrt" / "__init__.py").write_text('__version__ = "10.13.0"\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert importlib.util.find_spec("tensorrt") is not None
+    checks, skipped = verify(export_dir, threads=1, steps=2)
+    assert skipped == {"trt": TRT_SKIPPED}
+    assert {c.target for c in checks} == {"generic"} and all(c.ok for c in checks), checks
+    result = CliRunner().invoke(main, ["verify", str(export_dir), "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    assert "trt: skipped (its graphs hold edgemem's TensorRT plugin nodes" in result.output
+
+
 # ---------------------------------------------------------------------- the stream logic on a stand-in device
 class HostDevice:
     """Device memory in host arrays addressed by integers, as cuda-python hands out pointers."""
@@ -264,6 +344,23 @@ def stand_in(export_dir, tmp_path_factory):
     graphs = {kind: OrtGraph(export_dir / "generic" / f"{kind}.onnx", device) for kind in ("step", "prefill")}
     engine = trt_runtime.TrtEngine(export_dir, load_manifest(export_dir), info, graphs, device, chunk_size=512)
     return engine, Engine.load(export_dir, target="generic", threads=1), device
+
+
+def test_rtx_engines_get_the_same_binding_plan(export_dir, tmp_path):
+    """Engines of TensorRT for RTX (engines.json "library": tensorrt_rtx) bind state as TensorRT's do."""
+    plans = {}
+    for toolkit in (TENSORRT, RTX):
+        folder = tmp_path / toolkit.module
+        _fake_engines(export_dir, folder, toolkit=toolkit)
+        device = HostDevice()
+        graphs = {kind: OrtGraph(export_dir / "generic" / f"{kind}.onnx", device) for kind in ("step", "prefill")}
+        engine = trt_runtime.TrtEngine(export_dir, load_manifest(export_dir),
+                                       json.loads((folder / ENGINES_JSON).read_text()), graphs, device, chunk_size=512)
+        stream = engine.new_stream()
+        stream.step(1)
+        plans[toolkit.module] = (engine._shared, engine._plans, {k: len(v) for k, v in stream._buffers.state.items()})
+    assert plans["tensorrt_rtx"] == plans["tensorrt"]
+    assert plans["tensorrt_rtx"][0] == {RECURRENT} and plans["tensorrt_rtx"][2] == {RECURRENT: 1, CONV: 2}
 
 
 def _close(a, b, tol=1e-5):

@@ -1,12 +1,19 @@
 """`engines.json` and the TensorRT plugin library: what `edgemem build` records beside the engines
 it writes (`write`), and what backend 'trt' checks before it loads them (`read`).
 
-    {"format": "edgemem-engines/1", "tensorrt": "10.13.0",
+    {"format": "edgemem-engines/2",
+     "library": {"module": "tensorrt_rtx", "version": "1.7.1.116", "compute_capabilities": ["SM86", "SM89"]},
      "plugins": {"file": "/abs/libedgemem_trt_plugins.so", "sha256": ...},
      "export": {"arch": ..., "identity": Manifest.identity(), "dtype": "fp32"},
      "max_batch": 1, "max_sequence": 2048,
      "engines": {"step": {"file": "step.engine", "sha256": ..., "profile": {input: [min, opt, max]},
-                          "in_place": [state inputs bound to one buffer for input and output]}, ...}}
+                          "in_place": [state inputs bound to one buffer for input and output],
+                          "plugins": [{"op": "LinearAttention", "namespace": "edgemem", "version": "1"}, ...]}, ...}}
+
+"library" is the Python module that built the engines and must load them: "tensorrt" (compute
+capabilities empty: the engine is for the GPU it was built on) or "tensorrt_rtx" (TensorRT for RTX,
+built ahead of time for the listed compute capabilities). "plugins" per engine: the plugin layers
+the ONNX parser made, i.e. which library implements each edgemem node (edgemem's, namespace "edgemem").
 
 `read` refuses, before TensorRT is touched, engines built from another export, engine files that
 changed since, and (`plugin_library`) a plugin library other than the one they were built with.
@@ -19,7 +26,7 @@ import json
 import os
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from edgemem.files import sha256, write_atomic
 from edgemem.manifest import Manifest
@@ -27,8 +34,17 @@ from edgemem.runtime.errors import BackendError
 
 ENGINES_DIR = "engines"
 ENGINES_JSON = "engines.json"
-FORMAT = "edgemem-engines/1"
+FORMAT = "edgemem-engines/2"
+LIBRARIES = {"tensorrt": "TensorRT", "tensorrt_rtx": "TensorRT for RTX"}  # module → name
 PLUGINS_ENV = "EDGEMEM_TRT_PLUGINS"
+
+
+class Toolkit(NamedTuple):
+    """What built the engines: the Python module (a key of LIBRARIES), its version, the target compute capabilities."""
+
+    module: str
+    version: str
+    compute_capabilities: Sequence[str] = ()
 
 
 def plugin_library(plugins: str | os.PathLike | None, built: Mapping[str, str] | None = None) -> Path:
@@ -57,16 +73,23 @@ def load_plugins(trt: Any, library: Path) -> Any:
     return handle
 
 
-def entry(path: Path, profile: Mapping[str, list[list[int]]], in_place: Sequence[str]) -> dict[str, Any]:
-    """The record of one engine file: its sha256, its optimisation profile and its in-place state inputs."""
-    return {"file": path.name, "sha256": sha256(path), "profile": dict(profile), "in_place": list(in_place)}
+def entry(path: Path, profile: Mapping[str, list[list[int]]], in_place: Sequence[str],
+          plugins: Sequence[Mapping[str, str]]) -> dict[str, Any]:
+    """The record of one engine file: its sha256, its optimisation profile, its in-place state inputs and
+    its plugin layers ({op, namespace, version} each)."""
+    return {"file": path.name, "sha256": sha256(path), "profile": dict(profile), "in_place": list(in_place),
+            "plugins": [dict(p) for p in plugins]}
 
 
-def write(folder: Path, manifest: Manifest, tensorrt_version: str, library: Path, max_batch: int, max_sequence: int,
+def write(folder: Path, manifest: Manifest, toolkit: Toolkit, library: Path, max_batch: int, max_sequence: int,
           engines: Mapping[str, Mapping[str, Any]]) -> Path:
     """Write FOLDER/engines.json atomically, after the engines (`entry` per engine file)."""
+    if toolkit.module not in LIBRARIES:
+        raise ValueError(f"library {toolkit.module!r} is none of {', '.join(LIBRARIES)}")
     info = {
-        "format": FORMAT, "tensorrt": tensorrt_version,
+        "format": FORMAT,
+        "library": {"module": toolkit.module, "version": toolkit.version,
+                    "compute_capabilities": list(toolkit.compute_capabilities)},
         "plugins": {"file": str(library.resolve()), "sha256": sha256(library)},
         "export": {"arch": manifest.arch, "identity": manifest.identity(), "dtype": manifest.config.get("dtype", "fp32")},
         "max_batch": max_batch, "max_sequence": max_sequence, "engines": dict(engines),
@@ -81,15 +104,17 @@ def _check_format(info: Any) -> None:
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         found = info.get("format") if isinstance(info, dict) else None
         raise ValueError(f"format {found!r}, expected {FORMAT!r}")
-    fields = {"tensorrt": str, "plugins": dict, "export": dict, "max_batch": int, "max_sequence": int, "engines": dict}
+    fields = {"library": dict, "plugins": dict, "export": dict, "max_batch": int, "max_sequence": int, "engines": dict}
     for key, kind in fields.items():
         if not isinstance(info.get(key), kind):
             raise ValueError(f"no {kind.__name__} {key!r}")
+    if info["library"].get("module") not in LIBRARIES or not isinstance(info["library"].get("version"), str):
+        raise ValueError(f"'library' needs a module ({' or '.join(LIBRARIES)}) and a version")
     if not {"file", "sha256"} <= info["plugins"].keys():
         raise ValueError("'plugins' needs file and sha256")
     for kind, record in info["engines"].items():
-        if not isinstance(record, dict) or not {"file", "sha256", "profile", "in_place"} <= record.keys():
-            raise ValueError(f"engine {kind!r} needs file, sha256, profile and in_place")
+        if not isinstance(record, dict) or not {"file", "sha256", "profile", "in_place", "plugins"} <= record.keys():
+            raise ValueError(f"engine {kind!r} needs file, sha256, profile, in_place and plugins")
 
 
 def read(directory: Path, manifest: Manifest, engines: str | os.PathLike | None = None) -> tuple[Path, dict[str, Any]]:
@@ -132,11 +157,13 @@ def files(folder: Path, info: Mapping[str, Any]) -> dict[str, Path]:
     return {kind: folder / record["file"] for kind, record in info["engines"].items()}
 
 
-def check_tensorrt_version(info: Mapping[str, Any], version: str) -> None:
-    """Engines load only into the TensorRT version that built them."""
-    if info["tensorrt"] != version:
-        raise BackendError(f"the engines were built by TensorRT {info['tensorrt']}, this is TensorRT {version}; "
-                           "rebuild them with `edgemem build` here (engines are not portable across versions)")
+def check_library_version(info: Mapping[str, Any], version: str) -> None:
+    """Engines load only into the version of the library (engines.json's "library") that built them."""
+    built = info["library"]
+    if built["version"] != version:
+        name = LIBRARIES[built["module"]]
+        raise BackendError(f"the engines were built by {name} {built['version']}, this is {name} {version}; rebuild "
+                           "them with `edgemem build` here (engines are not portable across versions)")
 
 
 def in_place(info: Mapping[str, Any], kinds: Collection[str]) -> frozenset[str]:

@@ -5,9 +5,10 @@
 
 Loading reads DIR/engines/engines.json (or `engines=`) and refuses, before touching TensorRT, what
 `edgemem.runtime.engines` refuses (engines of another export, changed engine files, another plugin
-library); then it needs TensorRT's Python package, cuda-python (`cuda.bindings.runtime`) and a GPU,
-and says which is missing. tensorrt and cuda are imported here, lazily: `import edgemem.runtime`
-imports neither.
+library); then it needs the library that built the engines (engines.json's "library": TensorRT's
+`tensorrt`, or TensorRT for RTX's `tensorrt_rtx` for `edgemem build --rtx` engines, same Python API),
+cuda-python (`cuda.bindings.runtime`) and a GPU, and says which is missing. Those are imported here,
+lazily: `import edgemem.runtime` imports none of them.
 
 State. Each stream allocates its state on the GPU once (cudaMalloc) and keeps it there; reads
 (`state_dict`, `save`, `fork`) copy it to the host. A state tensor that an edgemem plugin reads
@@ -47,7 +48,7 @@ from edgemem.runtime.errors import BackendError
 from edgemem.runtime.state import concrete_shape, is_growing
 
 INSTALL = ("pip install 'edgemem-toolkit[gpu]' (TensorRT and cuda-python; on Jetson, JetPack's python3-libnvinfer and "
-           "`pip install cuda-python`)")
+           "`pip install cuda-python`; for TensorRT for RTX engines, 'edgemem-toolkit[rtx]' and cuda-python)")
 
 
 # ---------------------------------------------------------------------- checks (no TensorRT needed)
@@ -236,9 +237,10 @@ class TrtEngine(Engine):
         check_model(manifest, directory)
         folder, info = engines.read(directory, manifest, engines_dir)
         library = engines.plugin_library(plugins, info["plugins"])
-        trt = _import("tensorrt", "TensorRT's Python package (`import tensorrt`)")
+        module = info["library"]["module"]
+        trt = _import(module, f"{engines.LIBRARIES[module]}'s Python package (`import {module}`)")
+        engines.check_library_version(info, trt.__version__)
         cudart = _import("cuda.bindings.runtime", "cuda-python (`import cuda.bindings.runtime`)")
-        engines.check_tensorrt_version(info, trt.__version__)
         device = _Cuda(cudart)
         logger = trt.Logger(trt.Logger.WARNING)
         handle = engines.load_plugins(trt, library)

@@ -31,7 +31,7 @@ FULL_SIZE = [pytest.param("titans-mag", marks=pytest.mark.slow), "gated-deltanet
 
 def _verified(directory):
     checks, skipped = verify(directory, threads=1)
-    assert skipped == {"trt": "TensorRT is not installed"} or "trt" not in skipped
+    assert set(skipped) <= {"trt"}  # onnxruntime runs every other target
     assert {c.target for c in checks} == {"generic", "ort", "onnx27"}
     bad = [c for c in checks if not c.ok]
     assert not bad, bad

@@ -8,6 +8,7 @@ import torch
 
 from edgemem.errors import ConfigError
 from edgemem.models.checkpoint import load_checkpoint, save_checkpoint
+from edgemem.models.linearize import linearize
 from edgemem.models.lm import LM, MIXERS, LMConfig
 from edgemem.models.recipes import archs, load_config
 
@@ -60,6 +61,7 @@ __all__ = [
     "archs",
     "build",
     "describe",
+    "linearize",
     "load_checkpoint",
     "load_config",
     "save_checkpoint",

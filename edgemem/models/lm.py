@@ -22,8 +22,10 @@ from edgemem.layers import (
     GAU,
     BandedEncoderAttention,
     DeltaNet,
+    DeltaRNN,
     GatedDeltaNet,
     LinearAttention,
+    LiZA,
     NeuralMemoryLayer,
     SlidingWindowAttention,
     SoftmaxAttention,
@@ -47,6 +49,8 @@ MIXERS: dict[str, type[StatefulLayer]] = {
     "banded_encoder": BandedEncoderAttention,
     "gau": GAU,
     "aft": AFT,
+    "delta_rnn": DeltaRNN,
+    "liza": LiZA,
 }
 
 

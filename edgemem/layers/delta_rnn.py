@@ -1,0 +1,96 @@
+"""Delta RNN (Irie, Schlag, Csordás & Schmidhuber 2021, "Going Beyond Linear Transformers with
+Recurrent Fast Weight Programmers"): a delta-rule fast weight W plus a recurrent fast weight R
+that reads the layer's own previous output, per head (head size D):
+
+    W_t = W_{t−1} + β_t φ(k_t) (v_t − W_{t−1}ᵀ φ(k_t))ᵀ
+    R_t = R_{t−1} + γ_t φ(r_t) (u_t − R_{t−1}ᵀ φ(r_t))ᵀ
+    y_t = W_tᵀ φ(q_t) + R_tᵀ softmax(y_{t−1})
+
+q, k, v, r, u, β = σ(·), γ = σ(·) are linear in x_t (the slow weights). Because y_t feeds the
+next read through a softmax, the step is nonlinear in the state and the prefill is a sequential
+loop: `prefill` runs the W part through the `linear_attention` op (delta rule, chunk-parallel,
+one `edgemem::LinearAttention` node under export) and loops over tokens for the R part only; under
+`torch.onnx.export` that loop is `torch._higher_order_ops.scan`, i.e. an ONNX `Scan` inside the
+prefill graph. The Scan is standard ONNX: there is no TensorRT plugin for the R loop (TensorRT runs
+`Scan` natively; the W part uses the LinearAttention plugin).
+
+Choices the paper leaves open, as made here:
+- φ is a softmax over the head's D channels for q, k and r: positive and summing to one, so
+  ‖φ(k)‖₂ ≤ 1 and with β, γ ∈ (0, 1) both delta updates are contractions (the state stays bounded
+  on any input). The paper's φ options (DPFP, sum-normalised ELU) are not offered.
+- R gets its own key r, value u and rate γ from x_t (the seed note reuses W's v − v̄ and k for R;
+  separate projections can learn that and more); its update is thus linear, only its read recurs.
+- f(y_{t−1}) = softmax over the head's D channels of the previous raw head output; y_0 = 0.
+- The recurrence runs on raw head outputs; the layer output is a per-head RMSNorm of y_t, then the
+  output projection (the paper projects without a norm; the norm keeps the residual stream scaled).
+- One set of heads, d_k = d_v = D = d_model / num_heads; no short convolution.
+States: `recurrent_state` W `[B, H, D, D]`, `feedback_state` R `[B, H, D, D]` (both as
+`[d_k, d_v]`, the `linear_attention` layout) and `last_output` y_{t−1} `[B, H, D]`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from edgemem.errors import ConfigError
+from edgemem.layers.base import State, StatefulLayer
+from edgemem.ops import linear_attention
+
+
+def feedback_step(
+    carry: tuple[torch.Tensor, torch.Tensor], token: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """One token of the R recurrence. carry: R `[B, H, D, D]`, y_{t−1} `[B, H, D]`; token: the W
+    read `[B, H, D]`, φ(r) `[B, H, D]`, u `[B, H, D]`, γ `[B, H, 1]`. Returns ((R_t, y_t), y_t)."""
+    feedback, last = carry
+    read, key, value, rate = token
+    error = value - torch.einsum("bhkv,bhk->bhv", feedback, key)
+    feedback = feedback + rate[..., None] * key[..., :, None] * error[..., None, :]
+    y = read + torch.einsum("bhkv,bhk->bhv", feedback, torch.softmax(last, dim=-1))
+    return (feedback, y), y.clone()
+
+
+class DeltaRNN(StatefulLayer):
+    def __init__(self, d_model: int, num_heads: int):
+        super().__init__()
+        if d_model % num_heads:
+            raise ConfigError(f"d_model ({d_model}) is not divisible by num_heads ({num_heads})")
+        self.num_heads, self.head_dim = num_heads, d_model // num_heads
+        self.proj = nn.Linear(d_model, 5 * d_model, bias=False)  # q, k, v for W; r, u for R
+        self.rates = nn.Linear(d_model, 2 * num_heads, bias=False)  # β, γ
+        self.norm = nn.RMSNorm(self.head_dim, eps=1e-5)
+        self.out = nn.Linear(d_model, d_model, bias=False)
+
+    def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> State:
+        dtype = self.state_dtype(dtype)
+        h, d = self.num_heads, self.head_dim
+        return {
+            "recurrent_state": torch.zeros(batch, h, d, d, device=device, dtype=dtype),
+            "feedback_state": torch.zeros(batch, h, d, d, device=device, dtype=dtype),
+            "last_output": torch.zeros(batch, h, d, device=device, dtype=dtype),
+        }
+
+    def prefill(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
+        q, k, v, r, u = self.proj(x).unflatten(2, (5, self.num_heads, self.head_dim)).unbind(2)
+        beta, gamma = torch.sigmoid(self.rates(x)).chunk(2, dim=-1)
+        read, memory = linear_attention(
+            q.softmax(-1), k.softmax(-1), v, state["recurrent_state"], None, beta,
+            update_rule="delta", scale=1.0, q_num_heads=self.num_heads, kv_num_heads=self.num_heads,
+        )
+        dtype = read.dtype
+        carry = (state["feedback_state"].to(dtype), state["last_output"].to(dtype))
+        tokens = tuple(t.transpose(0, 1) for t in (read, r.softmax(-1), u, gamma[..., None]))  # time first
+        if torch.compiler.is_exporting():
+            from torch._higher_order_ops.scan import scan  # a Scan node of any length in the graph
+
+            (feedback, last), ys = scan(feedback_step, carry, tokens)
+        else:
+            outputs = []
+            for t in range(x.shape[1]):
+                carry, y = feedback_step(carry, tuple(s[t] for s in tokens))
+                outputs.append(y)
+            (feedback, last), ys = carry, torch.stack(outputs)
+        y = self.out(self.norm(ys.transpose(0, 1).to(x.dtype)).flatten(2))
+        sdtype = state["feedback_state"].dtype
+        return y, {"recurrent_state": memory, "feedback_state": feedback.to(sdtype), "last_output": last.to(sdtype)}

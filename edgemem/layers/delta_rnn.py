@@ -45,9 +45,9 @@ def feedback_step(
     read `[B, H, D]`, φ(r) `[B, H, D]`, u `[B, H, D]`, γ `[B, H, 1]`. Returns ((R_t, y_t), y_t)."""
     feedback, last = carry
     read, key, value, rate = token
-    error = value - torch.einsum("bhkv,bhk->bhv", feedback, key)
+    error = value - (feedback * key[..., :, None]).sum(-2)
     feedback = feedback + rate[..., None] * key[..., :, None] * error[..., None, :]
-    y = read + torch.einsum("bhkv,bhk->bhv", feedback, torch.softmax(last, dim=-1))
+    y = read + (feedback * torch.softmax(last, dim=-1)[..., :, None]).sum(-2)
     return (feedback, y), y.clone()
 
 
@@ -84,6 +84,8 @@ class DeltaRNN(StatefulLayer):
         if torch.compiler.is_exporting():
             from torch._higher_order_ops.scan import scan  # a Scan node of any length in the graph
 
+            # contiguous: scan does not trace strided views of one buffer for a symbolic T
+            carry, tokens = tuple(t.contiguous() for t in carry), tuple(t.contiguous() for t in tokens)
             (feedback, last), ys = scan(feedback_step, carry, tokens)
         else:
             outputs = []

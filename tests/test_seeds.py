@@ -201,7 +201,7 @@ def test_a_linearized_softmax_model_trains_on_a_task():
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     result = train(model, "copy", steps=4, batch=4, length=32, progress=False, task_params={"tokens": 4})
     assert len(result.losses) == 4 and all(math.isfinite(x) for x in result.losses)
-    assert result.model.config.mixer == "liza"
+    assert (result.model.config.arch, result.model.config.mixer) == ("softmax-linearized", "liza")
     assert all(not torch.equal(p, before[n]) for n, p in result.model.named_parameters())
 
 

@@ -11,8 +11,8 @@ next read through a softmax, the step is nonlinear in the state and the prefill 
 loop: `prefill` runs the W part through the `linear_attention` op (delta rule, chunk-parallel,
 one `edgemem::LinearAttention` node under export) and loops over tokens for the R part only; under
 `torch.onnx.export` that loop is `torch._higher_order_ops.scan`, i.e. an ONNX `Scan` inside the
-prefill graph. The Scan is standard ONNX: there is no TensorRT plugin for the R loop (TensorRT runs
-`Scan` natively; the W part uses the LinearAttention plugin).
+prefill graph. The R loop is plugin-free: the Scan is standard ONNX with no edgemem node or TensorRT
+plugin of its own (the W part is the LinearAttention node, as in DeltaNet).
 
 Choices the paper leaves open, as made here:
 - φ is a softmax over the head's D channels for q, k and r: positive and summing to one, so

@@ -28,7 +28,8 @@ def linearize(model: LM, *, window: int = 64, update_rule: str = "gated_delta", 
     options = {
         **model.config.mixer_options, "window": window, "update_rule": update_rule, "gate_init": gate_init,
     }
-    config = dataclasses.replace(model.config, mixer="liza", mixer_options=options)
+    arch = f"{model.config.arch}-linearized"
+    config = dataclasses.replace(model.config, arch=arch, mixer="liza", mixer_options=options)
     new = LM(config).to(next(model.parameters()).device, next(model.parameters()).dtype)
     missing, unexpected = new.load_state_dict(model.state_dict(), strict=False)
     added = {name for name, _ in new.named_parameters()} - set(model.state_dict())

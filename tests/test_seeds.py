@@ -239,3 +239,33 @@ def test_export_verifies_and_streams_in_the_runtime(exports, arch):
     stream = Engine.load(exports[arch], threads=1).new_stream()
     got = [stream.prefill(tokens[0, :13].tolist(), chunk_size=5)] + [stream.step(int(t))[None] for t in tokens[0, 13:]]
     np.testing.assert_allclose(np.concatenate(got), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_linearized_checkpoint_exports_verifies_and_streams(tmp_path):
+    """A softmax model, linearized, streams from the runtime in constant memory: its state is the
+    window ring buffer and the linear state, and the export matches PyTorch."""
+    from edgemem.export import export
+    from edgemem.export.verify import verify
+    from edgemem.models import save_checkpoint
+    from edgemem.runtime import Engine
+
+    model = linearize(build("softmax", seed=0, d_model=32, n_layers=1, mlp_hidden=32), window=8).eval()
+    checkpoint = tmp_path / "model.safetensors"
+    save_checkpoint(model, checkpoint)
+    manifest = export(model, tmp_path / "out", targets=["generic"], extra_config={"checkpoint": str(checkpoint)})
+    assert manifest.arch == "softmax-linearized" and all("past_sequence" not in s.shape for s in manifest.state)
+    checks, _ = verify(tmp_path / "out", threads=1)
+    assert checks and all(c.ok for c in checks), [c for c in checks if not c.ok]
+    tokens = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = model(tokens)[0].numpy()
+    stream = Engine.load(tmp_path / "out", threads=1).new_stream()
+    got = [stream.prefill(tokens[0, :10].tolist())] + [stream.step(int(t))[None] for t in tokens[0, 10:]]
+    np.testing.assert_allclose(np.concatenate(got), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_train_refuses_overrides_for_a_given_model():
+    from edgemem.train import train
+
+    with pytest.raises(ConfigError, match="trained as it is"):
+        train(_linearized(), "copy", steps=1, overrides={"d_model": 64}, progress=False)

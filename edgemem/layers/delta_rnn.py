@@ -36,6 +36,7 @@ from torch import nn
 from edgemem.errors import ConfigError
 from edgemem.layers.base import State, StatefulLayer
 from edgemem.ops import linear_attention
+from edgemem.ops.dtypes import compute_dtype
 
 
 def feedback_step(
@@ -48,7 +49,7 @@ def feedback_step(
     error = value - (feedback * key[..., :, None]).sum(-2)
     feedback = feedback + rate[..., None] * key[..., :, None] * error[..., None, :]
     y = read + (feedback * torch.softmax(last, dim=-1)[..., :, None]).sum(-2)
-    return (feedback, y), y.clone()
+    return (feedback, y), y.clone()  # a scan output may not alias its carry
 
 
 class DeltaRNN(StatefulLayer):
@@ -78,9 +79,9 @@ class DeltaRNN(StatefulLayer):
             q.softmax(-1), k.softmax(-1), v, state["recurrent_state"], None, beta,
             update_rule="delta", scale=1.0, q_num_heads=self.num_heads, kv_num_heads=self.num_heads,
         )
-        dtype = read.dtype
+        dtype = compute_dtype(read)  # the recurrence runs in float32 (float64) whatever the weights
         carry = (state["feedback_state"].to(dtype), state["last_output"].to(dtype))
-        tokens = tuple(t.transpose(0, 1) for t in (read, r.softmax(-1), u, gamma[..., None]))  # time first
+        tokens = tuple(t.to(dtype).transpose(0, 1) for t in (read, r.softmax(-1), u, gamma[..., None]))  # time first
         if torch.compiler.is_exporting():
             from torch._higher_order_ops.scan import scan  # a Scan node of any length in the graph
 

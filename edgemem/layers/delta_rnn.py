@@ -9,10 +9,11 @@ that reads the layer's own previous output, per head (head size D):
 q, k, v, r, u, β = σ(·), γ = σ(·) are linear in x_t (the slow weights). Because y_t feeds the
 next read through a softmax, the step is nonlinear in the state and the prefill is a sequential
 loop: `prefill` runs the W part through the `linear_attention` op (delta rule, chunk-parallel,
-one `edgemem::LinearAttention` node under export) and loops over tokens for the R part only; under
-`torch.onnx.export` that loop is `torch._higher_order_ops.scan`, i.e. an ONNX `Scan` inside the
-prefill graph. The R loop is plugin-free: the Scan is standard ONNX with no edgemem node or TensorRT
-plugin of its own (the W part is the LinearAttention node, as in DeltaNet).
+one `edgemem::LinearAttention` node under export) and loops over tokens for the R part only; traced
+for a symbolic length (the exported prefill graph) that loop is `torch._higher_order_ops.scan`, an
+ONNX `Scan` inside the graph, while the one-token step graph has none. The R loop is plugin-free:
+the Scan is standard ONNX with no edgemem node or TensorRT plugin of its own (the W part is the
+LinearAttention node, as in DeltaNet).
 
 Choices the paper leaves open, as made here:
 - φ is a softmax over the head's D channels for q, k and r: positive and summing to one, so
@@ -82,18 +83,18 @@ class DeltaRNN(StatefulLayer):
         dtype = compute_dtype(read)  # the recurrence runs in float32 (float64) whatever the weights
         carry = (state["feedback_state"].to(dtype), state["last_output"].to(dtype))
         tokens = tuple(t.to(dtype).transpose(0, 1) for t in (read, r.softmax(-1), u, gamma[..., None]))  # time first
-        if torch.compiler.is_exporting():
-            from torch._higher_order_ops.scan import scan  # a Scan node of any length in the graph
-
-            # contiguous: scan does not trace strided views of one buffer for a symbolic T
-            carry, tokens = tuple(t.contiguous() for t in carry), tuple(t.contiguous() for t in tokens)
-            (feedback, last), ys = scan(feedback_step, carry, tokens)
-        else:
+        if isinstance(x.shape[1], int):  # eager, or a traced step: a known number of tokens
             outputs = []
             for t in range(x.shape[1]):
                 carry, y = feedback_step(carry, tuple(s[t] for s in tokens))
                 outputs.append(y)
             (feedback, last), ys = carry, torch.stack(outputs)
+        else:  # traced for any length: a Scan node in the graph
+            from torch._higher_order_ops.scan import scan
+
+            # contiguous: scan does not trace strided views of one buffer for a symbolic T
+            carry, tokens = tuple(t.contiguous() for t in carry), tuple(t.contiguous() for t in tokens)
+            (feedback, last), ys = scan(feedback_step, carry, tokens)
         y = self.out(self.norm(ys.transpose(0, 1).to(x.dtype)).flatten(2))
         sdtype = state["feedback_state"].dtype
         return y, {"recurrent_state": memory, "feedback_state": feedback.to(sdtype), "last_output": last.to(sdtype)}

@@ -16,14 +16,14 @@ the Scan is standard ONNX with no edgemem node or TensorRT plugin of its own (th
 LinearAttention node, as in DeltaNet).
 
 Choices the paper leaves open, as made here:
-- φ is a softmax over the head's D channels for q, k and r: positive and summing to one, so
-  ‖φ(k)‖₂ ≤ 1 and with β, γ ∈ (0, 1) both delta updates are contractions (the state stays bounded
-  on any input). The paper's φ options (DPFP, sum-normalised ELU) are not offered.
+- φ is a softmax over the head's D channels for q, k and r (positive and normalised, as the seed
+  note asks): ‖φ(k)‖₂ ≤ 1, so with β, γ ∈ (0, 1) both delta updates are contractions and the
+  state stays bounded on any input. Other feature maps (DPFP, ELU + 1) are not offered.
 - R gets its own key r, value u and rate γ from x_t (the seed note reuses W's v − v̄ and k for R;
   separate projections can learn that and more); its update is thus linear, only its read recurs.
 - f(y_{t−1}) = softmax over the head's D channels of the previous raw head output; y_0 = 0.
-- The recurrence runs on raw head outputs; the layer output is a per-head RMSNorm of y_t, then the
-  output projection (the paper projects without a norm; the norm keeps the residual stream scaled).
+- The recurrence runs on raw head outputs; the layer output is a per-head RMSNorm of y_t (this
+  layer's addition, as in DeltaNet, to keep the residual stream scaled), then the output projection.
 - One set of heads, d_k = d_v = D = d_model / num_heads; no short convolution.
 States: `recurrent_state` W `[B, H, D, D]`, `feedback_state` R `[B, H, D, D]` (both as
 `[d_k, d_v]`, the `linear_attention` layout) and `last_output` y_{t−1} `[B, H, D]`.

@@ -44,7 +44,7 @@ def _loss(model: LM, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
 
 
 def train(
-    arch: str,
+    arch: str | LM,
     task: str | Task,
     steps: int,
     out: str | Path | None = None,
@@ -60,9 +60,9 @@ def train(
     progress: bool = True,
     device: str = "cpu",
 ) -> TrainResult:
-    """Train `build(arch, seed=seed, **overrides)` on `task` for `steps` steps of `batch` sequences
-    of `length` tokens (default: the task's episode length) on `device` (a torch device: "cpu",
-    "cuda"); save to `out` if given. The returned model is on the CPU."""
+    """Train `build(arch, seed=seed, **overrides)`, or `arch` itself when it is an LM (a linearized
+    model, say), on `task` for `steps` steps of `batch` sequences of `length` tokens (default: the
+    task's episode length) on `device` (a torch device: "cpu", "cuda"); save to `out` if given. The returned model is on the CPU."""
     if steps < 1 or batch < 1:
         raise ConfigError(f"steps and batch must be positive; got steps={steps}, batch={batch}")
     if not lr > 0 or weight_decay < 0:
@@ -74,7 +74,10 @@ def train(
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as e:
         raise ConfigError(f"cannot train on device {str(device)!r}: {str(e).splitlines()[0]}") from None
-    model = build(arch, seed=seed, **(overrides or {})).to(device)
+    if isinstance(arch, LM) and overrides:
+        raise ConfigError("overrides build a preset; a given model is trained as it is")
+    model = (arch if isinstance(arch, LM) else build(arch, seed=seed, **(overrides or {}))).to(device)
+    arch = model.config.arch
     model.train()
     rng = train_rng(seed)
     warmup = min(steps // 10, 200) if warmup is None else warmup

@@ -9,6 +9,7 @@ import torch
 from edgemem.errors import ConfigError
 from edgemem.models.checkpoint import load_checkpoint, save_checkpoint
 from edgemem.models.hf import from_hf
+from edgemem.models.linearize import linearize
 from edgemem.models.lm import LM, MIXERS, LMConfig
 from edgemem.models.recipes import archs, load_config
 
@@ -62,6 +63,7 @@ __all__ = [
     "build",
     "describe",
     "from_hf",
+    "linearize",
     "load_checkpoint",
     "load_config",
     "save_checkpoint",

@@ -26,8 +26,10 @@ from edgemem.layers import (
     GAU,
     BandedEncoderAttention,
     DeltaNet,
+    DeltaRNN,
     GatedDeltaNet,
     LinearAttention,
+    LiZA,
     NeuralMemoryLayer,
     SlidingWindowAttention,
     SoftmaxAttention,
@@ -52,6 +54,8 @@ MIXERS: dict[str, type[StatefulLayer]] = {
     "banded_encoder": BandedEncoderAttention,
     "gau": GAU,
     "aft": AFT,
+    "delta_rnn": DeltaRNN,
+    "liza": LiZA,
 }
 
 

@@ -111,7 +111,7 @@ def export_command(arch, out_dir, targets, seed, checkpoint, overrides, dtype, f
     from edgemem.files import check_output_dir
     from edgemem.models import build, load_checkpoint
 
-    check_output_dir(out_dir, force=force, inputs=[checkpoint] if checkpoint else [])
+    check_output_dir(out_dir, force=force, inputs=[checkpoint] if checkpoint else [], what="--out")
     extra = {}
     if checkpoint:
         if overrides:
@@ -486,8 +486,10 @@ def eval_command(checkpoint, task_name, length, task_set, batch, seed, threads, 
 @click.option("--force", is_flag=True, help="Replace a non-empty output directory (and the checkpoints inside it).")
 def triton_command(directory, out_dir, name, max_live, idle_seconds, checkpoints, threads, max_batch_size, force) -> None:
     """Write a Triton Inference Server model repository for an export (Python backend; onnxruntime if it fits)."""
+    from edgemem.files import EXPORT_MARKER, check_output_dir
     from edgemem.serve.repository import write_repository
 
+    check_output_dir(out_dir, force=force, inputs=[directory], what="--out", marker=f"*/export/{EXPORT_MARKER}")
     repo = write_repository(directory, out_dir, name=name, max_live=max_live, idle_seconds=idle_seconds,
                             checkpoints=checkpoints, threads=threads, max_batch_size=max_batch_size, force=force)
     click.echo(f"wrote {repo.path}: {repo.python_model} (python backend, edgemem.runtime)"

@@ -14,6 +14,8 @@ Safety rules (one place for every command):
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import hashlib
 import os
 import re
@@ -103,6 +105,9 @@ def _writable_ancestor(path: Path, what: str) -> Path:
         parent = parent.parent
     if not parent.is_dir():
         raise OutputError(f"{what} {path}: {parent} is a file, not a directory")
+    for stale in _stale(parent, re.compile(r"\.edgemem-probe-(\d+)-.+")):
+        with contextlib.suppress(OSError):
+            stale.rmdir()
     try:  # a real probe: os.access says yes to root even on read-only or virtual file systems
         os.rmdir(tempfile.mkdtemp(dir=parent, prefix=f".edgemem-probe-{os.getpid()}-"))
     except OSError as e:
@@ -125,12 +130,13 @@ def check_output_file(path: str | Path, what: str = "output") -> Path:
     return path
 
 
-def check_output_dir(out: str | Path, *, force: bool, inputs: Iterable[str | Path] = (), what: str = "output") -> Path:
+def check_output_dir(out: str | Path, *, force: bool, inputs: Iterable[str | Path] = (), what: str = "output",
+                     marker: str = EXPORT_MARKER) -> Path:
     """Before long work: `out` may receive a new export directory.
 
     It must not be (or hold) the current directory or any of `inputs`, nor lie inside an input; an
     existing non-empty `out` is replaced only with `force`, and only if it is edgemem's own (it holds
-    `edgemem.json`). Returns `out` resolved."""
+    a file matching `marker`: `edgemem.json` for an export). Returns `out` resolved."""
     given, out = Path(out), Path(out).resolve()
     if _inside(Path.cwd().resolve(), out):
         raise OutputError(f"{what} {given} is the current directory or holds it; give a new directory name")
@@ -144,11 +150,22 @@ def check_output_dir(out: str | Path, *, force: bool, inputs: Iterable[str | Pat
     if out.is_dir() and any(out.iterdir()):
         if not force:
             raise OutputError(f"{what} {given} is not empty; pass --force (force=True) to replace an earlier export")
-        if not (out / EXPORT_MARKER).is_file():
-            raise OutputError(f"{what} {given} holds files edgemem did not write (no {EXPORT_MARKER}); --force only "
-                              "replaces an edgemem export: remove it yourself or choose another directory")
+        if not any(p.is_file() for p in out.glob(marker)):
+            raise OutputError(f"{what} {given} holds files edgemem did not write (no {marker}); --force only "
+                              "replaces what edgemem wrote: remove it yourself or choose another directory")
     _writable_ancestor(out, what)
     return out
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False where the system cannot."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
 def _sweep(out: Path) -> None:
@@ -165,8 +182,9 @@ def _sweep(out: Path) -> None:
 @contextlib.contextmanager
 def staged_directory(out: Path) -> Iterator[Path]:
     """A temporary directory beside `out` to write an export into; on success it replaces `out`
-    (an existing one is moved aside first, then removed), on any error it is removed: readers see
-    the old directory or the whole new one, never a half-written one."""
+    (swapped with an existing one in one step where the system can, else moved aside first; the old one
+    is then removed), on any error it is removed: readers see the old directory or the whole new one,
+    never a half-written one."""
     out = Path(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -177,6 +195,9 @@ def staged_directory(out: Path) -> Iterator[Path]:
         raise OutputError(f"cannot write {out}: {e.strerror}") from None
     try:
         yield tmp
+        if out.is_dir() and _exchange(tmp, out):
+            shutil.rmtree(tmp, ignore_errors=True)  # now the old directory
+            return
         old = None
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}-{tmp.name.rsplit('-', 1)[-1]}")

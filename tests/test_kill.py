@@ -1,0 +1,87 @@
+"""SIGKILL at random moments while export, calibrate, Stream.save and train write their artifacts:
+the artifact written before still loads and verifies, no partial one passes for a complete one, and
+the next run clears what the killed one left behind."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from edgemem.manifest import load as load_manifest
+
+KILLS = 8  # per writer; 32 in all
+
+_WRITER = textwrap.dedent("""
+    import itertools, sys
+    mode, source, out = sys.argv[1:4]
+    if mode == "export":
+        from edgemem.export import export
+        from edgemem.models import build
+        def write(i):
+            export(build("linear", seed=i, d_model=16, n_layers=1), out, targets=["generic"], force=True)
+    elif mode == "calibrate":
+        from edgemem.quant import calibrate
+        def write(i):
+            calibrate(source, "dynamic", None, out, force=True)
+    elif mode == "save":
+        from edgemem.runtime import Engine
+        stream = Engine.load(source, threads=1).new_stream()
+        def write(i):
+            stream.step(i % 256)
+            stream.save(out)
+    else:
+        from edgemem.train import train
+        def write(i):
+            train("linear", "mqar", 1, out, seed=i, overrides={"d_model": 16, "n_layers": 1}, batch=2, progress=False)
+    print("ready", flush=True)
+    for i in itertools.count():
+        write(i)
+""")
+
+
+def _loads(mode: str, source: Path, out: Path) -> None:
+    """The artifact at `out` is complete: it loads, and every file matches its recorded sha256."""
+    if mode in ("export", "calibrate"):
+        load_manifest(out, check_files=True)
+    elif mode == "save":
+        from edgemem.runtime import Engine
+
+        Engine.load(source, threads=1).load_stream(out)
+    else:
+        from edgemem.models import load_checkpoint
+
+        load_checkpoint(out)
+
+
+def _write_once(mode: str, source: Path, out: Path) -> None:
+    subprocess.run([sys.executable, "-c", _WRITER.replace("for i in itertools.count():", "for i in range(1):"),
+                    mode, str(source), str(out)], check=True, capture_output=True, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["export", "calibrate", "save", "train"])
+def test_sigkill_leaves_the_previous_artifact_whole(mode, small_exports, tmp_path):
+    source = small_exports["linear"]
+    out = tmp_path / ("out" if mode in ("export", "calibrate") else "artifact.safetensors")
+    _write_once(mode, source, out)
+    _loads(mode, source, out)
+    rng = random.Random(mode)
+    for _ in range(KILLS):
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER, mode, str(source), str(out)], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.0, 1.5))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        _loads(mode, source, out)
+    _write_once(mode, source, out)  # the next run clears what killed ones left
+    _loads(mode, source, out)
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]

@@ -85,3 +85,45 @@ def test_sigkill_leaves_the_previous_artifact_whole(mode, small_exports, tmp_pat
     _write_once(mode, source, out)  # the next run clears what killed ones left
     _loads(mode, source, out)
     assert [p.name for p in tmp_path.iterdir()] == [out.name]
+
+
+def test_ctrl_c_in_train_saves_the_last_completed_step(tmp_path):
+    import signal as signals
+
+    import torch
+
+    from edgemem.models import build, load_checkpoint
+    from edgemem.tasks import get_task
+    from edgemem.train import Interrupted, train
+
+    task = get_task("mqar")
+    batches = 0
+    real_batch = task.batch
+
+    def batch(*args):
+        nonlocal batches
+        batches += 1
+        if batches == 3:  # Ctrl-C while the third step is under way: it completes, then training stops
+            signals.raise_signal(signals.SIGINT)
+        return real_batch(*args)
+
+    task.batch = batch
+    out = tmp_path / "m.safetensors"
+    with pytest.raises(Interrupted) as stop:
+        train("linear", task, 50, out, overrides={"d_model": 16, "n_layers": 1}, batch=2, progress=False)
+    assert stop.value.steps == 3 and stop.value.out == out
+    trained, initial = load_checkpoint(out).state_dict(), build("linear", seed=0, d_model=16, n_layers=1).state_dict()
+    assert all(torch.isfinite(v).all() for v in trained.values())
+    assert any(not torch.equal(trained[k], initial[k]) for k in initial)
+    assert signals.getsignal(signals.SIGINT) is signals.default_int_handler  # the handler is put back
+
+
+def test_non_finite_loss_stops_training_and_keeps_the_previous_checkpoint(tmp_path):
+    from edgemem.train import TrainingError, train
+
+    out = tmp_path / "m.safetensors"
+    out.write_bytes(b"the previous checkpoint")
+    with pytest.raises(TrainingError, match=r"the loss is nan at step \d+ of 20: training diverged"):
+        train("linear", "mqar", 20, out, overrides={"d_model": 16, "n_layers": 1}, batch=2, lr=1e6, progress=False)
+    assert out.read_bytes() == b"the previous checkpoint"
+    assert [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]

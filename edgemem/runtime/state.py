@@ -108,7 +108,10 @@ def save_checkpoint(path: str | Path, manifest: Manifest, state: Mapping[str, np
     path = Path(path)
     if path.is_dir():
         raise StateFileError(f"{path} is a directory; give a file name for the state checkpoint")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StateFileError(f"cannot write the state checkpoint {path}: {e.strerror} ({e.filename})") from None
     write_atomic(path, encode_checkpoint(manifest, state, position, logits))
 
 

@@ -448,19 +448,17 @@ def eval_command(checkpoint, task_name, length, task_set, batch, seed, threads, 
     import torch
 
     from edgemem.models import load_checkpoint
-    from edgemem.tasks import get_task
+    from edgemem.tasks import check_shape, get_task
     from edgemem.train import evaluate
-
-    from edgemem.config import fits_memory
 
     torch.set_num_threads(threads)
     task = get_task(task_name, **parse_overrides(task_set, "--task-set"))
     length = length or task.length
-    fits_memory(16 * batch * 4 * length, f"--length {length:,} × 4 for {batch} streams (token ids and targets)")
+    check_shape(batch, 4 * length)  # the longer of the two evaluations, before the first
     model = load_checkpoint(checkpoint)
     rows = []
     for n in (length, 4 * length):
-        if not sys.stderr.isatty():
+        if not as_json:  # a line per length: a long evaluation is not silent
             click.echo(f"evaluating {model.config.arch} on {task.name} at length {n:,}", err=True)
         rows.append(evaluate(model, task, n, batch, seed))
     if as_json:

@@ -93,7 +93,7 @@ def fits_memory(nbytes: float, what: str, error: type[ConfigError] = ConfigError
 
 # Settings (preset keys and mixer options) that must be > 0; every other numeric setting must be ≥ 0.
 POSITIVE_SETTINGS = frozenset({
-    "d_model", "n_layers", "vocab_size", "norm_eps", "num_heads", "chunk_size", "conv_size", "depth", "expansion",
+    "d_model", "n_layers", "vocab_size", "norm_eps", "num_heads", "chunk_size", "depth", "expansion",
     "window", "dilation", "max_lr", "eps", "s",
 })
 

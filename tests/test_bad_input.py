@@ -103,7 +103,7 @@ SET_CASES = [
     ("d_model", "wide", "d_model must be of type int"), ("n_layers", "0", "n_layers must be positive"),
     ("n_layers", "1000000000", "would need about .* of memory"), ("mlp_hidden", "-1", "mlp_hidden must be ≥ 0"),
     ("vocab_size", "0", "vocab_size must be positive"), ("num_heads", "0", "num_heads must be positive"),
-    ("num_heads", "-4", "num_heads must be positive"), ("conv_size", "0", "conv_size must be positive"),
+    ("num_heads", "-4", "num_heads must be positive"), ("conv_size", "-1", "conv_size must be ≥ 0"),
     ("bogus", "1", "unknown override 'bogus'"), ("nokey", None, "--set expects key=value"),
 ]
 TITANS_SET_CASES = [("max_lr", "inf", "max_lr must be a finite"), ("max_lr", "nan", "max_lr must be a finite"),

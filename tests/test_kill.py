@@ -1,6 +1,9 @@
-"""SIGKILL at random moments while export, calibrate, Stream.save and train write their artifacts:
-the artifact written before still loads and verifies, no partial one passes for a complete one, and
-the next run clears what the killed one left behind."""
+"""Interruptions and what writers leave behind.
+
+SIGKILL at random moments while export, calibrate, Stream.save and train write: the artifact written
+before still loads and verifies, no partial one passes for a complete one, and the next run clears
+what the killed one left. Ctrl-C in train saves the last completed step; a non-finite loss stops
+training and leaves the previous checkpoint; written files and directories follow the umask."""
 
 from __future__ import annotations
 
@@ -127,3 +130,49 @@ def test_non_finite_loss_stops_training_and_keeps_the_previous_checkpoint(tmp_pa
         train("linear", "mqar", 20, out, overrides={"d_model": 16, "n_layers": 1}, batch=2, lr=1e6, progress=False)
     assert out.read_bytes() == b"the previous checkpoint"
     assert [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize("mask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
+def test_files_and_directories_get_the_users_umask(tmp_path, mask, file_mode, dir_mode):
+    from edgemem.files import staged_directory, write_atomic
+
+    old = os.umask(mask)
+    try:
+        write_atomic(tmp_path / "f.bin", b"x")
+        with staged_directory(tmp_path / "d") as tmp:
+            write_atomic(tmp / "inner.bin", b"y")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "f.bin").stat().st_mode & 0o777 == file_mode
+    assert (tmp_path / "d").stat().st_mode & 0o777 == dir_mode
+    assert (tmp_path / "d" / "inner.bin").stat().st_mode & 0o777 == file_mode
+
+
+def test_leftovers_of_a_killed_writer_are_cleared_and_a_directory_moved_aside_is_put_back(tmp_path):
+    from edgemem.files import staged_directory, write_atomic
+
+    dead, alive = _dead_pid(), os.getppid()
+    (tmp_path / f".f.bin.{dead}.abc.tmp").write_bytes(b"half")
+    (tmp_path / f".f.bin.{alive}.abc.tmp").write_bytes(b"another writer's, still running")
+    write_atomic(tmp_path / "f.bin", b"x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".f.bin.{alive}.abc.tmp", "f.bin"]
+
+    (tmp_path / f".f.bin.{alive}.abc.tmp").unlink()
+    (tmp_path / f".out.tmp-{dead}-xyz").mkdir()  # a half-written export
+    moved = tmp_path / f".out.old-{dead}-xyz"  # killed after moving the old export aside
+    moved.mkdir()
+    (moved / "edgemem.json").write_text("{}")
+    with staged_directory(tmp_path / "other") as tmp:  # another output leaves them alone
+        (tmp / "a").write_text("a")
+    assert moved.exists() and (tmp_path / f".out.tmp-{dead}-xyz").exists()
+    with pytest.raises(RuntimeError):
+        with staged_directory(tmp_path / "out"):  # the next writer of `out` puts it back, then fails
+            raise RuntimeError
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin", "other", "out"]
+    assert (tmp_path / "out" / "edgemem.json").read_text() == "{}"

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from edgemem import __version__
-from edgemem.config import parse_overrides
+from edgemem.config import finite, parse_overrides, seed
 from edgemem.errors import EdgememError
 
 
@@ -31,6 +31,23 @@ class _Group(click.Group):
 def main(verbose: bool) -> None:
     """Constant-memory sequence models from PyTorch to edge GPUs and CPUs."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
+
+
+def _checked(check, **options):
+    """A click callback running one of edgemem.config's checks; a bad value is a usage error naming the option."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value):
+        if value is None:
+            return value
+        try:
+            return check(value, param.opts[0], **options)
+        except EdgememError as e:
+            raise click.BadParameter(str(e)) from None
+
+    return callback
+
+
+_SEED = _checked(seed)
 
 
 def _size(n: int) -> str:
@@ -81,7 +98,7 @@ def archs(as_json: bool) -> None:
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Output directory.")
 @click.option("--target", "targets", default="generic,ort,trt", show_default=True,
               help="Comma-separated targets: generic, ort, onnx27, trt.")
-@click.option("--seed", default=0, show_default=True, help="Seed of the random initialisation.")
+@click.option("--seed", default=0, show_default=True, callback=_SEED, help="Seed of the random initialisation.")
 @click.option("--checkpoint", type=click.Path(dir_okay=False), help="Export trained weights instead.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a preset setting (repeatable).")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
@@ -93,8 +110,10 @@ def export_command(arch, hf_dir, out_dir, targets, seed, checkpoint, overrides, 
 
     from edgemem.errors import ConfigError
     from edgemem.export import export
+    from edgemem.files import check_output_dir
     from edgemem.models import build, load_checkpoint
 
+    check_output_dir(out_dir, force=force, inputs=[p for p in (checkpoint, hf_dir) if p], what="--out")
     extra, tokenizer = {}, []
     if hf_dir:
         if arch or checkpoint or overrides:
@@ -117,6 +136,8 @@ def export_command(arch, hf_dir, out_dir, targets, seed, checkpoint, overrides, 
     else:
         raise ConfigError("give --arch (a preset), --checkpoint or --hf DIR")
     console = Console(stderr=True)
+    if not console.is_terminal:  # no spinner in a log: a line per stage instead
+        logging.getLogger("edgemem.export").setLevel(logging.INFO)
     with console.status(f"exporting {model.config.arch}"):
         manifest = export(model, out_dir, targets=[t.strip() for t in targets.split(",") if t.strip()],
                           dtype=dtype, force=force, extra_config=extra, tokenizer=tokenizer)
@@ -138,7 +159,7 @@ def _numel(shape) -> int:
 @main.command("verify")
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--checkpoint", type=click.Path(dir_okay=False), help="Weights the export came from, if not recorded.")
-@click.option("--threads", type=int, help="onnxruntime intra-op threads.")
+@click.option("--threads", type=click.IntRange(min=1), help="onnxruntime intra-op threads.")
 def verify_command(directory, checkpoint, threads) -> None:
     """Run each target here against the PyTorch model; exit 1 beyond tolerance."""
     from rich.console import Console
@@ -179,10 +200,11 @@ def _csv_ints(text: str, option: str) -> list[int]:
               help="Tokens (bytes for a byte-level model) to generate.")
 @click.option("--load-state", type=click.Path(dir_okay=False), help="Continue a stream saved with --save-state.")
 @click.option("--save-state", type=click.Path(dir_okay=False), help="Save the stream here afterwards (also on Ctrl-C).")
-@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 is greedy.")
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0), callback=_checked(finite),
+              help="0 is greedy.")
 @click.option("--top-k", type=click.IntRange(min=1), help="Sample from the k most likely bytes.")
-@click.option("--top-p", type=float, help="Sample from the smallest set of bytes with this much probability.")
-@click.option("--seed", type=int, help="Seed of the sampler (default: fresh randomness).")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), help="Sample from the smallest set of bytes with this much probability.")
+@click.option("--seed", type=int, callback=_SEED, help="Seed of the sampler (default: fresh randomness).")
 @click.option("--threads", type=click.IntRange(min=1), help="onnxruntime intra-op threads.")
 @click.option("--target", help="Lowered graphs to run (default: ort if exported, else generic).")
 @click.option("--backend", type=click.Choice(["ort", "ort-cuda", "trt"]), default="ort", show_default=True,
@@ -192,9 +214,12 @@ def run_command(directory, prompt, max_new_tokens, load_state, save_state, tempe
     """Stream generated text to stdout: through the export's tokenizer, or bytes (statistics go to stderr)."""
     import time
 
+    from edgemem.files import check_output_file
     from edgemem.runtime import Engine
     from edgemem.runtime.text import ByteCodec, load_codec
 
+    if save_state:
+        check_output_file(save_state, "--save-state")
     engine = Engine.load(directory, backend=backend, target=target, threads=threads)
     codec = load_codec(directory, engine.manifest)  # the export's tokenizer, else bytes (vocab 256)
     stream = engine.load_stream(load_state) if load_state else engine.new_stream()
@@ -234,7 +259,7 @@ def run_command(directory, prompt, max_new_tokens, load_state, save_state, tempe
               help="Comma-separated positions; reached by prefilling in chunks (prefill graph).")
 @click.option("--batch", "batches", default="1,8,64", show_default=True, help="Comma-separated batch sizes.")
 @click.option("--steps", default=100, show_default=True, type=click.IntRange(min=3), help="Timed steps per configuration, at most.")
-@click.option("--time-limit", default=2.0, show_default=True, type=float, help="Seconds of timed steps per configuration, at most.")
+@click.option("--time-limit", default=2.0, show_default=True, type=float, callback=_checked(finite, positive=True), help="Seconds of timed steps per configuration, at most.")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), help="onnxruntime and torch threads.")
 @click.option("--target", help="Lowered graphs to run (default: ort if exported, else generic).")
 @click.option("--chunk-size", default=512, show_default=True, type=click.IntRange(min=1), help="Prefill chunk to reach a position.")
@@ -253,9 +278,16 @@ def bench_command(directory, positions, batches, steps, time_limit, threads, tar
 
     from edgemem.runtime import bench
 
+    from edgemem.config import fits_memory
+    from edgemem.files import check_output_file
+
     positions, batches = _csv_ints(positions, "--positions"), _csv_ints(batches, "--batch")
     if min(batches) < 1:
         raise EdgememError("--batch sizes must be at least 1")
+    fits_memory(8 * max(positions), f"--positions {max(positions):,} (the random prompt that reaches it)")
+    for path, option in ((json_path, "--json"), (plot_path, "--plot")):
+        if path:
+            check_output_file(path, option)
     if plot_path and importlib.util.find_spec("matplotlib") is None:
         raise EdgememError("--plot needs matplotlib: pip install 'edgemem-toolkit[bench]'")
     console = Console(stderr=True)
@@ -357,8 +389,12 @@ def calibrate_command(directory, method, recipe, out_dir, report_path, plot_path
     from rich.console import Console
     from rich.table import Table
 
+    from edgemem.files import check_output_file
     from edgemem.quant import calibrate, default_out, drift_report, load_recipe, plot_report
 
+    for path, option in ((report_path, "--report"), (plot_path, "--plot")):
+        if path:
+            check_output_file(path, option)
     recipe = load_recipe(recipe)
     out = Path(out_dir) if out_dir else default_out(directory, method)
     console = Console(stderr=True)
@@ -404,22 +440,28 @@ def calibrate_command(directory, method, recipe, out_dir, report_path, plot_path
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a preset setting (repeatable).")
 @click.option("--task-set", "task_set", multiple=True, metavar="KEY=VALUE",
               help="Task parameter (repeatable): length (episode = training length), pairs (mqar), tokens (copy).")
-@click.option("--seed", default=0, show_default=True, help="Seed of the initialisation and the training data.")
+@click.option("--seed", default=0, show_default=True, callback=_SEED, help="Seed of the initialisation and the training data.")
 @click.option("--batch", default=64, show_default=True, type=click.IntRange(min=1), help="Sequences per step.")
-@click.option("--lr", default=3e-3, show_default=True, type=click.FloatRange(min=0, min_open=True), help="Peak learning rate.")
-@click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1), help="torch threads.")
+@click.option("--lr", default=3e-3, show_default=True, type=float, callback=_checked(finite, positive=True),
+              help="Peak learning rate.")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), help="torch threads.")
 @click.option("--device", default="cpu", show_default=True, help="torch device to train on (cpu, cuda).")
 def train_command(arch, task_name, steps, out, overrides, task_set, seed, batch, lr, threads, device) -> None:
     """Train a preset on a task (AdamW, warmup + cosine) and save a checkpoint; then evaluate it held out."""
     import torch
 
-    from edgemem.train import evaluate, train
+    from edgemem.train import Interrupted, evaluate, train
 
     torch.set_num_threads(threads)
     out = out or f"{arch}-{task_name}.safetensors"
     task_params = parse_overrides(task_set, "--task-set")
-    result = train(arch, task_name, steps, out, seed=seed, overrides=parse_overrides(overrides),
-                   task_params=task_params, batch=batch, lr=lr, device=device)
+    try:
+        result = train(arch, task_name, steps, out, seed=seed, overrides=parse_overrides(overrides),
+                       task_params=task_params, batch=batch, lr=lr, device=device)
+    except Interrupted as stop:
+        click.echo(f"interrupted after {stop.steps} of {steps} steps" + (f"; saved {stop.out}" if stop.out else ""),
+                   err=True)
+        sys.exit(130)
     scores = evaluate(result.model, task_name, batch=128, task_params=task_params)  # as `edgemem eval`
     metric = next(k for k in scores if k not in ("task", "arch", "length"))
     click.echo(f"saved {out}: {steps} steps in {result.seconds:.0f} s, final loss {result.losses[-1]:.4f}; "
@@ -433,8 +475,8 @@ def train_command(arch, task_name, steps, out, overrides, task_set, seed, batch,
               "also reported at 4× it.")
 @click.option("--task-set", "task_set", multiple=True, metavar="KEY=VALUE", help="Task parameter, as given to train.")
 @click.option("--batch", default=128, show_default=True, type=click.IntRange(min=1), help="Held-out streams.")
-@click.option("--seed", default=0, show_default=True, help="Seed of the held-out streams.")
-@click.option("--threads", default=2, show_default=True, type=click.IntRange(min=1), help="torch threads.")
+@click.option("--seed", default=0, show_default=True, callback=_SEED, help="Seed of the held-out streams.")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), help="torch threads.")
 @click.option("--json", "as_json", is_flag=True,
               help='Print a JSON list, one object per length: {"task", "arch", "length", "accuracy" | "bits_per_byte"}.')
 def eval_command(checkpoint, task_name, length, task_set, batch, seed, threads, as_json) -> None:
@@ -442,14 +484,19 @@ def eval_command(checkpoint, task_name, length, task_set, batch, seed, threads, 
     import torch
 
     from edgemem.models import load_checkpoint
-    from edgemem.tasks import get_task
+    from edgemem.tasks import check_shape, get_task
     from edgemem.train import evaluate
 
     torch.set_num_threads(threads)
     task = get_task(task_name, **parse_overrides(task_set, "--task-set"))
-    model = load_checkpoint(checkpoint)
     length = length or task.length
-    rows = [evaluate(model, task, n, batch, seed) for n in (length, 4 * length)]
+    check_shape(batch, 4 * length)  # the longer of the two evaluations, before the first
+    model = load_checkpoint(checkpoint)
+    rows = []
+    for n in (length, 4 * length):
+        if not as_json:  # a line per length: a long evaluation is not silent
+            click.echo(f"evaluating {model.config.arch} on {task.name} at length {n:,}", err=True)
+        rows.append(evaluate(model, task, n, batch, seed))
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -463,7 +510,7 @@ def eval_command(checkpoint, task_name, length, task_set, batch, seed, threads, 
 @click.option("--name", help="Model name (default: the export's arch); the onnxruntime model is NAME-onnx.")
 @click.option("--max-live", default=64, show_default=True, type=click.IntRange(min=1),
               help="Python model: sequences kept in memory; the least recently used beyond go to checkpoints.")
-@click.option("--idle-seconds", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+@click.option("--idle-seconds", default=600.0, show_default=True, type=float, callback=_checked(finite, positive=True),
               help="Python model: checkpoint a sequence idle this long; onnxruntime model: sequence idle timeout.")
 @click.option("--checkpoints", default="checkpoints", show_default=True,
               help="Python model: directory for evicted sequences (relative to the model directory, or absolute).")
@@ -473,8 +520,10 @@ def eval_command(checkpoint, task_name, length, task_set, batch, seed, threads, 
 @click.option("--force", is_flag=True, help="Replace a non-empty output directory (and the checkpoints inside it).")
 def triton_command(directory, out_dir, name, max_live, idle_seconds, checkpoints, threads, max_batch_size, force) -> None:
     """Write a Triton Inference Server model repository for an export (Python backend; onnxruntime if it fits)."""
+    from edgemem.files import EXPORT_MARKER, check_output_dir
     from edgemem.serve.repository import write_repository
 
+    check_output_dir(out_dir, force=force, inputs=[directory], what="--out", marker=f"*/export/{EXPORT_MARKER}")
     repo = write_repository(directory, out_dir, name=name, max_live=max_live, idle_seconds=idle_seconds,
                             checkpoints=checkpoints, threads=threads, max_batch_size=max_batch_size, force=force)
     click.echo(f"wrote {repo.path}: {repo.python_model} (python backend, edgemem.runtime)"
@@ -488,7 +537,7 @@ def triton_command(directory, out_dir, name, max_live, idle_seconds, checkpoints
 @click.option("--http-port", type=click.IntRange(1, 65535), help="HTTP port on 127.0.0.1 (default: a free one).")
 @click.option("--grpc-port", type=click.IntRange(1, 65535), help="gRPC port on 127.0.0.1 (default: a free one).")
 @click.option("--log-file", type=click.Path(dir_okay=False), help="Append tritonserver's log here.")
-@click.option("--timeout", default=120.0, show_default=True, type=float, help="Seconds to wait for readiness.")
+@click.option("--timeout", default=120.0, show_default=True, type=float, callback=_checked(finite, positive=True), help="Seconds to wait for readiness.")
 def serve_command(repository, http_port, grpc_port, log_file, timeout) -> None:
     """Run tritonserver (nvidia-pytriton wheel) on loopback ports until Ctrl-C; live sequences are checkpointed."""
     import signal

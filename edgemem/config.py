@@ -6,6 +6,7 @@ Pure Python: the runtime, the CLI and the export side all read settings through 
 from __future__ import annotations
 
 import math
+import os
 import sys
 from typing import Any
 
@@ -58,3 +59,60 @@ def finite(value: Any, name: str, *, positive: bool = False, error: type[ConfigE
     if positive and value <= 0:
         raise error(f"{name} must be positive; got {value!r}")
     return float(value)
+
+
+def seed(value: Any, name: str = "seed", error: type[ConfigError] = ConfigError) -> int:
+    """`value` if it is an integer in [0, 2**64) (what numpy and torch generators take), else `error`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**64:
+        raise error(f"{name} must be an integer in [0, 2**64); got {value!r}")
+    return value
+
+
+def memory_bytes() -> int:
+    """Physical memory of this machine in bytes (0 where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 0
+
+
+def size_text(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def fits_memory(nbytes: float, what: str, error: type[ConfigError] = ConfigError) -> None:
+    """Refuse, before any allocation, work that would need more than this machine's memory."""
+    total = memory_bytes()
+    if total and nbytes > total:
+        raise error(f"{what} would need about {size_text(nbytes)} of memory; this machine has {size_text(total)}")
+
+
+# Settings (preset keys and mixer options) that must be > 0; every other numeric setting must be ≥ 0.
+POSITIVE_SETTINGS = frozenset({
+    "d_model", "n_layers", "vocab_size", "norm_eps", "num_heads", "chunk_size", "depth", "expansion",
+    "window", "dilation", "max_lr", "eps", "s",
+})
+
+
+def check_settings(settings: dict[str, Any], name: str = "model") -> None:
+    """Range checks of a model's settings before it is built: finite numbers, > 0 or ≥ 0 as the key
+    needs (`POSITIVE_SETTINGS`), and weights that fit this machine's memory."""
+    for key, value in settings.items():
+        for v in value if isinstance(value, list) else [value]:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            if not math.isfinite(v):
+                raise ConfigError(f"{key} must be a finite number; got {v!r}")
+            if key in POSITIVE_SETTINGS and v <= 0:
+                raise ConfigError(f"{key} must be positive; got {v!r}")
+            if v < 0:
+                raise ConfigError(f"{key} must be ≥ 0; got {v!r}")
+    d, layers = settings.get("d_model", 0), settings.get("n_layers", 0)
+    mlp, vocab, expansion = settings.get("mlp_hidden", 0), settings.get("vocab_size", 256), settings.get("expansion", 1)
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in (d, layers, mlp, vocab, expansion)):
+        params = 2 * vocab * d + layers * (4 * d * d * max(1, expansion) + 2 * d * mlp)  # a lower bound, fp32
+        fits_memory(4 * params, f"{name} with d_model={d}, n_layers={layers}, mlp_hidden={mlp}")

@@ -24,6 +24,7 @@ from edgemem.files import sha256
 
 FORMAT = "edgemem/1"
 MANIFEST = "edgemem.json"
+STATE_DTYPES = ("float32", "float16", "float64", "int64")
 STATE_INIT = "state_init.safetensors"
 TARGETS = ("generic", "ort", "onnx27", "trt")
 
@@ -87,6 +88,16 @@ def load(directory: str | Path, *, check_files: bool = True) -> Manifest:
         manifest = Manifest(**raw)
     except (json.JSONDecodeError, TypeError, KeyError, AttributeError) as e:
         raise ManifestError(f"{path} is not a valid edgemem manifest: {e}") from None
+    vocab = manifest.config.get("vocab_size") if isinstance(manifest.config, dict) else None
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise ManifestError(f"{path}: config.vocab_size must be a positive integer; got {vocab!r}")
+    for spec in manifest.state:
+        if spec.dtype not in STATE_DTYPES:
+            raise ManifestError(f"{path}: state {spec.input} has dtype {spec.dtype!r}; expected one of {', '.join(STATE_DTYPES)}")
+        if not isinstance(spec.shape, list) or not all(
+                d in ("batch", "past_sequence") or (type(d) is int and d >= 0) for d in spec.shape):
+            raise ManifestError(f"{path}: state {spec.input} has shape {spec.shape!r}; expected non-negative sizes, "
+                                "'batch' or 'past_sequence'")
     if check_files:
         for name, digest in manifest.files.items():
             file = directory / name

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgemem.config import fits_memory
 from edgemem.errors import ConfigError
 
 TASKS: tuple[str, ...] = ("mqar", "copy", "bytes")
@@ -72,9 +73,11 @@ def train_rng(seed: int) -> np.random.Generator:
     return np.random.default_rng([TRAIN, seed])
 
 
-def _check_shape(batch: int, length: int) -> None:
+def check_shape(batch: int, length: int) -> None:
+    """`batch` streams of `length` tokens: positive, and their token ids and targets fit in memory."""
     if batch < 1 or length < 1:
         raise ConfigError(f"batch and length must be positive; got batch={batch}, length={length}")
+    fits_memory(16 * batch * length, f"{batch} streams of {length:,} tokens (token ids and targets)")
 
 
 class Task:
@@ -90,7 +93,7 @@ class Task:
 
     def stream(self, batch: int, length: int, seed: int) -> Sample:
         """Held-out streams of `length` tokens (independent of every training seed)."""
-        _check_shape(batch, length)
+        check_shape(batch, length)
         count = math.ceil(length / self.length)
         rows = []
         for row in range(batch):
@@ -120,7 +123,7 @@ class MQAR(Task):
 
     def batch(self, batch: int, length: int, rng: np.random.Generator) -> Sample:
         """Episodes of `length` tokens: the pairs, then the queries spread over the rest."""
-        _check_shape(batch, length)
+        check_shape(batch, length)
         p = self.pairs
         if length < 3 * p:
             raise ConfigError(f"an mqar episode with {p} pairs needs length ≥ {3 * p}; got {length}")
@@ -149,7 +152,7 @@ class Copy(Task):
 
     def batch(self, batch: int, length: int, rng: np.random.Generator) -> Sample:
         """Episodes of `length` tokens: data among noise, the marker, the data again."""
-        _check_shape(batch, length)
+        check_shape(batch, length)
         n = self.tokens
         span = length - 1 - n
         if span < 2 * n:
@@ -201,12 +204,12 @@ class Bytes(Task):
 
     def batch(self, batch: int, length: int, rng: np.random.Generator) -> Sample:
         """Random windows of the training files."""
-        _check_shape(batch, length)
+        check_shape(batch, length)
         return self._windows(_stdlib_text(False), rng.integers(0, 2**62, size=batch), length)
 
     def stream(self, batch: int, length: int, seed: int) -> Sample:
         """Random windows of the held-out files."""
-        _check_shape(batch, length)
+        check_shape(batch, length)
         starts = np.array([held_out_rng(seed, row).integers(0, 2**62) for row in range(batch)])
         return self._windows(_stdlib_text(True), starts, length)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,11 +22,24 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from edgemem.errors import ConfigError
+from edgemem.errors import ConfigError, EdgememError
+from edgemem.files import check_output_file
 from edgemem.models import LM, build, load_checkpoint, save_checkpoint
 from edgemem.tasks import Task, get_task, train_rng
 
 log = logging.getLogger(__name__)
+
+
+class TrainingError(EdgememError):
+    """Training that cannot go on (a non-finite loss)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during `train`: `steps` steps were completed, and saved to `out` when one was given."""
+
+    def __init__(self, steps: int, out: Path | None):
+        super().__init__(steps, out)
+        self.steps, self.out = steps, out
 
 
 @dataclass
@@ -69,6 +84,7 @@ def train(
         raise ConfigError(f"lr must be positive and weight_decay ≥ 0; got lr={lr}, weight_decay={weight_decay}")
     task = _task(task, task_params)
     length = length or task.length
+    out = check_output_file(out, "checkpoint") if out is not None else None
     try:
         device = torch.device(device)
         torch.empty(0, device=device)
@@ -76,8 +92,12 @@ def train(
         raise ConfigError(f"cannot train on device {str(device)!r}: {str(e).splitlines()[0]}") from None
     if isinstance(arch, LM) and overrides:
         raise ConfigError("overrides build a preset; a given model is trained as it is")
-    model = (arch if isinstance(arch, LM) else build(arch, seed=seed, **(overrides or {}))).to(device)
+    model = arch if isinstance(arch, LM) else build(arch, seed=seed, **(overrides or {}))
     arch = model.config.arch
+    if not model.streaming:
+        raise ConfigError(f"{arch} is bidirectional (every position sees the whole sequence) and {task.name} is a "
+                          "next-token task: it would see its targets; train a causal preset")
+    model = model.to(device)
     model.train()
     rng = train_rng(seed)
     warmup = min(steps // 10, 200) if warmup is None else warmup
@@ -101,10 +121,19 @@ def train(
              sum(p.numel() for p in model.parameters()))
     result = TrainResult(model)
     start = time.perf_counter()
-    with _progress(progress, f"{arch} on {task.name}", steps) as advance:
+    with _progress(progress, f"{arch} on {task.name}", steps) as advance, _deferred_interrupt() as interrupted:
         for step in range(steps):
+            if interrupted.is_set():
+                model.to("cpu").eval()
+                if out is not None and step:
+                    save_checkpoint(model, out)
+                raise Interrupted(step, out if step else None)
             sample = task.batch(batch, length, rng)
             loss = _loss(model, torch.from_numpy(sample.tokens).to(device), torch.from_numpy(sample.targets).to(device))
+            if not torch.isfinite(loss):
+                kept = f"; {out} was not written" if out is not None else ""
+                raise TrainingError(f"the loss is {loss.item()} at step {step + 1} of {steps}: training diverged "
+                                    f"(lower --lr or check --set values){kept}")
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -117,10 +146,31 @@ def train(
     result.seconds = time.perf_counter() - start
     model.to("cpu").eval()
     if out is not None:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
         save_checkpoint(model, out)
         log.info("saved %s after %.0f s", out, result.seconds)
     return result
+
+
+@contextlib.contextmanager
+def _deferred_interrupt() -> Iterator[threading.Event]:
+    """Ctrl-C sets the yielded event, to stop between steps; a second Ctrl-C interrupts at once.
+    Off the main thread (where signals cannot be handled) the event is never set."""
+    event = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield event
+        return
+
+    def handler(signum, frame):
+        if event.is_set():
+            raise KeyboardInterrupt
+        event.set()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield event
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager

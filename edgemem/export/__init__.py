@@ -30,7 +30,7 @@ from edgemem.errors import EdgememError
 from edgemem.export import genai
 from edgemem.export.graphs import export_graph, graph_io, growing_dims, input_name, output_name
 from edgemem.export.lower import lower
-from edgemem.files import sha256, staged_directory, write_atomic
+from edgemem.files import check_output_dir, sha256, staged_directory, write_atomic
 from edgemem.manifest import MANIFEST, STATE_INIT, TARGETS, Manifest, StateSpec
 
 log = logging.getLogger(__name__)
@@ -99,11 +99,10 @@ def export(
         raise EdgememError(f"unknown target(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(TARGETS)}")
     if dtype not in DTYPES:
         raise EdgememError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise EdgememError(f"{out_dir} exists and is not a directory")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        raise EdgememError(f"{out_dir} is not empty; pass --force (force=True) to replace it")
+    if len(set(targets)) != len(targets):
+        raise EdgememError(f"targets repeat: {', '.join(targets)}; name each at most once")
+    source = (extra_config or {}).get("checkpoint")
+    out_dir = check_output_dir(out_dir, force=force, inputs=[source] if source else [])
 
     model = model.eval()
     if dtype == "fp16":

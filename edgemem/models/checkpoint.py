@@ -38,6 +38,6 @@ def load_checkpoint(path: str | Path) -> LM:
     try:
         model = LM(LMConfig(**json.loads(metadata["config"])))
         model.load_state_dict(tensors)
-    except (TypeError, KeyError, RuntimeError, ConfigError) as e:
+    except (TypeError, KeyError, ValueError, RuntimeError, ConfigError) as e:
         raise EdgememError(f"checkpoint {path} does not fit its own config: {str(e).splitlines()[0]}") from None
     return model

@@ -9,7 +9,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from edgemem.config import read_toml
+from edgemem.config import check_settings, read_toml
 from edgemem.errors import ConfigError
 from edgemem.models.lm import MIXERS, LMConfig
 
@@ -91,6 +91,7 @@ def load_config(arch: str, **overrides: Any) -> LMConfig:
             raise ConfigError(f"{key} must be positive; got {model[key]}")
     if model.get("mlp_hidden", 0) < 0:
         raise ConfigError(f"mlp_hidden must be ≥ 0 (0: no MLP); got {model['mlp_hidden']}")
+    check_settings({**model, **mixer}, f"arch {arch}")
     try:
         return LMConfig(arch=arch, mixer=mixer_type, mixer_options=mixer, **model)
     except TypeError as e:

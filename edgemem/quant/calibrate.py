@@ -35,7 +35,7 @@ from onnxruntime.quantization import (
 )
 
 from edgemem.errors import ConfigError, EdgememError
-from edgemem.files import sha256, staged_directory, write_atomic
+from edgemem.files import check_output_dir, sha256, staged_directory, write_atomic
 from edgemem.manifest import MANIFEST, STATE_INIT, Manifest
 from edgemem.manifest import load as load_manifest
 from edgemem.quant.graph import (
@@ -172,12 +172,7 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
         log.warning("dynamic INT8 leaves the trt target out (TensorRT needs explicit Q/DQ: use --method static)")
     kinds = [k for k in GRAPHS if manifest.graphs.get(k)]
     out = Path(out) if out is not None else default_out(directory, method)
-    if out.resolve() == directory.resolve():
-        raise EdgememError("the output directory must differ from the export being calibrated")
-    if out.exists() and not out.is_dir():
-        raise EdgememError(f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise EdgememError(f"{out} is not empty; pass --force (force=True) to replace it")
+    out = check_output_dir(out, force=force, inputs=[directory])
 
     state_names = {n for s in manifest.state for n in (s.input, s.output)}
     sources = {(t, k): directory / t / f"{k}.onnx" for t in targets for k in kinds}

@@ -22,11 +22,16 @@ side with no copy at all. A stream used on its own again (step, prefill) first c
 back before it takes other streams or is dropped. Streams may be at different positions: every row
 carries its own state (Titans and Longformer keep a per-row position tensor).
 
-Streams are not thread-safe; different streams may be stepped from different threads.
+Threads. Every stream has a lock: step, prefill, save, fork, reset and state_dict hold it, so a
+stream used from several threads runs one operation at a time and loses no step. `step_batch` holds
+the locks of all its streams (taken in a fixed order, so batches never deadlock) and then the
+engine's; a stream that another batch is stepping at that moment is refused with a BatchError
+rather than waited for. Lock order everywhere: stream, then engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
 import weakref
@@ -37,7 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from edgemem.config import positive_int
+from edgemem.config import finite, positive_int
+from edgemem.config import seed as check_seed
 from edgemem.errors import ConfigError
 from edgemem.manifest import Manifest
 from edgemem.manifest import load as load_manifest
@@ -142,7 +148,14 @@ class Engine:
     def stream_from_state(self, state: Mapping[str, np.ndarray], position: int = 0,
                           logits: np.ndarray | None = None) -> Stream:
         """A stream from numpy state tensors of batch 1 (names as in edgemem.json), checked like a checkpoint."""
+        if isinstance(position, (bool, np.bool_)) or not isinstance(position, (int, np.integer)) or position < 0:
+            raise ConfigError(f"position must be a non-negative integer; got {position!r}")
         check_state(self.manifest, state)
+        if logits is not None:
+            logits = np.asarray(logits)
+            if logits.shape != (self.vocab_size,) or not np.isfinite(logits).all():
+                raise StateFileError(f"logits must be {self.vocab_size} finite numbers; got {logits.dtype} "
+                                     f"{list(logits.shape)}")
         return self._new(state, int(position), logits)
 
     def state_bytes(self, position: int = 0) -> int:
@@ -161,16 +174,27 @@ class Engine:
         (see the module docstring for where their states live meanwhile).
         """
         streams, tokens = self._check_batch(streams, token_ids)
-        with self._lock:
-            slot = self._slot(len(streams))
-            if not slot.holds(streams):
-                slot.adopt(streams)
-            logits = self._run_batch(slot, streams, tokens)
-            slot.side ^= 1  # the members' states are now the other side's rows
-        for i, s in enumerate(streams):
-            s._logits_view[0, 0] = logits[i]
-            s._has_logits = True
-            s._position += 1
+        with contextlib.ExitStack() as held:
+            for s in sorted(streams, key=id):  # one order for every batch: no deadlock between batches
+                if not s._lock.acquire(blocking=False):
+                    if s._in_batch:
+                        raise BatchError(f"step_batch: {s!r} is being stepped in another batch right now; a stream "
+                                         "takes part in one batch at a time")
+                    s._lock.acquire()  # a single-stream operation: wait for it
+                held.callback(s._lock.release)
+            for s in streams:
+                s._in_batch = True
+                held.callback(setattr, s, "_in_batch", False)
+            with self._lock:
+                slot = self._slot(len(streams))
+                if not slot.holds(streams):
+                    slot.adopt(streams)
+                logits = self._run_batch(slot, streams, tokens)
+                slot.side ^= 1  # the members' states are now the other side's rows
+            for i, s in enumerate(streams):
+                s._logits_view[0, 0] = logits[i]
+                s._has_logits = True
+                s._position += 1
         return logits
 
     def _slot(self, n: int) -> BatchSlot:
@@ -296,6 +320,8 @@ class Stream:
         self._row = 0
         self._position = 0
         self._has_logits = False
+        self._lock = threading.RLock()  # one operation at a time (see the module docstring)
+        self._in_batch = False  # set while a step_batch holds this stream
 
     # ------------------------------------------------------------------ backend hooks
     def _own(self, name: str) -> np.ndarray:
@@ -350,7 +376,13 @@ class Stream:
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """A copy of every state tensor (batch 1), named as the graph inputs in edgemem.json."""
-        return {s.input: np.array(self._read(s.input), copy=True) for s in self._engine._specs}
+        return self._snapshot()[0]
+
+    def _snapshot(self) -> tuple[dict[str, np.ndarray], int, np.ndarray | None]:
+        """Copies of the state, the position and the logits, read as one (a batch slot's rows included)."""
+        with self._lock, self._engine._lock:
+            state = {s.input: np.array(self._read(s.input), copy=True) for s in self._engine._specs}
+            return state, self._position, self.logits
 
     @property
     def engine(self) -> Engine:
@@ -375,11 +407,12 @@ class Stream:
     def step(self, token_id: int) -> np.ndarray:
         """Consume one token; returns the logits [V] for the next one."""
         token = self._engine._token(token_id)
-        if self._slot is not None:
-            self._sync()
-        self._run_step(token)
-        self._advance(1)
-        return self._logits_view[0, 0].copy()
+        with self._lock:
+            if self._slot is not None:
+                self._sync()
+            self._run_step(token)
+            self._advance(1)
+            return self._logits_view[0, 0].copy()
 
     def prefill(self, token_ids: TokenIds, *, chunk_size: int | None = None, all_logits: bool = True) -> np.ndarray:
         """Consume a block of tokens; returns logits [T, V] (or only the last row [V] with `all_logits=False`).
@@ -392,36 +425,36 @@ class Stream:
         ids = engine._tokens(token_ids)
         chunk = positive_int(engine.chunk_size if chunk_size is None else chunk_size, "chunk_size")
         rows: list[np.ndarray] = []
-        if not engine.has_prefill:
-            for token in ids.tolist():
-                logits = self.step(token)
+        with self._lock:
+            if not engine.has_prefill:
+                for token in ids.tolist():
+                    logits = self.step(token)
+                    if all_logits:
+                        rows.append(logits)
+                return np.stack(rows) if all_logits else logits
+            if engine._max_tokens is not None:
+                chunk = min(chunk, engine._max_tokens)
+            self._sync()
+            for start in range(0, ids.size, chunk):
+                part = self._prefill_chunk(ids[start : start + chunk])
+                self._advance(part.shape[0], part[-1])
                 if all_logits:
-                    rows.append(logits)
-            return np.stack(rows) if all_logits else logits
-        if engine._max_tokens is not None:
-            chunk = min(chunk, engine._max_tokens)
-        self._sync()
-        for start in range(0, ids.size, chunk):
-            part = self._prefill_chunk(ids[start : start + chunk])
-            self._advance(part.shape[0], part[-1])
-            if all_logits:
-                rows.append(part)
-        return np.concatenate(rows) if all_logits else self._logits_view[0, 0].copy()
+                    rows.append(part)
+            return np.concatenate(rows) if all_logits else self._logits_view[0, 0].copy()
 
     # ------------------------------------------------------------------ lifecycle
     def fork(self) -> Stream:
         """An independent copy: same state, position and next-token logits, its own buffers."""
-        return self._engine._new({s.input: self._read(s.input) for s in self._engine._specs}, self._position,
-                                 self.logits)
+        return self._engine._new(*self._snapshot())
 
     def reset(self) -> None:
         """Back to a fresh stream at position 0 (buffers are reused)."""
-        self._assign(self._engine._initial, 0, None)
+        with self._lock, self._engine._lock:
+            self._assign(self._engine._initial, 0, None)
 
     def save(self, path: str | Path) -> None:
         """Checkpoint to a safetensors file, atomically (see `edgemem.runtime.state`)."""
-        save_checkpoint(path, self._engine.manifest, {s.input: self._read(s.input) for s in self._engine._specs},
-                        self._position, self.logits)
+        save_checkpoint(path, self._engine.manifest, *self._snapshot())
 
     # ------------------------------------------------------------------ generation
     def generate_iter(self, prompt: bytes | str | Sequence[int] = b"", max_new_tokens: int = 64,
@@ -431,6 +464,9 @@ class Stream:
         stopping early leaves a stream ready to continue. An empty prompt continues from the stream's
         last logits (e.g. after `engine.load_stream`)."""
         check_sampling(temperature, top_k, top_p)
+        finite(temperature, "temperature")
+        if seed is not None:
+            check_seed(seed)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ConfigError(f"max_new_tokens must be a non-negative integer; got {max_new_tokens!r}")
         if isinstance(prompt, str):

@@ -68,6 +68,8 @@ def initial_state(manifest: Manifest, directory: str | Path, batch: int = 1) -> 
             value = stored.get(spec.input)
             if value is None or list(value.shape[1:]) != shape[1:] or value.dtype != np.dtype(spec.dtype):
                 raise ManifestError(f"{directory / STATE_INIT}: {spec.input} is missing or not {spec.dtype} {spec.shape}")
+            if value.dtype.kind == "f" and not np.isfinite(value).all():
+                raise ManifestError(f"{directory / STATE_INIT}: {spec.input} holds NaN or infinite values")
             state[spec.input] = np.ascontiguousarray(np.broadcast_to(value, shape))
         else:
             state[spec.input] = np.zeros(shape, dtype=spec.dtype)
@@ -106,7 +108,10 @@ def save_checkpoint(path: str | Path, manifest: Manifest, state: Mapping[str, np
     path = Path(path)
     if path.is_dir():
         raise StateFileError(f"{path} is a directory; give a file name for the state checkpoint")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StateFileError(f"cannot write the state checkpoint {path}: {e.strerror} ({e.filename})") from None
     write_atomic(path, encode_checkpoint(manifest, state, position, logits))
 
 
@@ -154,11 +159,13 @@ def decode_checkpoint(data: bytes, manifest: Manifest, where: str = "state file"
     check_state(manifest, tensors, where)
     if logits is not None and (logits.shape != (manifest.vocab_size,) or logits.dtype != np.float32):
         raise StateFileError(f"{where}: logits are {logits.dtype} {list(logits.shape)}, expected float32 [{manifest.vocab_size}]")
+    if logits is not None and not np.isfinite(logits).all():
+        raise StateFileError(f"{where}: the logits hold NaN or infinite values")
     return Checkpoint(state=tensors, position=position, logits=logits)
 
 
 def check_state(manifest: Manifest, state: Mapping[str, np.ndarray], where: str = "state") -> None:
-    """The state of one stream (batch 1) matches the manifest: names, dtypes, shapes, cache lengths."""
+    """The state of one stream (batch 1) matches the manifest: names, dtypes, shapes, cache lengths, finite values."""
     expected = [s.input for s in manifest.state]
     missing, unexpected = [n for n in expected if n not in state], sorted(set(state) - set(expected))
     if missing or unexpected:
@@ -167,6 +174,8 @@ def check_state(manifest: Manifest, state: Mapping[str, np.ndarray], where: str 
     past = None
     for spec in manifest.state:
         array = state[spec.input]
+        if not isinstance(array, np.ndarray):
+            raise StateFileError(f"{where}: {spec.input} must be a numpy array; got {type(array).__name__}")
         if array.dtype != np.dtype(spec.dtype):
             raise StateFileError(f"{where}: {spec.input} is {array.dtype}, expected {spec.dtype}")
         if is_growing(spec) and array.ndim == len(spec.shape):
@@ -178,3 +187,5 @@ def check_state(manifest: Manifest, state: Mapping[str, np.ndarray], where: str 
         if list(array.shape) != want:
             raise StateFileError(f"{where}: {spec.input} has shape {list(array.shape)}, expected {want} "
                                  f"(manifest: {spec.shape}, batch 1)")
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise StateFileError(f"{where}: {spec.input} holds NaN or infinite values")

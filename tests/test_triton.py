@@ -307,7 +307,7 @@ def test_edgemem_serve_and_the_sample_client_stream_greedy_bytes(export_dir, eng
         while not _ready(client, MODEL):
             assert serve.poll() is None and time.monotonic() < deadline, serve.stdout.read().decode()[-2000:]
             time.sleep(0.3)
-        sample = Path(__file__).resolve().parents[1] / "samples" / "triton" / "stream_client.py"
+        sample = Path(__file__).resolve().parents[1] / "samples" / "triton-server" / "stream_client.py"
         run = subprocess.run([sys.executable, str(sample), "--url", f"127.0.0.1:{grpc_port}", "--sequence", "7",
                               "--prompt", "Once upon", "--max-new-tokens", "8"], capture_output=True, timeout=60)
         assert run.returncode == 0, run.stderr.decode()

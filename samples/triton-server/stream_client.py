@@ -3,8 +3,8 @@
     edgemem export --arch gated-deltanet --out out/gdn
     edgemem triton out/gdn --out out/models
     edgemem serve out/models --grpc-port 8001            # in another terminal; Ctrl-C stops it
-    python samples/triton/stream_client.py --url 127.0.0.1:8001 --sequence 42 --prompt "Once upon a time"
-    python samples/triton/stream_client.py --url 127.0.0.1:8001 --sequence 42 --continue
+    python samples/triton-server/stream_client.py --url 127.0.0.1:8001 --sequence 42 --prompt "Once upon a time"
+    python samples/triton-server/stream_client.py --url 127.0.0.1:8001 --sequence 42 --continue
 
 Each request carries the sequence id (Triton's correlation id): the first one has the START flag and
 the prompt, every later one one token. The server keeps the stream between requests — in memory, or

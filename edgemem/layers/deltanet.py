@@ -28,6 +28,7 @@ from edgemem.ops import linear_attention
 
 class DeltaNet(StatefulLayer):
     update_rule = "delta"
+    default_output_gate = False  # output_gate=None takes this
 
     def __init__(
         self,
@@ -38,11 +39,12 @@ class DeltaNet(StatefulLayer):
         head_dim: int | None = None,
         num_v_heads: int | None = None,
         v_head_dim: int | None = None,
-        output_gate: bool = False,
+        output_gate: bool | None = None,
         allow_neg_eigval: bool = False,
         norm_eps: float = 1e-5,
     ):
         super().__init__()
+        output_gate = self.default_output_gate if output_gate is None else output_gate
         if head_dim is None and d_model % num_heads:
             raise ConfigError(f"d_model ({d_model}) is not divisible by num_heads ({num_heads})")
         if conv_size < 0 or conv_size == 1:
@@ -106,24 +108,7 @@ class DeltaNet(StatefulLayer):
 
 class GatedDeltaNet(DeltaNet):
     update_rule = "gated_delta"
-
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        conv_size: int = 4,
-        *,
-        head_dim: int | None = None,
-        num_v_heads: int | None = None,
-        v_head_dim: int | None = None,
-        output_gate: bool = True,
-        allow_neg_eigval: bool = False,
-        norm_eps: float = 1e-5,
-    ):
-        super().__init__(
-            d_model, num_heads, conv_size, head_dim=head_dim, num_v_heads=num_v_heads, v_head_dim=v_head_dim,
-            output_gate=output_gate, allow_neg_eigval=allow_neg_eigval, norm_eps=norm_eps,
-        )
+    default_output_gate = True
 
     def _gate_parameters(self, d_model: int, output_gate: bool) -> None:
         # creation order (a, g, A_log, dt_bias) kept so seeded presets draw the same weights

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from importlib import import_module
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
@@ -26,6 +26,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from edgemem.errors import ConfigError
+
+if TYPE_CHECKING:
+    from edgemem.models.lm import LM, LMConfig
 
 log = logging.getLogger(__name__)
 
@@ -177,3 +180,13 @@ def load_table(model: nn.Module, weights: Mapping[str, torch.Tensor], table: Tab
 
 
 __all__ = ["FAMILIES", "from_hf", "load_table", "read_config", "read_weights", "tied_ignore", "tokenizer_files"]
+
+
+def new_lm(config: LMConfig) -> LM:
+    """An `LM` of the `LMConfig` a family read from config.json; what edgemem's layers refuse is a config error."""
+    from edgemem.models.lm import LM
+
+    try:
+        return LM(config)
+    except ConfigError as e:
+        raise ConfigError(f"config.json: {e}") from None

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from edgemem.errors import ConfigError
-from edgemem.models.hf import load_table, require, tied_ignore
+from edgemem.models.hf import load_table, new_lm, require, tied_ignore
 from edgemem.models.lm import LM, LMConfig
 
 MODEL_TYPES = ("gated_deltanet", "delta_net")
@@ -103,10 +103,7 @@ def table(config: LMConfig) -> dict[str, str | tuple[str, ...]]:
 
 def build(config: dict[str, Any], weights: dict[str, torch.Tensor]) -> LM:
     lm = lm_config(config)
-    try:
-        model = LM(lm)
-    except ConfigError as e:
-        raise ConfigError(f"config.json: {e}") from None
+    model = new_lm(lm)
     ignore = tied_ignore(weights, "lm_head.weight", "model.embeddings.weight") if lm.tie_embeddings else []
     load_table(model, weights, table(lm), ignore=ignore)
     return model

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from edgemem.errors import ConfigError
-from edgemem.models.hf import load_table, require, tied_ignore
+from edgemem.models.hf import load_table, new_lm, require, tied_ignore
 from edgemem.models.lm import LM, LMConfig
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
@@ -113,10 +113,7 @@ def table(config: LMConfig, prefix: str) -> dict[str, str | tuple[str, ...]]:
 
 def build(config: dict[str, Any], weights: dict[str, torch.Tensor]) -> LM:
     lm = lm_config(config)
-    try:
-        model = LM(lm)
-    except ConfigError as e:
-        raise ConfigError(f"config.json: {e}") from None
+    model = new_lm(lm)
     multimodal = config.get("model_type") == "qwen3_5"
     prefix = "model.language_model." if multimodal else "model."
     ignore = ["mtp.", "model.visual.", "visual."]

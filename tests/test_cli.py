@@ -49,7 +49,7 @@ def test_package_import_does_not_pull_torch():
 
 
 def test_unknown_arch_names_the_known_ones():
-    with pytest.raises(ConfigError, match=r"unknown arch 'mamba'; known: aft, aft-local, deltanet"):
+    with pytest.raises(ConfigError, match=r"unknown arch 'mamba'; known: aft, aft-local, delta-rnn, deltanet"):
         build("mamba")
 
 

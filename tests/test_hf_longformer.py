@@ -201,13 +201,13 @@ def hf_dir(tmp_path):
     return tmp_path
 
 
-def test_cli_exports_and_verifies_an_import_with_global_tokens(hf_dir, tmp_path):
+def test_cli_exports_and_verifies_an_import_with_global_tokens(hf_dir, tmp_path_factory):
     """`edgemem export --hf` then `edgemem verify`, which feeds a global-attention mask to both sides."""
     from click.testing import CliRunner
 
     from edgemem.cli import main
 
-    out = tmp_path / "out"
+    out = tmp_path_factory.mktemp("export") / "out"  # not inside the checkpoint directory: that is refused
     result = CliRunner().invoke(main, ["export", "--hf", str(hf_dir), "--out", str(out), "--target", "generic"])
     assert result.exit_code == 0, result.output
     checks, _ = verify(out, threads=1)

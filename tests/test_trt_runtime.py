@@ -217,13 +217,13 @@ def test_engines_load_into_the_library_that_built_them(export_dir, tmp_path, mon
     rtx = types.ModuleType("tensorrt_rtx")
     rtx.__version__ = "1.8.0.1"
     monkeypatch.setitem(sys.modules, "tensorrt_rtx", rtx)
-    with pytest.raises(BackendError, match=r"built by TensorRT for RTX 1.7.1.116, this is TensorRT for RTX 1.8.0.1"):
+    with pytest.raises(BackendError, match=r"built by TensorRT for RTX 1.7.1.116, this is TensorRT for RTX 1.8.0.1; rebuild them with `edgemem build --rtx`"):
         Engine.load(export, backend="trt", plugins=library)
     library = _fake_engines(export, export / "engines", toolkit=TENSORRT)  # the same export, TensorRT engines
     trt = types.ModuleType("tensorrt")
     trt.__version__ = "10.3.0"
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
-    with pytest.raises(BackendError, match=r"built by TensorRT 10.13.0, this is TensorRT 10.3.0"):
+    with pytest.raises(BackendError, match=r"built by TensorRT 10.13.0, this is TensorRT 10.3.0; rebuild them with `edgemem build`"):
         Engine.load(export, backend="trt", plugins=library)
     info = json.loads((export / "engines" / ENGINES_JSON).read_text())
     info["library"]["module"] = "tensorrt_llm"

@@ -132,6 +132,8 @@ def read(directory: Path, manifest: Manifest, engines: str | os.PathLike | None 
         _check_format(info)
     except ValueError as e:  # json.JSONDecodeError is one
         raise BackendError(f"{path} is not a valid {ENGINES_JSON} ({e}); rebuild with {build}") from None
+    if info["library"]["module"] == "tensorrt_rtx":
+        build = f"`edgemem build {directory} --rtx --plugins libedgemem_trt_plugins.so`"
     source = info["export"]
     if source.get("identity") != manifest.identity():
         raise BackendError(
@@ -162,8 +164,9 @@ def check_library_version(info: Mapping[str, Any], version: str) -> None:
     built = info["library"]
     if built["version"] != version:
         name = LIBRARIES[built["module"]]
+        command = "edgemem build --rtx" if built["module"] == "tensorrt_rtx" else "edgemem build"
         raise BackendError(f"the engines were built by {name} {built['version']}, this is {name} {version}; rebuild "
-                           "them with `edgemem build` here (engines are not portable across versions)")
+                           f"them with `{command}` here (engines are not portable across versions)")
 
 
 def in_place(info: Mapping[str, Any], kinds: Collection[str]) -> frozenset[str]:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 # op type → its package (each package's OP_TYPE)
 OP_PACKAGES = {
     import_module(f"edgemem.ops.{package}").OP_TYPE: package
-    for package in ("linear_attention", "neural_memory", "banded_attention", "window_attention")
+    for package in ("linear_attention", "neural_memory", "banded_attention", "window_attention", "cache_attention")
 }
 
 

@@ -364,6 +364,7 @@ def test_a_checkpoint_with_a_cache_of_the_wrong_length_is_refused(exported, tmp_
         engine.load_stream(tmp_path / "b.safetensors")
 
 
+@pytest.mark.slow
 def test_cli_export_max_length_and_sinks(tmp_path):
     result = CliRunner().invoke(main, ["export", "--arch", "softmax", "--out", str(tmp_path / "a"), "--sinks", "4"])
     assert result.exit_code != 0 and "--sinks needs --max-length" in result.output
@@ -376,6 +377,8 @@ def test_cli_export_max_length_and_sinks(tmp_path):
     s = engine.new_stream()
     s.prefill(_ids(70))  # past max_length: the window slides
     assert s.position == 70
+    result = CliRunner().invoke(main, ["verify", str(tmp_path / "b"), "--threads", "1"])  # rebuilt with the same cache
+    assert result.exit_code == 0 and "checks within tolerance" in result.output, result.output
 
 
 def test_a_preallocated_cache_converts_to_and_from_the_transformers_layout(tmp_path):

@@ -71,9 +71,9 @@ def _attend(query, key, value, past_key, past_value, position, sink_query, num_h
     visible = src_held & (src_pos <= q_pos) & ((src_pos < sink_end) | (src_pos > q_pos - ring))
     keys = src_k.repeat_interleave(group, 1) if group > 1 else src_k
     values = src_v.repeat_interleave(group, 1) if group > 1 else src_v
-    scores = torch.where(
-        src_pos < sink_end, heads(sink_query, num_heads) @ keys.transpose(2, 3), heads(query, num_heads) @ keys.transpose(2, 3)
-    )
+    scores = heads(query, num_heads) @ keys.transpose(2, 3)
+    if sink_query is not query:
+        scores = torch.where(src_pos < sink_end, heads(sink_query, num_heads) @ keys.transpose(2, 3), scores)
     probs = (scores * scale).masked_fill(~visible, float("-inf")).softmax(-1)
     out = (probs @ values).transpose(1, 2).flatten(2).to(query.dtype)
 

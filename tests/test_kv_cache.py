@@ -202,16 +202,17 @@ def test_manifest_says_which_layout_and_the_targets_lower_as_documented(exported
 @pytest.mark.parametrize("name", ["softmax", "hybrid", "qwen3.5", "window"])
 @pytest.mark.parametrize("target", ["ort", "generic"])
 def test_step_batch_at_positions_10_17_24_equals_each_stream_alone(exported, name, target):
-    model, directory = exported[name]
+    directory = exported[name][1]
     engine = Engine.load(directory, target=target, threads=1)
-    tokens = _ids(40, seed=1)
+    tokens = _ids(50, seed=1)
+    positions = (10, 30, 41) if name == "window" else POSITIONS  # the window: before, at and past the wrap
     streams = []
-    for p in POSITIONS:
+    for p in positions:
         s = engine.new_stream()
         s.prefill(tokens[:p], chunk_size=7)
         streams.append(s)
     alone = [s.fork() for s in streams]
-    step = tokens[list(POSITIONS)]
+    step = tokens[list(positions)]
     for _ in range(4):
         batched = engine.step_batch(streams, step)
         single = np.stack([s.step(int(t)) for s, t in zip(alone, step)])
@@ -221,14 +222,6 @@ def test_step_batch_at_positions_10_17_24_equals_each_stream_alone(exported, nam
         assert s.position == a.position
         for n, value in a.state_dict().items():
             assert np.allclose(s.state_dict()[n], value, rtol=1e-5, atol=1e-6), n
-    if name == "window":  # past max_length in a batch: the window slides
-        long = engine.new_stream()
-        long.prefill(tokens[:30])
-        for t in tokens[30:36]:
-            long.step(int(t))
-        with torch.no_grad():
-            expected = model(torch.tensor(tokens[None, :36]))[0, -1].numpy()
-        assert _rel(long.logits, expected) <= 1e-4
 
 
 @pytest.mark.slow

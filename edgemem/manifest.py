@@ -107,6 +107,15 @@ def load(directory: str | Path, *, check_files: bool = True) -> Manifest:
                 d in ("batch", "past_sequence") or (type(d) is int and d >= 0) for d in spec.shape):
             raise ManifestError(f"{path}: state {spec.input} has shape {spec.shape!r}; expected non-negative sizes, "
                                 "'batch' or 'past_sequence'")
+    kv = manifest.kv_cache
+    if kv is not None:
+        inputs = {s.input for s in manifest.state}
+        ok = (isinstance(kv, dict) and type(kv.get("max_length")) is int and kv["max_length"] > 0
+              and kv.get("overflow") in ("error", "sink_window") and isinstance(kv.get("states"), list)
+              and set(kv["states"]) <= inputs and isinstance(kv.get("in_place"), list) and type(kv.get("sinks")) is int)
+        if not ok:
+            raise ManifestError(f"{path}: kv_cache is {kv!r}; expected max_length (a positive integer), overflow "
+                                "('error' or 'sink_window'), sinks, states (state inputs) and in_place (targets)")
     if check_files:
         for name, digest in manifest.files.items():
             file = directory / name

@@ -392,3 +392,18 @@ def test_a_preallocated_cache_converts_to_and_from_the_transformers_layout(tmp_p
     state["1.position"][1] = 9
     with pytest.raises(ConfigError, match="at one position"):
         to_external(model, state)
+
+
+@pytest.mark.slow
+def test_a_malformed_kv_cache_entry_is_refused(exported, tmp_path):
+    import json
+    import shutil
+
+    from edgemem.manifest import ManifestError
+
+    directory = shutil.copytree(exported["hybrid"][1], tmp_path / "copy")
+    manifest = json.loads((directory / "edgemem.json").read_text())
+    manifest["kv_cache"]["states"] = ["past_key_values.9.key"]
+    (directory / "edgemem.json").write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match="kv_cache is .*expected max_length"):
+        Engine.load(directory)

@@ -100,6 +100,7 @@ class NeuralMemoryLayer(StatefulLayer):
         else:
             qkv, new["conv_state"] = self.conv(qkv, state["conv_state"])
         q, k, v = qkv.unflatten(2, (3, self.num_heads, self.head_dim)).unbind(2)
+        v = self.values(v, state)
         zeros = x.new_zeros(*x.shape[:2], self.num_heads)
         depth = len(self.initial_memory)
         y, memory, momentum, chunk_memory, new["position"] = neural_memory_step(
@@ -118,6 +119,11 @@ class NeuralMemoryLayer(StatefulLayer):
             new[f"memory.{i}"], new[f"momentum.{i}"], new[f"chunk_memory.{i}"] = memory[i], momentum[i], chunk_memory[i]
         y = self.norm(y) * F.silu(self.g(x)).unflatten(2, (self.num_heads, self.head_dim))
         return self.out(y.flatten(2)), {k: new[k] for k in state if k in new}
+
+    def values(self, v: torch.Tensor, state: State) -> torch.Tensor:
+        """The targets `[B, T, H, D]` the memory learns to map its keys to: v itself here (HOPE's
+        self-modifying memory overrides this)."""
+        return v
 
     def segment_memory(self, state: State) -> list[torch.Tensor]:
         """The memory weights at the start of the chunk the next token falls in."""

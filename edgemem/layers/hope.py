@@ -30,8 +30,8 @@ Choices the paper leaves open, as made here:
 A prefill runs in pieces that never cross a chunk or period boundary, one after another (a
 data-dependent loop: exports step prompts); rows of a batch must then sit at one position.
 States: the memory's (`memory.{i}`, `momentum.{i}`, `chunk_memory.{i}`, `position`,
-`conv_state`) and per level `cms.{l}.memory.{i}`, `cms.{l}.momentum.{i}` (zero's twin: the op's
-momentum with η = 0), `cms.{l}.chunk_memory.{i}`; all share `position`.
+`conv_state`) and per level `cms.{l}.memory.{i}`, `cms.{l}.momentum.{i}` (the op's momentum: with
+η = 0 the last token's step), `cms.{l}.chunk_memory.{i}`; all share `position`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from torch import nn
 from edgemem.errors import ConfigError, EdgememError
 from edgemem.layers.base import State, StatefulLayer
 from edgemem.layers.common import l2norm
-from edgemem.layers.titans import NeuralMemoryLayer
+from edgemem.layers.titans import NeuralMemoryLayer, chunk_start_memory, memory_state
 from edgemem.ops.neural_memory import ResidualNorm, memory_read, neural_memory_step
 
 Piece = Callable[[torch.Tensor, State], tuple[torch.Tensor, State]]
@@ -116,18 +116,7 @@ class CMSLevel(StatefulLayer):
         self.out = nn.Linear(d_model, d_model, bias=False)
 
     def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> State:
-        dtype = self.state_dtype(dtype)
-        memory = [w.to(device=device, dtype=dtype).expand(batch, *w.shape) for w in self.initial_memory]
-        state = {f"memory.{i}": w for i, w in enumerate(memory)}
-        state.update({f"momentum.{i}": torch.zeros_like(w) for i, w in enumerate(memory)})
-        state.update({f"chunk_memory.{i}": w.clone() for i, w in enumerate(memory)})
-        state["position"] = torch.zeros(batch, dtype=torch.int64, device=device)
-        return state
-
-    def segment_memory(self, state: State) -> list[torch.Tensor]:
-        """The weights of the period the next token falls in."""
-        starts = (state["position"] % self.period == 0).view(-1, 1, 1, 1)
-        return [torch.where(starts, state[f"memory.{i}"], state[f"chunk_memory.{i}"]) for i in range(2)]
+        return memory_state(self.initial_memory, batch, device, self.state_dtype(dtype))
 
     def prefill(self, h: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         return by_period(self._piece, h, state, self.period)
@@ -135,7 +124,7 @@ class CMSLevel(StatefulLayer):
     def _piece(self, h: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         x = self.norm(h)
         q = l2norm(_heads(x, self.num_heads))
-        y = _read(q, self.segment_memory(state), self.activation, None)
+        y = _read(q, chunk_start_memory(state, self.period, 2), self.activation, None)
         zeros = x.new_zeros(*x.shape[:2], self.num_heads)
         new: State = {}
         _, memory, momentum, chunk_memory, new["position"] = neural_memory_step(

@@ -30,8 +30,8 @@ Choices the paper leaves open, as made here:
 A prefill runs in pieces that never cross a chunk or period boundary, one after another (a
 data-dependent loop: exports step prompts); rows of a batch must then sit at one position.
 States: the memory's (`memory.{i}`, `momentum.{i}`, `chunk_memory.{i}`, `position`,
-`conv_state`) and per level `cms.{l}.memory.{i}`, `cms.{l}.momentum.{i}` (the op's momentum: with
-η = 0 the last token's step), `cms.{l}.chunk_memory.{i}`; all share `position`.
+`conv_state`) and per level `cms.{l}.memory.{i}`, `cms.{l}.chunk_memory.{i}` (no momentum: with η = 0
+the op's momentum input is multiplied by zero, so a level passes zeros); all share `position`.
 """
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ class CMSLevel(StatefulLayer):
         self.out = nn.Linear(d_model, d_model, bias=False)
 
     def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> State:
-        return memory_state(self.initial_memory, batch, device, self.state_dtype(dtype))
+        state = memory_state(self.initial_memory, batch, device, self.state_dtype(dtype))
+        return {k: t for k, t in state.items() if not k.startswith("momentum.")}  # η = 0: the op's momentum is unused
 
     def prefill(self, h: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         return by_period(self._piece, h, state, self.period)
@@ -127,16 +128,16 @@ class CMSLevel(StatefulLayer):
         y = _read(q, chunk_start_memory(state, self.period, 2), self.activation, None)
         zeros = x.new_zeros(*x.shape[:2], self.num_heads)
         new: State = {}
-        _, memory, momentum, chunk_memory, new["position"] = neural_memory_step(
+        _, memory, _, chunk_memory, new["position"] = neural_memory_step(
             q, q, _heads(self.value(x), self.num_heads), self.max_lr * torch.sigmoid(self.theta(x)), zeros, zeros,
             [state[f"memory.{i}"] for i in range(2)],
-            [state[f"momentum.{i}"] for i in range(2)],
+            [torch.zeros_like(state[f"memory.{i}"]) for i in range(2)],
             [state[f"chunk_memory.{i}"] for i in range(2)],
             state["position"],
             num_heads=self.num_heads, chunk_size=self.period, activation=self.activation,
         )  # fmt: skip
         for i in range(2):
-            new[f"memory.{i}"], new[f"momentum.{i}"], new[f"chunk_memory.{i}"] = memory[i], momentum[i], chunk_memory[i]
+            new[f"memory.{i}"], new[f"chunk_memory.{i}"] = memory[i], chunk_memory[i]
         return h + self.out(y.flatten(2)), {k: new[k] for k in state}
 
 

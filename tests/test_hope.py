@@ -222,7 +222,7 @@ def test_bad_hope_settings_say_what_is_expected():
     state = layer.init_state(2)
     _, moved = layer.prefill(torch.randn(1, 3, 32), {k: v[:1] for k, v in state.items()})
     mixed = {k: torch.cat([state[k][:1], moved[k]]) for k in state}
-    with pytest.raises(EdgememError, match="share one position; step them"):
+    with pytest.raises(EdgememError, match=r"sit at one position \(got \[0, 3\]\); step them"):
         layer.prefill(torch.randn(2, 4, 32), mixed)
 
 

@@ -56,7 +56,9 @@ def by_period(piece: Piece, x: torch.Tensor, state: State, period: int) -> tuple
         return piece(x, state)
     position = state["position"]
     if bool((position != position[0]).any()):
-        raise EdgememError("hope prefills a batch whose streams share one position; step them instead")
+        raise EdgememError(
+            f"hope prefills a batch only when its streams sit at one position (got {position.tolist()}); step them instead"
+        )
     first, start, outputs = int(position[0]), 0, []
     while start < x.shape[1]:
         end = min(x.shape[1], start + period - (first + start) % period)

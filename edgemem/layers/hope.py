@@ -25,6 +25,11 @@ Choices the paper leaves open, as made here:
   gradient of the period's mean loss, whatever C_l;
 - only the values are self-generated; the paper's adaptive key, learning-rate and decay
   memories (M_k, M_η, M_α) are the Titans layer's projections and gates here, fixed at test time;
+- the memory learns by Titans' momentum gradient descent with forgetting (the op), not by the
+  paper's delta-rule variant of gradient descent, and is read after the token's update,
+  y_t = M_t(q_t), as the op defines;
+- a preset's CMS takes the place of the block's MLP (`mlp_hidden = 0`); the block adds the
+  chain's output h_k to its residual stream;
 - the initial weights of every memory are learned (a fresh stream's state is not zero).
 
 A prefill runs in pieces that never cross a chunk or period boundary, one after another (a

@@ -18,8 +18,9 @@ from edgemem.layers.base import State, StatefulLayer
 from edgemem.layers.common import rms_norm, rope
 
 
-class SoftmaxAttention(StatefulLayer):
-    """State: `key`, `value` `[B, H_kv, L, D]` holding every past token (L = position), after RoPE."""
+class AttentionProjections(StatefulLayer):
+    """The q/k/v/output projections, q/k norms and output gate of an attention layer, shared by
+    `SoftmaxAttention` and the layers that replace it in place (LiZA), so weights move between them."""
 
     def __init__(
         self,
@@ -53,14 +54,9 @@ class SoftmaxAttention(StatefulLayer):
         self.q_norm = rms_norm(self.head_dim, norm_eps, norm_unit_offset) if qk_norm else None
         self.k_norm = rms_norm(self.head_dim, norm_eps, norm_unit_offset) if qk_norm else None
 
-    def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> State:
-        shape = (batch, self.num_kv_heads, 0, self.head_dim)
-        dtype = self.state_dtype(dtype)
-        return {"key": torch.zeros(shape, device=device, dtype=dtype), "value": torch.zeros(shape, device=device, dtype=dtype)}
-
-    def prefill(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
-        b, t, _ = x.shape
-        past = state["key"].shape[2]
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """q `[B, H, T, D]`, k and v `[B, H_kv, T, D]` (q and k normed, not rotated) and the output
+        gate's logits `[B, T, H·D]` (None without an output gate)."""
         q, k, v = self.qkv(x).split(self.split, dim=-1)
         gate = None
         if self.output_gate:
@@ -71,9 +67,32 @@ class SoftmaxAttention(StatefulLayer):
         k = k.unflatten(2, (self.num_kv_heads, self.head_dim))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.unflatten(2, (self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = v.unflatten(2, (self.num_kv_heads, self.head_dim))
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), gate
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """RoPE of `x` `[B, H, T, D]` at `positions` `[T]` or `[B, T]`."""
+        return rope(x, positions, self.rope_theta, self.rotary_dim)
+
+    def output(self, y: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The output projection of y `[B, T, H·D]`, through the sigmoid output gate if any."""
+        return self.out(y if gate is None else y * torch.sigmoid(gate))
+
+
+class SoftmaxAttention(AttentionProjections):
+    """State: `key`, `value` `[B, H_kv, L, D]` holding every past token (L = position), after RoPE."""
+
+    def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> State:
+        shape = (batch, self.num_kv_heads, 0, self.head_dim)
+        dtype = self.state_dtype(dtype)
+        return {"key": torch.zeros(shape, device=device, dtype=dtype), "value": torch.zeros(shape, device=device, dtype=dtype)}
+
+    def prefill(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
+        b, t, _ = x.shape
+        past = state["key"].shape[2]
+        q, k, v, gate = self.project(x)
         positions = torch.arange(past, past + t, device=x.device)
-        q, k = rope(q, positions, self.rope_theta, self.rotary_dim), rope(k, positions, self.rope_theta, self.rotary_dim)
+        q, k = self.rotate(q, positions), self.rotate(k, positions)
         keys = torch.cat([state["key"].to(x.dtype), k], dim=2)
         values = torch.cat([state["value"].to(x.dtype), v], dim=2)
         if self.num_kv_heads != self.num_heads:
@@ -84,8 +103,6 @@ class SoftmaxAttention(StatefulLayer):
         # query i sits at position past + i and sees keys 0 … past + i
         mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
         y = F.scaled_dot_product_attention(q, keys_q, values_q, attn_mask=mask).transpose(1, 2).reshape(b, t, -1)
-        if gate is not None:
-            y = y * torch.sigmoid(gate)
-        y = self.out(y)
+        y = self.output(y, gate)
         dtype = state["key"].dtype
         return y, {"key": keys.to(dtype), "value": values.to(dtype)}

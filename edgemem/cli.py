@@ -443,7 +443,9 @@ def calibrate_command(directory, method, recipe, out_dir, report_path, plot_path
 
 
 @main.command("train")
-@click.option("--arch", required=True, help="Preset to train (see `edgemem archs`).")
+@click.option("--arch", help="Preset to train (see `edgemem archs`).")
+@click.option("--init", "init", type=click.Path(dir_okay=False),
+              help="Fine-tune this checkpoint instead (e.g. from `edgemem linearize`).")
 @click.option("--task", "task_name", required=True, help="Task: mqar, copy or bytes (see edgemem.tasks).")
 @click.option("--steps", default=1000, show_default=True, type=click.IntRange(min=1), help="Optimizer steps.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Checkpoint to write (default: ARCH-TASK.safetensors).")
@@ -456,17 +458,25 @@ def calibrate_command(directory, method, recipe, out_dir, report_path, plot_path
               help="Peak learning rate.")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), help="torch threads.")
 @click.option("--device", default="cpu", show_default=True, help="torch device to train on (cpu, cuda).")
-def train_command(arch, task_name, steps, out, overrides, task_set, seed, batch, lr, threads, device) -> None:
-    """Train a preset on a task (AdamW, warmup + cosine) and save a checkpoint; then evaluate it held out."""
+def train_command(arch, init, task_name, steps, out, overrides, task_set, seed, batch, lr, threads, device) -> None:
+    """Train a preset (or fine-tune a checkpoint) on a task (AdamW, warmup + cosine) and save a
+    checkpoint; then evaluate it held out."""
     import torch
 
+    from edgemem.errors import ConfigError
+    from edgemem.models import load_checkpoint
     from edgemem.train import Interrupted, evaluate, train
 
+    if (arch is None) == (init is None):
+        raise ConfigError("give --arch (a preset to train from scratch) or --init CHECKPOINT (to fine-tune), not both")
+    if init and overrides:
+        raise ConfigError("--set changes a preset; a checkpoint given with --init is trained as it is")
     torch.set_num_threads(threads)
-    out = out or f"{arch}-{task_name}.safetensors"
+    model = load_checkpoint(init) if init else arch
+    out = out or f"{model.config.arch if init else arch}-{task_name}.safetensors"
     task_params = parse_overrides(task_set, "--task-set")
     try:
-        result = train(arch, task_name, steps, out, seed=seed, overrides=parse_overrides(overrides),
+        result = train(model, task_name, steps, out, seed=seed, overrides=parse_overrides(overrides),
                        task_params=task_params, batch=batch, lr=lr, device=device)
     except Interrupted as stop:
         click.echo(f"interrupted after {stop.steps} of {steps} steps" + (f"; saved {stop.out}" if stop.out else ""),
@@ -476,6 +486,39 @@ def train_command(arch, task_name, steps, out, overrides, task_set, seed, batch,
     metric = next(k for k in scores if k not in ("task", "arch", "length"))
     click.echo(f"saved {out}: {steps} steps in {result.seconds:.0f} s, final loss {result.losses[-1]:.4f}; "
                f"held-out {metric} at length {scores['length']}: {scores[metric]:.4f}")
+
+
+@main.command("linearize")
+@click.option("--checkpoint", type=click.Path(dir_okay=False), help="A checkpoint with softmax attention layers.")
+@click.option("--hf", "hf_dir", type=click.Path(file_okay=False),
+              help="Or a Hugging Face save_pretrained directory (a hybrid such as Qwen3.5).")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Checkpoint to write.")
+@click.option("--window", default=64, show_default=True, type=click.IntRange(min=1), help="Sliding-window length.")
+@click.option("--update-rule", default="gated_delta", show_default=True,
+              help="Linear branch's rule: linear, gated, delta or gated_delta.")
+@click.option("--gate-init", default=0.5, show_default=True, type=float, help="Initial share of linear attention, in (0, 1).")
+def linearize_command(checkpoint, hf_dir, out, window, update_rule, gate_init) -> None:
+    """Turn softmax attention layers into LiZA layers (constant memory), keeping every weight; fine-tune
+    the result with `edgemem train --init OUT`, export it with `edgemem export --checkpoint OUT`."""
+    from edgemem.errors import ConfigError
+    from edgemem.files import check_output_file
+    from edgemem.models import linearize, load_checkpoint, save_checkpoint
+
+    if (checkpoint is None) == (hf_dir is None):
+        raise ConfigError("give --checkpoint FILE or --hf DIR (one of them)")
+    out = check_output_file(out, "checkpoint")
+    if checkpoint and out.resolve() == Path(checkpoint).resolve():
+        raise ConfigError(f"--out {out} is the input checkpoint; write the linearized model to a new file")
+    if hf_dir:
+        from edgemem.models.hf import from_hf
+
+        model = from_hf(hf_dir)
+    else:
+        model = load_checkpoint(checkpoint)
+    new = linearize(model, window=window, update_rule=update_rule, gate_init=gate_init)
+    save_checkpoint(new, out)
+    kinds = [new.config.mixer_of(i)[0] for i in range(new.config.n_layers)]
+    click.echo(f"saved {out}: {new.config.arch}, {kinds.count('liza')} of {len(kinds)} layers now LiZA (window {window})")
 
 
 @main.command("eval")

@@ -21,6 +21,7 @@ from test_protocol import TOLERANCE, run_pieces, split_points
 LAYERS = {
     "delta-rnn": lambda: DeltaRNN(32, 4),
     "liza": lambda: LiZA(32, 4, window=5),
+    "liza-gqa-gated-output": lambda: LiZA(32, 4, window=5, num_kv_heads=2, qk_norm=True, rotary_dim=4, output_gate=True),
     "liza-delta-persistent": lambda: LiZA(32, 4, window=3, update_rule="delta", persistent=2),
 }
 
@@ -103,31 +104,47 @@ def delta_rnn_reference(layer: DeltaRNN, x: torch.Tensor) -> torch.Tensor:
     return torch.stack(outputs, 1)
 
 
-def _rope(x: torch.Tensor, position: int) -> torch.Tensor:
-    """Rotate-half RoPE of one position, x `[..., D]`."""
-    half = x.shape[-1] // 2
-    angle = position * 10000.0 ** (-torch.arange(half, dtype=x.dtype) / half)
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * angle.cos() - x2 * angle.sin(), x2 * angle.cos() + x1 * angle.sin()], -1)
+def _rope(x: torch.Tensor, position: int, theta: float = 10000.0, rotary: int | None = None) -> torch.Tensor:
+    """Rotate-half RoPE of one position on the first `rotary` channels, x `[..., D]`."""
+    rotary = rotary or x.shape[-1]
+    half = rotary // 2
+    angle = position * theta ** (-torch.arange(half, dtype=x.dtype) / half)
+    x1, x2, rest = x[..., :half], x[..., half:rotary], x[..., rotary:]
+    return torch.cat([x1 * angle.cos() - x2 * angle.sin(), x2 * angle.cos() + x1 * angle.sin(), rest], -1)
+
+
+def _head_norm(x: torch.Tensor, norm: torch.nn.Module | None) -> torch.Tensor:
+    """RMSNorm over the head channels with the norm's weight (scale 1 + w for the offset form)."""
+    if norm is None:
+        return x
+    scale = norm.weight + (1.0 if type(norm).__name__ == "OffsetRMSNorm" else 0.0)
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + norm.eps) * scale
 
 
 def liza_reference(layer: LiZA, x: torch.Tensor) -> torch.Tensor:
     """Per token: softmax over the rotated keys of the window (and persistent slots), the linear
-    state updated by its rule, the two mixed by the gate."""
+    state (one per K/V head) updated by its rule, the two mixed by the gate, then the output gate."""
     b, t, _ = x.shape
-    h, d, rule = layer.num_heads, layer.head_dim, layer.update_rule
+    h, hk, d, rule = layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.update_rule
+    group, rotary, theta = h // hk, layer.rotary_dim, layer.rope_theta
     keys, values, outputs = [], [], []
-    memory = torch.zeros(b, h, d, d, dtype=x.dtype)
+    memory = torch.zeros(b, hk, d, d, dtype=x.dtype)
     for i in range(t):
         xi = x[:, i]
-        q, k, v = (xi @ layer.qkv.weight.T).reshape(b, 3, h, d).unbind(1)
-        keys.append(_rope(k, i))
-        values.append(v)
+        projected = xi @ layer.qkv.weight.T
+        q_width = h * d * (2 if layer.output_gate else 1)
+        q, k, v = projected[:, :q_width], projected[:, q_width : q_width + hk * d], projected[:, q_width + hk * d :]
+        gate = None
+        if layer.output_gate:  # per head: d query channels, then d gate channels
+            q, gate = q.reshape(b, h, 2, d)[:, :, 0], q.reshape(b, h, 2, d)[:, :, 1].reshape(b, h * d)
+        q, k, v = _head_norm(q.reshape(b, h, d), layer.q_norm), _head_norm(k.reshape(b, hk, d), layer.k_norm), v.reshape(b, hk, d)
+        keys.append(_rope(k, i, theta, rotary).repeat_interleave(group, 1))
+        values.append(v.repeat_interleave(group, 1))
         seen_k, seen_v = torch.stack(keys[-layer.window - 1 :], 2), torch.stack(values[-layer.window - 1 :], 2)
         if layer.persistent_key is not None:
             seen_k = torch.cat([layer.persistent_key.expand(b, -1, -1, -1), seen_k], 2)
             seen_v = torch.cat([layer.persistent_value.expand(b, -1, -1, -1), seen_v], 2)
-        scores = torch.einsum("bhd,bhnd->bhn", _rope(q, i), seen_k) / math.sqrt(d)
+        scores = torch.einsum("bhd,bhnd->bhn", _rope(q, i, theta, rotary), seen_k) / math.sqrt(d)
         window = torch.einsum("bhn,bhnd->bhd", _softmax(scores), seen_v)
         qn, kn = (z / torch.sqrt((z * z).sum(-1, keepdim=True) + 1e-6) for z in (q, k))
         if rule.startswith("gated"):
@@ -137,9 +154,12 @@ def liza_reference(layer: LiZA, x: torch.Tensor) -> torch.Tensor:
             beta = 1 / (1 + torch.exp(-(xi @ layer.beta.weight.T)))
             v = beta[..., None] * (v - torch.einsum("bhkv,bhk->bhv", memory, kn))
         memory = memory + kn[..., :, None] * v[..., None, :]
-        linear = torch.einsum("bhkv,bhk->bhv", memory, qn) / math.sqrt(d)
+        linear = torch.einsum("bhkv,bhk->bhv", memory.repeat_interleave(group, 1), qn) / math.sqrt(d)
         alpha = 1 / (1 + torch.exp(-(xi @ layer.gate.weight.T + layer.gate.bias)))[..., None]
-        outputs.append(((1 - alpha) * window + alpha * linear).reshape(b, -1) @ layer.out.weight.T)
+        y = ((1 - alpha) * window + alpha * linear).reshape(b, -1)
+        if gate is not None:
+            y = y / (1 + torch.exp(-gate))
+        outputs.append(y @ layer.out.weight.T)
     return torch.stack(outputs, 1)
 
 
@@ -162,10 +182,21 @@ def test_delta_rnn_read_depends_on_the_previous_output():
         assert (full - layer(x)).abs().max() > 1e-3
 
 
+PROJECTIONS = {  # the options of the attention layers LiZA replaces (imported hybrids use all of them)
+    "plain": {},
+    "gqa-qknorm-partial-rope-gate": dict(num_kv_heads=2, head_dim=12, qk_norm=True, norm_unit_offset=True,
+                                         rotary_dim=4, rope_theta=500.0, output_gate=True),
+}
+
+
+@pytest.mark.parametrize("projections", list(PROJECTIONS))
 @pytest.mark.parametrize("rule", UPDATE_RULES)
-def test_liza_matches_a_token_by_token_reference(rule):
+def test_liza_matches_a_token_by_token_reference(rule, projections):
     torch.manual_seed(1)
-    layer = LiZA(32, 4, window=4, update_rule=rule, persistent=2).double()
+    layer = LiZA(32, 4, window=4, update_rule=rule, persistent=2, **PROJECTIONS[projections]).double()
+    for name, p in layer.named_parameters():
+        if "norm" in name:
+            torch.nn.init.normal_(p, std=0.3)
     torch.nn.init.normal_(layer.gate.weight, std=0.3)  # an input-dependent gate, not the initial constant
     x = torch.randn(2, 17, 32, dtype=torch.float64)
     with torch.no_grad():
@@ -188,7 +219,7 @@ def test_linearize_keeps_every_weight_and_with_the_gate_shut_equals_the_softmax_
 
 
 def test_linearize_refuses_a_model_without_softmax_attention():
-    with pytest.raises(ConfigError, match="mixer is 'deltanet'"):
+    with pytest.raises(ConfigError, match="deltanet has none"):
         linearize(build("deltanet", seed=0, d_model=32, mlp_hidden=32))
     with pytest.raises(ConfigError, match="update_rule must be one of"):
         linearize(build("softmax", seed=0, d_model=32, mlp_hidden=32), update_rule="ssm")
@@ -270,3 +301,104 @@ def test_train_refuses_overrides_for_a_given_model():
 
     with pytest.raises(ConfigError, match="trained as it is"):
         train(_linearized(), "copy", steps=1, overrides={"d_model": 64}, progress=False)
+
+
+def _qwen3_5_hybrid(path):
+    """A tiny random Qwen3.5 text model (gated DeltaNet + full attention with GQA, q/k norms, partial
+    RoPE and an output gate), saved as transformers saves it."""
+    from test_hf_qwen3_5 import randomise, save, text_config
+    from transformers import Qwen3_5ForCausalLM
+
+    layers = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+    hf = randomise(Qwen3_5ForCausalLM(text_config(layers)), seed=7)
+    return hf, save(hf, path)
+
+
+def test_a_linearized_qwen3_5_hybrid_with_the_gate_shut_equals_transformers(tmp_path):
+    """Only the full-attention layers become LiZA; with α = 0 and a window longer than the input, the
+    linearized model is transformers' Qwen3.5 exactly (its q/k/v/o weights, norms, gate kept)."""
+    from edgemem.models import from_hf
+
+    hf, path = _qwen3_5_hybrid(tmp_path)
+    model = linearize(from_hf(path), window=32)
+    assert model.config.layer_types == ["gated_deltanet", "liza", "gated_deltanet", "liza"]
+    tokens = torch.randint(0, hf.config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(tokens).logits
+        mixed = model(tokens)
+        for block in model.blocks:
+            if isinstance(block.mixer, LiZA):
+                block.mixer.gate.bias.fill_(-math.inf)
+        torch.testing.assert_close(model(tokens), expected, rtol=1e-4, atol=1e-4)
+    assert (mixed - expected).abs().max() > 1e-3  # the linear branch is really mixed in by default
+
+
+def test_a_linearized_hybrid_streams_in_constant_memory_at_random_splits(tmp_path):
+    from edgemem.models import from_hf
+
+    _, path = _qwen3_5_hybrid(tmp_path)
+    model = linearize(from_hf(path), window=5).double()
+    tokens = torch.randint(0, 61, (2, 26), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = model(tokens)
+        got, state = run_pieces(model, tokens, model.init_state(2), split_points(26, seed=3))
+    torch.testing.assert_close(got, expected, **TOLERANCE[torch.float64])
+    assert state_bytes(state) == state_bytes(model.init_state(2))
+
+
+def test_linearize_and_fine_tune_from_the_command_line(tmp_path):
+    """`edgemem linearize` → `edgemem train --init` → `edgemem export --checkpoint` → `verify`."""
+    from click.testing import CliRunner
+
+    from edgemem.cli import main
+    from edgemem.models import load_checkpoint, save_checkpoint
+
+    save_checkpoint(build("softmax", seed=0, d_model=32, n_layers=1, mlp_hidden=32), tmp_path / "softmax.safetensors")
+    runner = CliRunner()
+    run = lambda *args: runner.invoke(main, [str(a) for a in args])  # noqa: E731
+    done = run("linearize", "--checkpoint", tmp_path / "softmax.safetensors", "--out", tmp_path / "liza.safetensors",
+               "--window", 8)
+    assert done.exit_code == 0, done.output
+    assert "1 of 1 layers now LiZA" in done.output
+    done = run("train", "--init", tmp_path / "liza.safetensors", "--task", "copy", "--steps", 3, "--batch", 4,
+               "--task-set", "tokens=4", "--out", tmp_path / "tuned.safetensors")
+    assert done.exit_code == 0, done.output
+    before, after = load_checkpoint(tmp_path / "liza.safetensors"), load_checkpoint(tmp_path / "tuned.safetensors")
+    assert after.config == before.config and not torch.equal(after.blocks[0].mixer.gate.bias, before.blocks[0].mixer.gate.bias)
+    done = run("export", "--checkpoint", tmp_path / "tuned.safetensors", "--out", tmp_path / "out", "--target", "generic")
+    assert done.exit_code == 0, done.output
+    done = run("verify", tmp_path / "out")
+    assert done.exit_code == 0, done.output
+
+    for args, message in [
+        (("linearize", "--out", tmp_path / "x.safetensors"), "give --checkpoint FILE or --hf DIR"),
+        (("linearize", "--checkpoint", tmp_path / "liza.safetensors", "--out", tmp_path / "liza.safetensors"),
+         "is the input checkpoint"),
+        (("train", "--task", "copy"), "give --arch"),
+        (("train", "--init", tmp_path / "liza.safetensors", "--arch", "softmax", "--task", "copy"), "not both"),
+    ]:
+        done = run(*args)
+        assert done.exit_code == 2 and message in done.output, done.output
+
+
+@pytest.mark.slow
+def test_a_linearized_hybrid_exports_verifies_and_streams(tmp_path):
+    from edgemem.export import export
+    from edgemem.export.verify import verify
+    from edgemem.models import from_hf, save_checkpoint
+    from edgemem.runtime import Engine
+
+    _, path = _qwen3_5_hybrid(tmp_path / "hf")
+    model = linearize(from_hf(path), window=6).eval()
+    save_checkpoint(model, tmp_path / "model.safetensors")
+    manifest = export(model, tmp_path / "out", targets=["generic", "ort"],
+                      extra_config={"checkpoint": str(tmp_path / "model.safetensors")})
+    assert all("past_sequence" not in s.shape for s in manifest.state)  # no growing cache left
+    checks, _ = verify(tmp_path / "out", threads=1)
+    assert checks and all(c.ok for c in checks), [c for c in checks if not c.ok]
+    tokens = torch.randint(0, 61, (1, 21), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = model(tokens)[0].numpy()
+    stream = Engine.load(tmp_path / "out", threads=1).new_stream()
+    got = [stream.prefill(tokens[0, :9].tolist(), chunk_size=4)] + [stream.step(int(t))[None] for t in tokens[0, 9:]]
+    np.testing.assert_allclose(np.concatenate(got), expected, rtol=1e-4, atol=1e-4)

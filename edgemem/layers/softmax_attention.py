@@ -22,6 +22,8 @@ Two cache layouts:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,8 +34,9 @@ from edgemem.layers.common import rms_norm, rope
 from edgemem.ops.cache_attention import cache_attention
 
 
-class SoftmaxAttention(StatefulLayer):
-    """State: `key`, `value` after RoPE, growing or preallocated (+ `position`), see the module docstring."""
+class AttentionProjections(StatefulLayer):
+    """The q/k/v/output projections, q/k norms and output gate of an attention layer, shared by
+    `SoftmaxAttention` and the layers that replace it in place (LiZA), so weights move between them."""
 
     def __init__(
         self,
@@ -48,8 +51,6 @@ class SoftmaxAttention(StatefulLayer):
         norm_unit_offset: bool = False,
         norm_eps: float = 1e-6,
         output_gate: bool = False,
-        max_length: int | None = None,
-        sinks: int | None = None,
     ):
         super().__init__()
         if head_dim is None and d_model % num_heads:
@@ -68,6 +69,40 @@ class SoftmaxAttention(StatefulLayer):
         self.out = nn.Linear(num_heads * self.head_dim, d_model, bias=False)
         self.q_norm = rms_norm(self.head_dim, norm_eps, norm_unit_offset) if qk_norm else None
         self.k_norm = rms_norm(self.head_dim, norm_eps, norm_unit_offset) if qk_norm else None
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """q `[B, H, T, D]`, k and v `[B, H_kv, T, D]` (q and k normed, not rotated) and the output
+        gate's logits `[B, T, H·D]` (None without an output gate)."""
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
+        gate = None
+        if self.output_gate:
+            q, gate = q.unflatten(2, (self.num_heads, 2, self.head_dim)).unbind(3)
+            gate = gate.flatten(2)
+        else:
+            q = q.unflatten(2, (self.num_heads, self.head_dim))
+        k = k.unflatten(2, (self.num_kv_heads, self.head_dim))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        v = v.unflatten(2, (self.num_kv_heads, self.head_dim))
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), gate
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """RoPE of `x` `[B, H, T, D]` at `positions` `[T]` or `[B, T]`."""
+        return rope(x, positions, self.rope_theta, self.rotary_dim)
+
+    def output(self, y: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """The output projection of y `[B, T, H·D]`, through the sigmoid output gate if any."""
+        return self.out(y if gate is None else y * torch.sigmoid(gate))
+
+
+class SoftmaxAttention(AttentionProjections):
+    """State: `key`, `value` after RoPE, growing or preallocated (+ `position`), see the module docstring."""
+
+    forwards_options_to = AttentionProjections  # **options are the projections' options
+
+    def __init__(self, d_model: int, num_heads: int, *, max_length: int | None = None, sinks: int | None = None,
+                 **options: Any):
+        super().__init__(d_model, num_heads, **options)
         self.set_cache(max_length, sinks)
 
     def set_cache(self, max_length: int | None, sinks: int | None = None) -> None:
@@ -89,22 +124,12 @@ class SoftmaxAttention(StatefulLayer):
 
     def prefill(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         b, t, _ = x.shape
-        q, k, v = self.qkv(x).split(self.split, dim=-1)
-        gate = None
-        if self.output_gate:
-            q, gate = q.unflatten(2, (self.num_heads, 2, self.head_dim)).unbind(3)
-            gate = gate.flatten(2)
-        else:
-            q = q.unflatten(2, (self.num_heads, self.head_dim))
-        k = k.unflatten(2, (self.num_kv_heads, self.head_dim))
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v, gate = self.project(x)
         if self.max_length is not None:
             return self._prefill_cache(q, k, v, gate, state)
         past = state["key"].shape[2]
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.unflatten(2, (self.num_kv_heads, self.head_dim)).transpose(1, 2)
         positions = torch.arange(past, past + t, device=x.device)
-        q, k = rope(q, positions, self.rope_theta, self.rotary_dim), rope(k, positions, self.rope_theta, self.rotary_dim)
+        q, k = self.rotate(q, positions), self.rotate(k, positions)
         keys = torch.cat([state["key"].to(x.dtype), k], dim=2)
         values = torch.cat([state["value"].to(x.dtype), v], dim=2)
         if self.num_kv_heads != self.num_heads:
@@ -115,16 +140,14 @@ class SoftmaxAttention(StatefulLayer):
         # query i sits at position past + i and sees keys 0 … past + i
         mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(past)
         y = F.scaled_dot_product_attention(q, keys_q, values_q, attn_mask=mask).transpose(1, 2).reshape(b, t, -1)
-        if gate is not None:
-            y = y * torch.sigmoid(gate)
-        y = self.out(y)
+        y = self.output(y, gate)
         dtype = state["key"].dtype
         return y, {"key": keys.to(dtype), "value": values.to(dtype)}
 
     def _prefill_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None,
                        state: State) -> tuple[torch.Tensor, State]:
-        """The preallocated cache: q `[B, T, H, D]`, k `[B, T, H_kv, D]`, v packed."""
-        b, t = q.shape[:2]
+        """The preallocated cache, from `project`'s q `[B, H, T, D]`, k and v `[B, H_kv, T, D]`."""
+        t = q.shape[2]
         position = state["position"]
         if self.sinks is None and not torch.onnx.is_in_onnx_export() and int(position.max()) + t > self.max_length:
             raise CacheFullError(f"the KV cache holds max_length={self.max_length} tokens; a stream at position "
@@ -132,15 +155,13 @@ class SoftmaxAttention(StatefulLayer):
                                  "for a sliding window)")
         positions = position[:, None] + torch.arange(t, device=q.device)  # [B, T]
 
-        def rotate(x: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-            return rope(x.transpose(1, 2), at, self.rope_theta, self.rotary_dim).transpose(1, 2).flatten(2)
+        def packed(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] → [B, T, H·D]
+            return x.transpose(1, 2).flatten(2)
 
-        query, key = rotate(q, positions), rotate(k, positions)
-        sink_query = None if self.sinks is None else rotate(q, positions.clamp(max=self.max_length - 1))
+        query, key = packed(self.rotate(q, positions)), packed(self.rotate(k, positions))
+        sink_query = None if self.sinks is None else packed(self.rotate(q, positions.clamp(max=self.max_length - 1)))
         y, present_key, present_value = cache_attention(
-            query, key, v, state["key"], state["value"], position, sink_query,
+            query, key, packed(v), state["key"], state["value"], position, sink_query,
             num_heads=self.num_heads, kv_num_heads=self.num_kv_heads, sinks=-1 if self.sinks is None else self.sinks,
         )
-        if gate is not None:
-            y = y * torch.sigmoid(gate)
-        return self.out(y), {"key": present_key, "value": present_value, "position": position + t}
+        return self.output(y, gate), {"key": present_key, "value": present_value, "position": position + t}

@@ -35,6 +35,23 @@ from edgemem.layers.longformer import SlidingWindowAttention
 from edgemem.ops.neural_memory import ResidualNorm, memory_read, neural_memory_step
 
 
+def memory_state(initial: nn.ParameterList, batch: int, device: torch.device | None, dtype: torch.dtype) -> State:
+    """A fresh stream of a memory whose initial weights are `initial`: `memory.{i}`, zero
+    `momentum.{i}`, `chunk_memory.{i}` (the weights at the current chunk's start), `position` 0."""
+    memory = [w.to(device=device, dtype=dtype).expand(batch, *w.shape) for w in initial]
+    state = {f"memory.{i}": w for i, w in enumerate(memory)}
+    state.update({f"momentum.{i}": torch.zeros_like(w) for i, w in enumerate(memory)})
+    state.update({f"chunk_memory.{i}": w.clone() for i, w in enumerate(memory)})  # own storage, like every state tensor
+    state["position"] = torch.zeros(batch, dtype=torch.int64, device=device)
+    return state
+
+
+def chunk_start_memory(state: State, chunk_size: int, depth: int) -> list[torch.Tensor]:
+    """The weights of `memory_state`'s memory at the start of the chunk the next token falls in."""
+    starts = (state["position"] % chunk_size == 0).view(-1, 1, 1, 1)
+    return [torch.where(starts, state[f"memory.{i}"], state[f"chunk_memory.{i}"]) for i in range(depth)]
+
+
 class NeuralMemoryLayer(StatefulLayer):
     def __init__(
         self,
@@ -83,11 +100,7 @@ class NeuralMemoryLayer(StatefulLayer):
 
     def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> State:
         dtype = self.state_dtype(dtype)
-        memory = [w.to(device=device, dtype=dtype).expand(batch, *w.shape) for w in self.initial_memory]
-        state = {f"memory.{i}": w for i, w in enumerate(memory)}
-        state.update({f"momentum.{i}": torch.zeros_like(w) for i, w in enumerate(memory)})
-        state.update({f"chunk_memory.{i}": w.clone() for i, w in enumerate(memory)})  # own storage, like every state tensor
-        state["position"] = torch.zeros(batch, dtype=torch.int64, device=device)
+        state = memory_state(self.initial_memory, batch, device, dtype)
         if self.conv is not None:
             state["conv_state"] = self.conv.init_state(batch, device, dtype)
         return state
@@ -100,6 +113,7 @@ class NeuralMemoryLayer(StatefulLayer):
         else:
             qkv, new["conv_state"] = self.conv(qkv, state["conv_state"])
         q, k, v = qkv.unflatten(2, (3, self.num_heads, self.head_dim)).unbind(2)
+        v = self.values(v, state)
         zeros = x.new_zeros(*x.shape[:2], self.num_heads)
         depth = len(self.initial_memory)
         y, memory, momentum, chunk_memory, new["position"] = neural_memory_step(
@@ -119,11 +133,14 @@ class NeuralMemoryLayer(StatefulLayer):
         y = self.norm(y) * F.silu(self.g(x)).unflatten(2, (self.num_heads, self.head_dim))
         return self.out(y.flatten(2)), {k: new[k] for k in state if k in new}
 
+    def values(self, v: torch.Tensor, state: State) -> torch.Tensor:
+        """The targets `[B, T, H, D]` the memory learns to map its keys to: v itself here (HOPE's
+        self-modifying memory overrides this)."""
+        return v
+
     def segment_memory(self, state: State) -> list[torch.Tensor]:
         """The memory weights at the start of the chunk the next token falls in."""
-        starts = (state["position"] % self.chunk_size == 0).view(-1, 1, 1, 1)
-        depth = len(self.initial_memory)
-        return [torch.where(starts, state[f"memory.{i}"], state[f"chunk_memory.{i}"]) for i in range(depth)]
+        return chunk_start_memory(state, self.chunk_size, len(self.initial_memory))
 
 
 class _MemoryWithAttention(StatefulLayer):

@@ -24,6 +24,7 @@ from edgemem.errors import ConfigError, EdgememError
 from edgemem.layers import (
     AFT,
     GAU,
+    HOPE,
     BandedEncoderAttention,
     DeltaNet,
     DeltaRNN,
@@ -56,6 +57,7 @@ MIXERS: dict[str, type[StatefulLayer]] = {
     "aft": AFT,
     "delta_rnn": DeltaRNN,
     "liza": LiZA,
+    "hope": HOPE,
 }
 
 

@@ -191,12 +191,13 @@ class TitansMAC(StatefulLayer):
     """
 
     forwards_options_to = NeuralMemoryLayer  # **memory are NeuralMemoryLayer's options
-    parallel_prefill = False  # segments run one after another; an export streams prompts by steps
+    parallel_prefill = False  # segments run one after another: the exported prefill graph loops over them
 
     def __init__(self, d_model: int, num_heads: int, persistent: int = 4, **memory):
         super().__init__()
         self.memory = NeuralMemoryLayer(d_model, num_heads, **memory)
         self.num_heads, self.head_dim, self.segment = num_heads, d_model // num_heads, self.memory.chunk_size
+        self.prefill_segment = self.segment
         if self.head_dim % 2:
             raise ConfigError(f"titans-mac needs an even head size for RoPE; d_model/num_heads = {self.head_dim}")
         self.read_query = nn.Linear(d_model, d_model, bias=False)
@@ -211,7 +212,8 @@ class TitansMAC(StatefulLayer):
         return {**buffer, **self.memory.init_state(batch, device, dtype)}
 
     def prefill(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
-        if x.shape[1] == 1:
+        # traced for any length, x is one piece within a segment: the exported graph loops over pieces
+        if not isinstance(x.shape[1], int) or x.shape[1] == 1:
             return self._segment_piece(x, state)
         position = state["position"]
         if bool((position != position[0]).any()):

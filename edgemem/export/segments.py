@@ -91,7 +91,11 @@ def loop_over_segments(piece: onnx.ModelProto, segment: int, position: str, toke
     result, *state_out = graph.output
     if len(state_out) != len(state_in):
         raise EdgememError(f"the piece graph has {len(state_in)} state inputs but {len(state_out)} new states")
-    rank = len(result.type.tensor_type.shape.dim)
+    dims = result.type.tensor_type.shape.dim
+    rank, rest = len(dims), [d.dim_value if d.HasField("dim_value") else -1 for d in dims[2:]]
+    if rank < 2 or rest.count(-1) > 1:
+        raise EdgememError(f"the piece graph's output {result.name} is not [batch, tokens, ...] with at most one "
+                           f"dim after the tokens of unknown size: {rank} dims, {rest}")
 
     g = Graph({})
     g.reserve(*(_names(graph) - {o.name for o in graph.output}))  # the outer graph's outputs keep their names
@@ -117,9 +121,11 @@ def loop_over_segments(piece: onnx.ModelProto, segment: int, position: str, toke
             sub.produced.update(sub.nodes[-1].output)
         front = sub.Sub(lo, first, out="pad_front")
         back = sub.Sub(sub.Sub(size, front), sub.Sub(hi, lo), out="pad_back")
-        rest = [sub.const([0] * (rank - 2))] if rank > 2 else []
-        pads = sub.Concat(zero, sub.Unsqueeze(front, zero), *rest, zero, sub.Unsqueeze(back, zero), *rest, axis=0)
-        padded = sub.Pad(names[result.name], pads, out=f"{result.name}_padded")
+        others = [sub.const([0] * (rank - 2))] if rank > 2 else []
+        pads = sub.Concat(zero, sub.Unsqueeze(front, zero), *others, zero, sub.Unsqueeze(back, zero), *others, axis=0)
+        # flat: runtimes that stack the scan outputs on a new axis (onnxruntime, the ONNX spec) and those
+        # that concatenate them on the first (onnx.reference) agree on 1-D ones
+        padded = sub.Reshape(sub.Pad(names[result.name], pads), sub.const([-1]), out=f"{result.name}_padded")
         return [sub.Identity(cond, out="cond_out"), *(sub.Identity(names[o.name]) for o in state_out), padded]
 
     types = {v.name: _elem_type(v) for v in graph.input}
@@ -128,12 +134,14 @@ def loop_over_segments(piece: onnx.ModelProto, segment: int, position: str, toke
     loop_body = g.subgraph("segment", body, formal, out_types)
     finals = g.node("Loop", [trips, g.const(True), *state_in], [*(o.name for o in state_out), "segment_outputs"],
                     body=loop_body)
-    # [segments, B, S, ...] → [B, segments·S, ...] → the prompt's rows [d, d + T)
-    grid = g.Transpose(finals[-1], perm=[1, 0, *range(2, rank + 1)])
-    shape = g.Concat(g.Shape(grid, start=0, end=1), g.const([-1]), g.Shape(grid, start=3), axis=0)
-    flat = g.Reshape(grid, shape)
-    unsqueeze = [g.Unsqueeze(b, g.const([0])) for b in (start, g.Add(start, length))]
-    finals = [g.Slice(flat, *unsqueeze, g.const([1]), out=result.name), *finals[:-1]]
+    # [segments, B·S·…] → [segments, B, S, …] → [B, segments·S, …] → the prompt's rows [d, d + T)
+    zero = g.const([0])
+    batch = g.Shape(tokens[0], start=0, end=1)
+    grid = g.Reshape(finals[-1], g.Concat(g.Unsqueeze(trips, zero), batch, g.const([segment, *rest]), axis=0))
+    grid = g.Transpose(grid, perm=[1, 0, *range(2, rank + 1)])
+    flat = g.Reshape(grid, g.Concat(batch, g.const([-1]), g.Shape(grid, start=3), axis=0))
+    bounds = [g.Unsqueeze(b, zero) for b in (start, g.Add(start, length))]
+    finals = [g.Slice(flat, *bounds, g.const([1]), out=result.name), *finals[:-1]]
     if finals != [o.name for o in graph.output]:  # a piece graph whose node names an output: not what the exporter writes
         raise EdgememError(f"the piece graph's outputs {[o.name for o in graph.output]} could not keep their names")
 

@@ -188,6 +188,9 @@ class TitansMAC(StatefulLayer):
     would leak future tokens in an LM), and the final read M_t(y) uses the memory after token
     t's update, as the memory op defines. State adds the current segment's keys and values,
     `key`/`value` `[B, H, 2·chunk_size, D]` (slots [0, C) for h, [C, 2C) for x, slot = position mod C).
+    Prefill runs the pieces of the prompt that never cross a segment boundary one after another;
+    traced for any length, prefill is one such piece, and the exported prefill graph loops over
+    them (edgemem.export.segments).
     """
 
     forwards_options_to = NeuralMemoryLayer  # **memory are NeuralMemoryLayer's options

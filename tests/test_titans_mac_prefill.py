@@ -214,3 +214,64 @@ def test_loop_over_segments_refuses_a_graph_without_the_position(directory):
         loop_over_segments(piece, SEGMENT, "past_key_values.9.position", ["input_ids"])
     with pytest.raises(EdgememError, match="no int64 `position` state"):
         position_input(build("deltanet", seed=0, d_model=32, mlp_hidden=32))
+
+
+def _toy_piece(rank3: bool = True) -> onnx.ModelProto:
+    """A piece graph made by hand: logits[b, t] = 1000·id + position (read inside an If, from the outer
+    scope), and states: the position, the number of pieces run and how many segment boundaries a piece crossed."""
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    c = lambda name, v: h.make_node("Constant", [], [name], value=onnx.numpy_helper.from_array(np.array(v, np.int64)))  # noqa: E731
+    branch = h.make_graph([h.make_node("Cast", ["input_ids"], ["ids_f"], to=T.FLOAT)], "read", [],
+                          [h.make_tensor_value_info("ids_f", T.FLOAT, None)])
+    nodes = [
+        c("one", 1), c("zero", 0), c("axis1", [1]), c("axis2", [2]), c("segment", SEGMENT), c("thousand", 1000),
+        h.make_node("Shape", ["input_ids"], ["n1"], start=1, end=2), h.make_node("Squeeze", ["n1"], ["n"]),
+        h.make_node("Range", ["zero", "n", "one"], ["steps"]),
+        h.make_node("Unsqueeze", ["past_key_values.position", "axis1"], ["pos_col"]),
+        h.make_node("Add", ["pos_col", "steps"], ["positions"]),
+        h.make_node("Constant", [], ["yes"], value=onnx.numpy_helper.from_array(np.array(True))),
+        h.make_node("If", ["yes"], ["ids_read"], then_branch=branch, else_branch=branch),
+        h.make_node("Cast", ["positions"], ["positions_f"], to=T.FLOAT),
+        h.make_node("Cast", ["thousand"], ["thousand_f"], to=T.FLOAT),
+        h.make_node("Mul", ["ids_read", "thousand_f"], ["scaled"]),
+        h.make_node("Add", ["scaled", "positions_f"], ["flat_logits"]),
+        h.make_node("Unsqueeze", ["flat_logits", "axis2"], ["logits"]) if rank3 else h.make_node("Identity", ["flat_logits"], ["logits"]),
+        h.make_node("Add", ["past_key_values.position", "n"], ["present.position"]),
+        h.make_node("Add", ["past_key_values.pieces", "one"], ["present.pieces"]),
+        h.make_node("Div", ["positions", "segment"], ["segments"]),
+        h.make_node("ReduceMax", ["segments", "axis1"], ["last"], keepdims=0),
+        h.make_node("ReduceMin", ["segments", "axis1"], ["first"], keepdims=0),
+        h.make_node("Sub", ["last", "first"], ["crossed"]),
+        h.make_node("Add", ["past_key_values.crossings", "crossed"], ["present.crossings"]),
+    ]
+    graph = h.make_graph(nodes, "toy", [
+        h.make_tensor_value_info("input_ids", T.INT64, ["batch", "sequence"]),
+        *(h.make_tensor_value_info(f"past_key_values.{k}", T.INT64, ["batch"]) for k in ("position", "pieces", "crossings")),
+    ], [
+        h.make_tensor_value_info("logits", T.FLOAT, ["batch", "sequence", 1] if rank3 else ["batch", "sequence"]),
+        *(h.make_tensor_value_info(f"present.{k}", T.INT64, ["batch"]) for k in ("position", "pieces", "crossings")),
+    ])
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 20)])
+
+
+@pytest.mark.parametrize("rank3", [True, False])
+def test_loop_over_segments_runs_each_piece_within_one_segment_and_puts_rows_in_order(rank3):
+    import onnxruntime as ort
+
+    model = loop_over_segments(_toy_piece(rank3), SEGMENT, "past_key_values.position", ["input_ids"])
+    onnx.checker.check_model(model, full_check=True)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    reference = ReferenceEvaluator(model)
+    rng = np.random.default_rng(5)
+    for start, length in [(0, 1), (0, 4), (3, 1), (3, 2), (5, 11), (8, 9), (2, 30)]:
+        ids = rng.integers(0, 256, (2, length))
+        feeds = {"input_ids": ids, "past_key_values.position": np.full(2, start), "past_key_values.pieces": np.zeros(2, np.int64),
+                 "past_key_values.crossings": np.zeros(2, np.int64)}
+        expected = ids * 1000.0 + start + np.arange(length)
+        for runtime, run in (("onnxruntime", session.run), ("onnx.reference", reference.run)):
+            logits, position, pieces, crossings = run(None, feeds)
+            np.testing.assert_array_equal(logits[..., 0] if rank3 else logits, expected, err_msg=runtime)
+            assert list(position) == [start + length] * 2 and list(crossings) == [0, 0], runtime
+            assert list(pieces) == [-(-(start % SEGMENT + length) // SEGMENT)] * 2, runtime

@@ -64,13 +64,13 @@ def _renamed(node: onnx.NodeProto, names: dict[str, str]) -> onnx.NodeProto:
     """A copy of `node` reading and writing `names[x]` for every x in `names`, in its subgraphs too."""
     copy = onnx.NodeProto()
     copy.CopyFrom(node)
-    nodes = [copy]
-    for a in copy.attribute:
-        for sub in [a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs:
-            nodes += [n for g in _graphs(sub) for n in g.node]
-    for n in nodes:
+    subgraphs = [g for a in copy.attribute for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs)
+                 for g in _graphs(sub)]
+    for n in [copy, *(n for g in subgraphs for n in g.node)]:
         n.input[:] = [names.get(x, x) for x in n.input]
         n.output[:] = [names.get(x, x) for x in n.output]
+    for v in (v for g in subgraphs for v in g.output):  # a subgraph may return an outer value as it is
+        v.name = names.get(v.name, v.name)
     return copy
 
 

@@ -2,7 +2,8 @@
 
 Exported (two layers, segments of 4 tokens, so short prompts cross many segment boundaries) and run
 by onnxruntime; references: the PyTorch model's own prefill and a float64 token-by-token loop of its
-steps; onnx.reference runs the same graph as a second, independent ONNX runtime.
+steps; onnx.reference runs the same graph as a second, independent ONNX runtime. A hand-made piece
+graph checks the Loop itself: every piece within one segment, rows in order.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import torch
 from conftest import TARGETS, export_presets
 from onnx.reference import ReferenceEvaluator
+from test_protocol import split_points
 
 from edgemem.errors import EdgememError
 from edgemem.export.segments import loop_over_segments, position_input, prefill_segment
@@ -114,19 +116,6 @@ def test_exported_prefill_equals_eager_prefill_and_fp64_steps_across_segments(di
             _close(value, state64[name.removeprefix("past_key_values.")], f"{spec.input} vs fp64 steps")
 
 
-def _split(length: int, seed: int) -> list[tuple[str, int, int]]:
-    rng, pieces, start = random.Random(seed), [], 0
-    while start < length:
-        if rng.random() < 0.4:
-            pieces.append(("step", start, start + 1))
-            start += 1
-        else:
-            end = min(length, start + rng.randint(2, 11))
-            pieces.append(("prefill", start, end))
-            start = end
-    return pieces
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_exported_forward_equals_prefill_and_steps_at_random_splits(directory, seed):
     manifest = load(directory)
@@ -135,7 +124,7 @@ def test_exported_forward_equals_prefill_and_steps_at_random_splits(directory, s
     state0 = initial_state(manifest, directory, 2)
     whole, whole_state = _graph_run(prefill, ids, state0)
     rows, state = [], state0
-    for kind, a, b in _split(37, seed):
+    for kind, a, b in split_points(37, seed):
         logits, state = _graph_run(prefill if kind == "prefill" else step, ids[:, a:b], state)
         rows.append(logits)
     _close(np.concatenate(rows, axis=1), whole, "logits")

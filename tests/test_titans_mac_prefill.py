@@ -256,11 +256,40 @@ def test_loop_over_segments_runs_each_piece_within_one_segment_and_puts_rows_in_
     rng = np.random.default_rng(5)
     for start, length in [(0, 1), (0, 4), (3, 1), (3, 2), (5, 11), (8, 9), (2, 30)]:
         ids = rng.integers(0, 256, (2, length))
-        feeds = {"input_ids": ids, "past_key_values.position": np.full(2, start), "past_key_values.pieces": np.zeros(2, np.int64),
+        starts = np.array([start, start + 3 * SEGMENT])  # rows a multiple of the segment apart share the pieces
+        feeds = {"input_ids": ids, "past_key_values.position": starts, "past_key_values.pieces": np.zeros(2, np.int64),
                  "past_key_values.crossings": np.zeros(2, np.int64)}
-        expected = ids * 1000.0 + start + np.arange(length)
+        expected = ids * 1000.0 + starts[:, None] + np.arange(length)
         for runtime, run in (("onnxruntime", session.run), ("onnx.reference", reference.run)):
             logits, position, pieces, crossings = run(None, feeds)
             np.testing.assert_array_equal(logits[..., 0] if rank3 else logits, expected, err_msg=runtime)
-            assert list(position) == [start + length] * 2 and list(crossings) == [0, 0], runtime
+            assert list(position) == list(starts + length) and list(crossings) == [0, 0], runtime
             assert list(pieces) == [-(-(start % SEGMENT + length) // SEGMENT)] * 2, runtime
+            logits = run(None, {**feeds, "past_key_values.position": np.array([start, start + 1])})[0]
+            assert np.isfinite(logits[0]).all() and np.isnan(logits[1]).all(), runtime  # other pieces needed: NaN
+
+
+def test_rows_at_positions_a_segment_apart_share_the_pieces_and_others_come_out_nan(directory, model):
+    manifest = load(directory)
+    session = _session(directory, "ort", "prefill")
+    ids = torch.randint(0, manifest.vocab_size, (2, 16), generator=torch.Generator().manual_seed(9))
+    rows = []
+    with torch.no_grad():
+        for row, start in enumerate((1, 1 + 2 * SEGMENT)):  # each row alone, eagerly, from its own position
+            state = model.init_state(1)
+            _, state = model.prefill(ids[row : row + 1, :start], state)
+            rows.append((state, *model.prefill(ids[row : row + 1, start : start + 6], state)))
+    both = {k: torch.cat([rows[0][0][k], rows[1][0][k]]) for k in rows[0][0]}
+    logits, state = _graph_run(session, np.stack([ids[0, 1:7].numpy(), ids[1, 9:15].numpy()]), _feeds(manifest, both))
+    for row in (0, 1):
+        _close(logits[row], rows[row][1][0].numpy(), f"row {row} logits")
+        for name, value in state.items():
+            expected = rows[row][2][name.removeprefix("past_key_values.")][0].numpy()
+            _close(value[row], expected, f"row {row} {name}")
+    # one position further: the second row's segments are cut elsewhere, so it cannot share the Loop
+    both["0.position"] = both["1.position"] = torch.tensor([1, 10])
+    logits, state = _graph_run(session, logits.argmax(-1), _feeds(manifest, both))
+    assert np.isfinite(logits[0]).all() and np.isnan(logits[1]).all()
+    for name, value in state.items():
+        if value.dtype.kind == "f":
+            assert np.isfinite(value[0]).all() and np.isnan(value[1]).all(), name

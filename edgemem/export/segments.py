@@ -3,11 +3,14 @@
 A layer whose segments run one after another (`prefill_segment` S > 0, edgemem.layers.base) traces
 to a graph that is exact on a piece: tokens that do not cross a multiple of S positions.
 `loop_over_segments` puts that graph, unchanged, in the body of an ONNX Loop. With p the stream
-position (the rows of one run share it), T the number of tokens and d = p mod S, iteration i runs
+position (of row 0), T the number of tokens and d = p mod S, iteration i runs
 the piece graph on tokens [max(0, iS − d), min(T, (i+1)S − d)), ⌈(d + T)/S⌉ iterations, carrying
 the state. Each piece's output is padded to S rows, its place in the segment grid, so the stacked
 scan outputs flattened over (segment, row) hold the T rows at [d, d + T). The piece graph's weights
-stay initializers of the outer graph, which the body reads from its enclosing scope.
+stay initializers of the outer graph, which the body reads from its enclosing scope. Rows whose
+position differs from row 0's by a multiple of S are placed alike; any other row would need other
+pieces, and its floating-point outputs come out NaN rather than quietly wrong (the runtime prefills
+one stream per run; the PyTorch layer refuses such a batch).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 import onnx
 import torch
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from edgemem.errors import EdgememError
 from edgemem.export.graphs import input_name
@@ -132,7 +135,7 @@ def loop_over_segments(piece: onnx.ModelProto, segment: int, position: str, toke
     formal = [(i, TensorProto.INT64, []), (cond, TensorProto.BOOL, []), *((c, types[n], None) for c, n in zip(carried, state_in))]
     out_types = [TensorProto.BOOL, *(_elem_type(o) for o in state_out), _elem_type(result)]
     loop_body = g.subgraph("segment", body, formal, out_types)
-    finals = g.node("Loop", [trips, g.const(True), *state_in], [*(o.name for o in state_out), "segment_outputs"],
+    finals = g.node("Loop", [trips, g.const(True), *state_in], [*(f"{o.name}_looped" for o in state_out), "segment_outputs"],
                     body=loop_body)
     # [segments, B·S·…] → [segments, B, S, …] → [B, segments·S, …] → the prompt's rows [d, d + T)
     zero = g.const([0])
@@ -141,7 +144,19 @@ def loop_over_segments(piece: onnx.ModelProto, segment: int, position: str, toke
     grid = g.Transpose(grid, perm=[1, 0, *range(2, rank + 1)])
     flat = g.Reshape(grid, g.Concat(batch, g.const([-1]), g.Shape(grid, start=3), axis=0))
     bounds = [g.Unsqueeze(b, zero) for b in (start, g.Add(start, length))]
-    finals = [g.Slice(flat, *bounds, g.const([1]), out=result.name), *finals[:-1]]
+    looped = [g.Slice(flat, *bounds, g.const([1]), out=f"{result.name}_looped"), *finals[:-1]]
+    # a row whose position differs from row 0's modulo S needed other pieces: NaN, never a quietly wrong row
+    offsets = g.Mod(position, size)
+    same = g.Equal(offsets, g.Gather(offsets, g.const([0])), out="same_segment_offset")
+    finals = []
+    for value, o in zip(looped, graph.output):
+        kind = _elem_type(o)
+        if kind in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE):
+            rows = g.Reshape(same, g.const([-1] + [1] * (len(o.type.tensor_type.shape.dim) - 1)))
+            nan = g.const(float("nan"), dtype=helper.tensor_dtype_to_np_dtype(kind))
+            finals.append(g.Where(rows, value, nan, out=o.name))
+        else:
+            finals.append(g.Identity(value, out=o.name))
     if finals != [o.name for o in graph.output]:  # a piece graph whose node names an output: not what the exporter writes
         raise EdgememError(f"the piece graph's outputs {[o.name for o in graph.output]} could not keep their names")
 

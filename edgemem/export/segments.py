@@ -2,10 +2,9 @@
 
 A layer whose segments run one after another (`prefill_segment` S > 0, edgemem.layers.base) traces
 to a graph that is exact on a piece: tokens that do not cross a multiple of S positions.
-`loop_over_segments` puts that graph, unchanged, in the body of an ONNX Loop. With p the stream
-position (of row 0), T the number of tokens and d = p mod S, iteration i runs
-the piece graph on tokens [max(0, iS − d), min(T, (i+1)S − d)), ⌈(d + T)/S⌉ iterations, carrying
-the state. Each piece's output is padded to S rows, its place in the segment grid, so the stacked
+`loop_over_segments` puts that graph, unchanged, in the body of an ONNX Loop. With p the position
+of row 0, T the number of tokens and d = p mod S, iteration i runs the piece graph on tokens
+[max(0, iS − d), min(T, (i+1)S − d)), ⌈(d + T)/S⌉ iterations, carrying the state. Each piece's output is padded to S rows, its place in the segment grid, so the stacked
 scan outputs flattened over (segment, row) hold the T rows at [d, d + T). The piece graph's weights
 stay initializers of the outer graph, which the body reads from its enclosing scope. Rows whose
 position differs from row 0's by a multiple of S are placed alike; any other row would need other
@@ -103,7 +102,8 @@ def loop_over_segments(piece: onnx.ModelProto, segment: int, position: str, toke
     g = Graph({})
     g.reserve(*(_names(graph) - {o.name for o in graph.output}))  # the outer graph's outputs keep their names
     size = g.const(segment, out="segment")
-    start = g.Mod(g.Gather(position, g.const(0), axis=0), size, out="segment_offset")  # d: rows of the first segment already done
+    # d: the positions of the first segment done before this prompt
+    start = g.Mod(g.Gather(position, g.const(0), axis=0), size, out="segment_offset")
     length = g.Gather(g.Shape(tokens[0]), g.const(1), axis=0, out="length")
     trips = g.Div(g.Add(g.Add(start, length), g.const(segment - 1)), size, out="segments")
 
@@ -132,11 +132,12 @@ def loop_over_segments(piece: onnx.ModelProto, segment: int, position: str, toke
         return [sub.Identity(cond, out="cond_out"), *(sub.Identity(names[o.name]) for o in state_out), padded]
 
     types = {v.name: _elem_type(v) for v in graph.input}
-    formal = [(i, TensorProto.INT64, []), (cond, TensorProto.BOOL, []), *((c, types[n], None) for c, n in zip(carried, state_in))]
+    formal = [(i, TensorProto.INT64, []), (cond, TensorProto.BOOL, [])]
+    formal += [(c, types[n], None) for c, n in zip(carried, state_in)]
     out_types = [TensorProto.BOOL, *(_elem_type(o) for o in state_out), _elem_type(result)]
     loop_body = g.subgraph("segment", body, formal, out_types)
-    finals = g.node("Loop", [trips, g.const(True), *state_in], [*(f"{o.name}_looped" for o in state_out), "segment_outputs"],
-                    body=loop_body)
+    finals = g.node("Loop", [trips, g.const(True), *state_in],
+                    [*(f"{o.name}_looped" for o in state_out), "segment_outputs"], body=loop_body)
     # [segments, B·S·…] → [segments, B, S, …] → [B, segments·S, …] → the prompt's rows [d, d + T)
     zero = g.const([0])
     batch = g.Shape(tokens[0], start=0, end=1)
@@ -157,7 +158,7 @@ def loop_over_segments(piece: onnx.ModelProto, segment: int, position: str, toke
             finals.append(g.Where(rows, value, nan, out=o.name))
         else:
             finals.append(g.Identity(value, out=o.name))
-    if finals != [o.name for o in graph.output]:  # a piece graph whose node names an output: not what the exporter writes
+    if finals != [o.name for o in graph.output]:  # a subgraph of the piece graph names an output: not the exporter's
         raise EdgememError(f"the piece graph's outputs {[o.name for o in graph.output]} could not keep their names")
 
     out = onnx.ModelProto()

@@ -20,6 +20,7 @@ from onnx.reference import ReferenceEvaluator
 from test_protocol import split_points
 
 from edgemem.errors import EdgememError
+from edgemem.layers import TitansMAC
 from edgemem.export.segments import loop_over_segments, position_input, prefill_segment
 from edgemem.export.verify import rebuild, verify
 from edgemem.manifest import load
@@ -85,13 +86,15 @@ def _close(got: np.ndarray, expected: np.ndarray, what: str) -> None:
     assert err <= 1e-4, f"{what}: relative error {err:.2e}"
 
 
-def test_every_preset_export_has_a_prefill_graph_mac_a_segment_loop():
+def test_prefill_segment_is_mac_segment_and_divides_every_layer_segment():
     assert prefill_segment(build("titans-mac", seed=0, **OVERRIDES)) == SEGMENT
     assert prefill_segment(build("deltanet", seed=0, d_model=32, mlp_hidden=32)) == 0
     hybrid = LM(LMConfig(arch="hybrid", mixer="titans_mac", d_model=32, n_layers=2, mlp_hidden=0,
                          mixer_options={"num_heads": 4, "chunk_size": 6}, layer_types=["titans_mac", "deltanet"],
                          layer_type_options={"deltanet": {"num_heads": 4}}))
     assert prefill_segment(hybrid) == 6 and position_input(hybrid) == "past_key_values.0.position"
+    hybrid.blocks[1].mixer = TitansMAC(32, 4, chunk_size=4)  # pieces must stop at every multiple of 4 and of 6
+    assert prefill_segment(hybrid) == 2
 
 
 @pytest.mark.parametrize("target", ONNXRUNTIME_TARGETS)

@@ -140,10 +140,11 @@ class LM(nn.Module):
 
     @property
     def prefill_segment(self) -> int:
-        """Positions per segment within which one traced prefill is exact, for every layer (the least
-        common multiple of theirs); 0 when all prefill in parallel or one loops with no segment."""
+        """Positions per segment within which one traced prefill is exact for every layer (the greatest
+        common divisor of theirs: each layer's boundaries are boundaries of it); 0 when all prefill in
+        parallel or one loops with no segment."""
         sizes = [block.mixer.prefill_segment for block in self.blocks if not block.mixer.parallel_prefill]
-        return math.lcm(*sizes) if sizes and all(sizes) else 0
+        return math.gcd(*sizes) if sizes and all(sizes) else 0
 
     def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> State:
         """Flat ordered state `{"{layer}.{kind}": tensor}` of a fresh stream."""

@@ -549,7 +549,8 @@ def eval_command(checkpoint, task_name, length, task_set, batch, seed, threads, 
         click.echo(json.dumps(rows, indent=2))
         return
     for r in rows:
-        click.echo(f"{r['arch']} on {r['task']}, length {r['length']:>6}: {task.metric} {r[task.metric]:.4f}")
+        off = " (memory off)" if no_memory else ""
+        click.echo(f"{r['arch']}{off} on {r['task']}, length {r['length']:>6}: {task.metric} {r[task.metric]:.4f}")
 
 
 @main.command("triton")

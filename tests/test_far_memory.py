@@ -113,7 +113,7 @@ def test_far_checkpoint_answers_beyond_its_window_only_through_its_memory(name, 
     model, task = load_checkpoint(path), get_task("mqar-far", pairs=pairs, gap=gap)
     mixer = model.config.mixer
     assert model.config.arch == arch and window == mixer.get("window", mixer["chunk_size"])
-    assert gap + 1 > model.config.n_layers * window  # every answer is further back than stacked windows reach
+    assert gap + 1 > model.config.n_layers * window  # every answer is further back than two stacked windows
     assert evaluate(model, task, batch=128, seed=0)["accuracy"] == pytest.approx(stated, abs=0.005)
     off = without_memory(load_checkpoint(path))
     assert evaluate(off, task, batch=128, seed=0)["accuracy"] == pytest.approx(stated_off, abs=0.005)

@@ -116,6 +116,17 @@ class Task:
         return float((logits.argmax(-1)[scored] == targets[scored]).mean())
 
 
+def _pairs(batch: int, length: int, pairs: int, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    """Keys, values `[batch, pairs]` and episodes (tokens, targets) that start `k1 v1 k2 v2 ...`,
+    the rest filler with nothing scored."""
+    keys = KEYS[0] + rng.permuted(np.tile(np.arange(KEYS[1] - KEYS[0]), (batch, 1)), axis=1)[:, :pairs]
+    values = rng.integers(*VALUES, size=(batch, pairs))
+    tokens = np.full((batch, length), FILLER, dtype=np.int64)
+    targets = np.full((batch, length), -1, dtype=np.int64)
+    tokens[:, 0 : 2 * pairs : 2], tokens[:, 1 : 2 * pairs : 2] = keys, values
+    return keys, values, tokens, targets
+
+
 class MQAR(Task):
     name, metric = "mqar", "accuracy"
 
@@ -132,11 +143,7 @@ class MQAR(Task):
         p = self.pairs
         if length < 3 * p:
             raise ConfigError(f"an mqar episode with {p} pairs needs length ≥ {3 * p}; got {length}")
-        keys = KEYS[0] + rng.permuted(np.tile(np.arange(KEYS[1] - KEYS[0]), (batch, 1)), axis=1)[:, :p]
-        values = rng.integers(*VALUES, size=(batch, p))
-        tokens = np.full((batch, length), FILLER, dtype=np.int64)
-        targets = np.full((batch, length), -1, dtype=np.int64)
-        tokens[:, 0 : 2 * p : 2], tokens[:, 1 : 2 * p : 2] = keys, values
+        keys, values, tokens, targets = _pairs(batch, length, p, rng)
         rows = np.arange(batch)[:, None]
         positions = 2 * p + np.sort(rng.random((batch, length - 2 * p)).argsort(axis=1)[:, :p], axis=1)
         order = rng.random((batch, p)).argsort(axis=1)  # which pair each query asks
@@ -162,11 +169,7 @@ class MQARFar(Task):
             raise ConfigError(f"an mqar-far episode with {self.pairs} pairs and gap {self.gap} is "
                               f"{self.length} tokens (3 × pairs + gap); got length {length}")
         p = self.pairs
-        keys = KEYS[0] + rng.permuted(np.tile(np.arange(KEYS[1] - KEYS[0]), (batch, 1)), axis=1)[:, :p]
-        values = rng.integers(*VALUES, size=(batch, p))
-        tokens = np.full((batch, length), FILLER, dtype=np.int64)
-        targets = np.full((batch, length), -1, dtype=np.int64)
-        tokens[:, 0 : 2 * p : 2], tokens[:, 1 : 2 * p : 2] = keys, values
+        keys, values, tokens, targets = _pairs(batch, length, p, rng)
         rows = np.arange(batch)[:, None]
         order = rng.random((batch, p)).argsort(axis=1)  # which pair each query asks
         tokens[:, length - p :], targets[:, length - p :] = keys[rows, order], values[rows, order]

@@ -95,36 +95,41 @@ def test_without_memory_needs_a_model_with_a_neural_memory():
         without_memory(build("deltanet", d_model=32, n_layers=1, mlp_hidden=32, num_heads=2))
 
 
-def far_rows() -> list[tuple[str, str, int, int, int, float, float]]:
-    """(file, arch, window, pairs, gap, accuracy with memory, without) from checkpoints/README.md."""
-    rows = re.findall(r"^\| `(\S+-far\.safetensors)` \| (\S+) \| (\d+) \| (\d+) \| (\d+) \| \d+ \| ([\d.]+) \| ([\d.]+) \|",
+def far_rows() -> list[tuple]:
+    """(file, arch, window, pairs, gap, (nearest, furthest distance), accuracy with memory, without)
+    from checkpoints/README.md."""
+    rows = re.findall(r"^\| `(\S+-far\.safetensors)` \| (\S+) \| mqar-far \| (\d+) \| (\d+) \| (\d+) \| (\d+)–(\d+) \| ([\d.]+) \| ([\d.]+) \|",
                       (ROOT / "checkpoints" / "README.md").read_text(), flags=re.M)
-    return [(f, a, int(w), int(p), int(g), float(x), float(y)) for f, a, w, p, g, x, y in rows]
+    return [(f, a, int(w), int(p), int(g), (int(d0), int(d1)), float(x), float(y)) for f, a, w, p, g, d0, d1, x, y in rows]
 
 
 def test_the_readme_lists_a_far_checkpoint_for_mag_and_mac():
     assert sorted(arch for _, arch, *_ in far_rows()) == ["titans-mac", "titans-mag"]
 
 
-@pytest.mark.parametrize("name,arch,window,pairs,gap,stated,stated_off", far_rows())
-def test_far_checkpoint_answers_beyond_its_window_only_through_its_memory(name, arch, window, pairs, gap, stated,
-                                                                         stated_off):
+@pytest.mark.slow
+@pytest.mark.parametrize("name,arch,window,pairs,gap,distance,stated,stated_off", far_rows())
+def test_far_checkpoint_answers_beyond_its_window_only_through_its_memory(name, arch, window, pairs, gap, distance,
+                                                                         stated, stated_off):
     path = ROOT / "checkpoints" / name
     model, task = load_checkpoint(path), get_task("mqar-far", pairs=pairs, gap=gap)
-    mixer = model.config.mixer
+    mixer = model.config.mixer_options
     assert model.config.arch == arch and window == mixer.get("window", mixer["chunk_size"])
-    assert gap + 1 > model.config.n_layers * window  # every answer is further back than two stacked windows
+    sample = task.stream(128, task.length, seed=0)
+    back = [q - 1 - 2 * list(t[0 : 2 * pairs : 2]).index(t[q]) for t in sample.tokens for q in range(2 * pairs + gap, len(t))]
+    assert (min(back), max(back)) == distance  # tokens from each answer (the value) to its query
+    assert distance[0] > model.config.n_layers * window  # further back than two stacked windows reach
     assert evaluate(model, task, batch=128, seed=0)["accuracy"] == pytest.approx(stated, abs=0.005)
     off = without_memory(load_checkpoint(path))
     assert evaluate(off, task, batch=128, seed=0)["accuracy"] == pytest.approx(stated_off, abs=0.005)
     # without memory the answers cannot be reached: the logits at the queries ignore which pairs were given
-    sample = task.stream(8, task.length, seed=0)
-    swapped = sample.tokens.copy()
+    tokens = sample.tokens[:8]
+    swapped = tokens.copy()
     swapped[:, : 2 * pairs] = task.stream(8, task.length, seed=1).tokens[:, : 2 * pairs]
     with torch.no_grad():
-        a, b = (off(torch.from_numpy(t))[:, -pairs:] for t in (sample.tokens, swapped))
+        a, b = (off(torch.from_numpy(t))[:, -pairs:] for t in (tokens, swapped))
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-        a, b = (model(torch.from_numpy(t))[:, -pairs:] for t in (sample.tokens, swapped))
+        a, b = (model(torch.from_numpy(t))[:, -pairs:] for t in (tokens, swapped))
         assert (a - b).abs().max() > 1  # with memory they do depend on the pairs
 
 

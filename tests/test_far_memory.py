@@ -107,7 +107,6 @@ def test_the_readme_lists_a_far_checkpoint_for_mag_and_mac():
     assert sorted(arch for _, arch, *_ in far_rows()) == ["titans-mac", "titans-mag"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name,arch,window,pairs,gap,distance,stated,stated_off", far_rows())
 def test_far_checkpoint_answers_beyond_its_window_only_through_its_memory(name, arch, window, pairs, gap, distance,
                                                                          stated, stated_off):

@@ -446,12 +446,13 @@ def calibrate_command(directory, method, recipe, out_dir, report_path, plot_path
 @click.option("--arch", help="Preset to train (see `edgemem archs`).")
 @click.option("--init", "init", type=click.Path(dir_okay=False),
               help="Fine-tune this checkpoint instead (e.g. from `edgemem linearize`).")
-@click.option("--task", "task_name", required=True, help="Task: mqar, copy or bytes (see edgemem.tasks).")
+@click.option("--task", "task_name", required=True, help="Task: mqar, mqar-far, copy or bytes (see edgemem.tasks).")
 @click.option("--steps", default=1000, show_default=True, type=click.IntRange(min=1), help="Optimizer steps.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Checkpoint to write (default: ARCH-TASK.safetensors).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a preset setting (repeatable).")
 @click.option("--task-set", "task_set", multiple=True, metavar="KEY=VALUE",
-              help="Task parameter (repeatable): length (episode = training length), pairs (mqar), tokens (copy).")
+              help="Task parameter (repeatable): length (episode = training length), pairs (mqar, mqar-far), "
+                   "gap (mqar-far), tokens (copy).")
 @click.option("--seed", default=0, show_default=True, callback=_SEED, help="Seed of the initialisation and the training data.")
 @click.option("--batch", default=64, show_default=True, type=click.IntRange(min=1), help="Sequences per step.")
 @click.option("--lr", default=3e-3, show_default=True, type=float, callback=_checked(finite, positive=True),
@@ -523,7 +524,7 @@ def linearize_command(checkpoint, hf_dir, out, window, update_rule, gate_init) -
 
 @main.command("eval")
 @click.option("--checkpoint", required=True, type=click.Path(dir_okay=False), help="A checkpoint from `edgemem train`.")
-@click.option("--task", "task_name", required=True, help="Task: mqar, copy or bytes.")
+@click.option("--task", "task_name", required=True, help="Task: mqar, mqar-far, copy or bytes.")
 @click.option("--length", type=click.IntRange(min=1), help="Training length (default: the task's episode length); "
               "also reported at 4× it.")
 @click.option("--task-set", "task_set", multiple=True, metavar="KEY=VALUE", help="Task parameter, as given to train.")
@@ -532,19 +533,23 @@ def linearize_command(checkpoint, hf_dir, out, window, update_rule, gate_init) -
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), help="torch threads.")
 @click.option("--json", "as_json", is_flag=True,
               help='Print a JSON list, one object per length: {"task", "arch", "length", "accuracy" | "bits_per_byte"}.')
-def eval_command(checkpoint, task_name, length, task_set, batch, seed, threads, as_json) -> None:
+@click.option("--no-memory", "no_memory", is_flag=True,
+              help="Turn the Titans neural memory's writes off (gates θ = α = 0): every memory stays at its M_0.")
+def eval_command(checkpoint, task_name, length, task_set, batch, seed, threads, as_json, no_memory) -> None:
     """The task's metric on held-out streams at the training length and at 4× it."""
     import torch
 
     from edgemem.models import load_checkpoint
     from edgemem.tasks import check_shape, get_task
-    from edgemem.train import evaluate
+    from edgemem.train import evaluate, without_memory
 
     torch.set_num_threads(threads)
     task = get_task(task_name, **parse_overrides(task_set, "--task-set"))
     length = length or task.length
     check_shape(batch, 4 * length)  # the longer of the two evaluations, before the first
     model = load_checkpoint(checkpoint)
+    if no_memory:
+        without_memory(model)
     rows = []
     for n in (length, 4 * length):
         if not as_json:  # a line per length: a long evaluation is not silent
@@ -554,7 +559,8 @@ def eval_command(checkpoint, task_name, length, task_set, batch, seed, threads, 
         click.echo(json.dumps(rows, indent=2))
         return
     for r in rows:
-        click.echo(f"{r['arch']} on {r['task']}, length {r['length']:>6}: {task.metric} {r[task.metric]:.4f}")
+        off = " (memory off)" if no_memory else ""
+        click.echo(f"{r['arch']}{off} on {r['task']}, length {r['length']:>6}: {task.metric} {r[task.metric]:.4f}")
 
 
 @main.command("triton")

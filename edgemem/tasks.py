@@ -10,6 +10,11 @@ next-token targets, -1 where a position is not scored.
   key earlier in the episode; only those positions are scored (metric: accuracy). Keys are
   distinct within an episode, drawn from ids 64–127 (64 keys); values from ids 128–191
   (64 values, with repetition).
+- `mqar-far` — MQAR whose queries lie `gap` tokens or more after their pairs: an episode is
+  the `pairs` (default 4) key-value pairs, `gap` (default 32) filler tokens 0, then every key
+  asked once in a row, in random order (length 3 × pairs + gap). A query is at least gap + 1
+  tokens after the value it asks for, so a model whose attention sees fewer tokens back
+  (a sliding window, a segment) must carry the pairs in its recurrent state (metric: accuracy).
 - `copy` — selective copying (Gu & Dao 2023, Mamba). `tokens` (default 8) data tokens from
   ids 128–143 lie in order at random positions among noise tokens (ids 192–207), then the
   marker 1 follows and the data tokens are reproduced: the target at the marker is the first
@@ -48,7 +53,7 @@ import numpy as np
 from edgemem.config import fits_memory
 from edgemem.errors import ConfigError
 
-TASKS: tuple[str, ...] = ("mqar", "copy", "bytes")
+TASKS: tuple[str, ...] = ("mqar", "mqar-far", "copy", "bytes")
 HELD_OUT = 0x4E1D  # first word of every held-out seed sequence
 TRAIN = 0x7EA1  # first word of every training seed sequence (used by edgemem.train)
 
@@ -111,6 +116,17 @@ class Task:
         return float((logits.argmax(-1)[scored] == targets[scored]).mean())
 
 
+def _pairs(batch: int, length: int, pairs: int, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    """Keys, values `[batch, pairs]` and episodes (tokens, targets) that start `k1 v1 k2 v2 ...`,
+    the rest filler with nothing scored."""
+    keys = KEYS[0] + rng.permuted(np.tile(np.arange(KEYS[1] - KEYS[0]), (batch, 1)), axis=1)[:, :pairs]
+    values = rng.integers(*VALUES, size=(batch, pairs))
+    tokens = np.full((batch, length), FILLER, dtype=np.int64)
+    targets = np.full((batch, length), -1, dtype=np.int64)
+    tokens[:, 0 : 2 * pairs : 2], tokens[:, 1 : 2 * pairs : 2] = keys, values
+    return keys, values, tokens, targets
+
+
 class MQAR(Task):
     name, metric = "mqar", "accuracy"
 
@@ -127,16 +143,36 @@ class MQAR(Task):
         p = self.pairs
         if length < 3 * p:
             raise ConfigError(f"an mqar episode with {p} pairs needs length ≥ {3 * p}; got {length}")
-        keys = KEYS[0] + rng.permuted(np.tile(np.arange(KEYS[1] - KEYS[0]), (batch, 1)), axis=1)[:, :p]
-        values = rng.integers(*VALUES, size=(batch, p))
-        tokens = np.full((batch, length), FILLER, dtype=np.int64)
-        targets = np.full((batch, length), -1, dtype=np.int64)
-        tokens[:, 0 : 2 * p : 2], tokens[:, 1 : 2 * p : 2] = keys, values
+        keys, values, tokens, targets = _pairs(batch, length, p, rng)
         rows = np.arange(batch)[:, None]
         positions = 2 * p + np.sort(rng.random((batch, length - 2 * p)).argsort(axis=1)[:, :p], axis=1)
         order = rng.random((batch, p)).argsort(axis=1)  # which pair each query asks
         tokens[rows, positions] = keys[rows, order]
         targets[rows, positions] = values[rows, order]
+        return Sample(tokens, targets)
+
+
+class MQARFar(Task):
+    name, metric = "mqar-far", "accuracy"
+
+    def __init__(self, pairs: int = 4, gap: int = 32):
+        if not 1 <= pairs <= KEYS[1] - KEYS[0]:
+            raise ConfigError(f"mqar-far pairs must be in 1..{KEYS[1] - KEYS[0]}; got {pairs}")
+        if gap < 0:
+            raise ConfigError(f"mqar-far gap must be ≥ 0; got {gap}")
+        self.pairs, self.gap, self.length = pairs, gap, 3 * pairs + gap
+
+    def batch(self, batch: int, length: int, rng: np.random.Generator) -> Sample:
+        """Episodes: the pairs, `gap` filler tokens, the queries."""
+        check_shape(batch, length)
+        if length != self.length:
+            raise ConfigError(f"an mqar-far episode with {self.pairs} pairs and gap {self.gap} is "
+                              f"{self.length} tokens (3 × pairs + gap); got length {length}")
+        p = self.pairs
+        keys, values, tokens, targets = _pairs(batch, length, p, rng)
+        rows = np.arange(batch)[:, None]
+        order = rng.random((batch, p)).argsort(axis=1)  # which pair each query asks
+        tokens[:, length - p :], targets[:, length - p :] = keys[rows, order], values[rows, order]
         return Sample(tokens, targets)
 
 
@@ -225,11 +261,11 @@ class Bytes(Task):
         return float(nll.mean() / math.log(2))
 
 
-_CLASSES: dict[str, type[Task]] = {"mqar": MQAR, "copy": Copy, "bytes": Bytes}
+_CLASSES: dict[str, type[Task]] = {"mqar": MQAR, "mqar-far": MQARFar, "copy": Copy, "bytes": Bytes}
 
 
 def get_task(name: str, **params: int) -> Task:
-    """The task `name` (one of `TASKS`) with its parameters (`length`, `pairs`, `tokens`)."""
+    """The task `name` (one of `TASKS`) with its parameters (`length`, `pairs`, `gap`, `tokens`)."""
     if name not in _CLASSES:
         raise ConfigError(f"unknown task {name!r}; known: {', '.join(TASKS)}")
     valid = inspect.signature(_CLASSES[name]).parameters

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from edgemem.errors import ConfigError, EdgememError
 from edgemem.files import check_output_file
+from edgemem.layers.titans import NeuralMemoryLayer
 from edgemem.models import LM, build, load_checkpoint, save_checkpoint
 from edgemem.tasks import Task, get_task, train_rng
 
@@ -186,6 +187,22 @@ def _progress(enabled: bool, description: str, total: int) -> Iterator[Callable[
                   TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(description, total=total, loss="-")
         yield lambda loss: bar.update(task, advance=1, loss=f"{loss:.4f}")
+
+
+@torch.no_grad()
+def without_memory(model: LM) -> LM:
+    """`model` (changed in place) with every neural memory's writes turned off: the gates θ (inner
+    learning rate) and α (forgetting) are forced to 0, so each memory stays at its learned M_0 and
+    reads M_0(q) at every token (momentum stays 0: it only accumulates θ-scaled gradients)."""
+    layers = [m for m in model.modules() if isinstance(m, NeuralMemoryLayer)]
+    if not layers:
+        raise ConfigError(f"a {model.config.arch} model has no neural memory to turn off")
+    for layer in layers:
+        for gate in (layer.theta, layer.alpha):
+            if gate is not None:
+                gate.weight.zero_()
+                gate.bias.fill_(-1e4)  # σ(−10⁴) = 0 exactly in float32 and float64
+    return model
 
 
 @torch.no_grad()

@@ -82,13 +82,16 @@ def test_genai_config_names_the_manifest_state(exported):
     assert decoder["layer_types"] == ["linear_attention"] * 2 and decoder["num_hidden_layers"] == 2
 
 
-def _manifest(arch, **overrides):
-    """The manifest an export of `arch` would have (state from the model itself; nothing is traced)."""
+def _manifest(arch, prefill=True, **overrides):
+    """The manifest an export of `arch` would have (state from the model itself; nothing is traced), or with
+    no prefill graph."""
     from edgemem.export import state_specs
+    from edgemem.export.segments import prefill_segment
 
     model = build(arch, seed=0, **{**SMALL, **overrides})
+    graphs = {"prefill": prefill and prefill_segment(model) is not None, "step": model.streaming}
     return Manifest(arch=arch, config={"vocab_size": 256, "dtype": "fp32"}, opset=20, targets=["generic", "ort", "trt"],
-                    state=state_specs(model), graphs={"prefill": model.parallel_prefill, "step": model.streaming})
+                    state=state_specs(model), graphs=graphs)
 
 
 @pytest.mark.parametrize("arch, why", [
@@ -96,13 +99,18 @@ def _manifest(arch, **overrides):
     ("titans-mag", "position"),
     ("linear", "recurrent_state but no conv_state"),
     ("longformer", "fixed-size window"),  # ring-buffer K/V of the window
-    ("titans-mac", "no prefill graph"),
+    ("titans-mac", "chunk_memory.0"),
     ("longformer-encoder", "bidirectional"),
     ("ttt-linear", "memory.0"),
 ])
 def test_exports_that_do_not_fit_say_why(arch, why):
     target, reasons = decide(_manifest(arch, **({"dilation": [1, 2]} if arch == "longformer" else {})))
     assert target is None and any(why in r for r in reasons), reasons
+
+
+def test_an_export_without_a_prefill_graph_does_not_fit():
+    target, reasons = decide(_manifest("gated-deltanet", prefill=False))
+    assert target is None and reasons == ["no prefill graph (prompts are stepped): genai runs one graph for the whole prompt"]
 
 
 def test_recurrent_and_attention_presets_fit():

@@ -1,8 +1,9 @@
 """`edgemem.export.export`: any module following the stateful protocol → an export directory.
 
     DIR/edgemem.json                 the manifest (edgemem.manifest)
-    DIR/<target>/prefill.onnx        prompt of any length, from and to a state (absent when the
-                                     model's prefill is a data-dependent loop: prompts are stepped)
+    DIR/<target>/prefill.onnx        prompt of any length, from and to a state (a Loop over segments
+                                     for Titans MAC, edgemem.export.segments; absent when the model's
+                                     prefill is a data-dependent loop without segments: prompts are stepped)
     DIR/<target>/step.onnx           one token (absent for bidirectional models)
     DIR/state_init.safetensors       initial values of the states that do not start at zero
     DIR/tokenizer/                   the model's tokenizer files, when given (config["tokenizer"]
@@ -30,6 +31,7 @@ from edgemem.errors import EdgememError
 from edgemem.export import genai
 from edgemem.export.graphs import export_graph, graph_io, growing_dims, input_name, output_name
 from edgemem.export.lower import lower
+from edgemem.export.segments import loop_over_segments, position_input, prefill_segment
 from edgemem.files import check_output_dir, sha256, staged_directory, write_atomic
 from edgemem.manifest import MANIFEST, STATE_INIT, TARGETS, Manifest, StateSpec
 
@@ -121,7 +123,9 @@ def export(
     if dtype == "fp16":
         model = copy.deepcopy(model).half()
     state_dtype = torch.float32  # state stays fp32 whatever the weights
-    graphs = {"prefill": bool(getattr(model, "parallel_prefill", True)), "step": bool(getattr(model, "streaming", True))}
+    segment = prefill_segment(model)
+    position = position_input(model) if segment else ""
+    graphs = {"prefill": segment is not None, "step": bool(getattr(model, "streaming", True))}
     with staged_directory(out_dir) as tmp:
         files: dict[str, str] = {}
         for kind in [k for k, present in graphs.items() if present]:
@@ -131,6 +135,8 @@ def export(
                 path = tmp / target / f"{kind}.onnx"
                 path.parent.mkdir(exist_ok=True)
                 lowered = lower(proto, target)
+                if kind == "prefill" and segment:  # lowered first: the Loop body holds the lowered nodes
+                    lowered = loop_over_segments(lowered, segment, position, ["input_ids", *graph_io(model)[0]])
                 onnx.save(lowered, path)
                 files[f"{target}/{kind}.onnx"] = sha256(path)
         specs = state_specs(model, state_dtype)

@@ -19,6 +19,10 @@ State = dict[str, torch.Tensor]
 class StatefulLayer(nn.Module):
     streaming = True  # False for bidirectional layers: prefill of a whole input only
     parallel_prefill = True  # False when prefill is a data-dependent loop no graph of any length can hold
+    # > 0 (with parallel_prefill False): prefill is one graph on blocks that stay within one segment of
+    # this many positions (segments aligned to the stream start; a traced prefill is such a block);
+    # the exported prefill graph loops over segments (edgemem.export.segments)
+    prefill_segment = 0
 
     def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> State:
         """Fixed-size state of a fresh stream (fp32 unless the layer runs in fp64)."""

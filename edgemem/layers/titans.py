@@ -188,15 +188,19 @@ class TitansMAC(StatefulLayer):
     would leak future tokens in an LM), and the final read M_t(y) uses the memory after token
     t's update, as the memory op defines. State adds the current segment's keys and values,
     `key`/`value` `[B, H, 2·chunk_size, D]` (slots [0, C) for h, [C, 2C) for x, slot = position mod C).
+    Prefill runs the pieces of the prompt that never cross a segment boundary one after another;
+    traced for any length, prefill is one such piece, and the exported prefill graph loops over
+    them (edgemem.export.segments).
     """
 
     forwards_options_to = NeuralMemoryLayer  # **memory are NeuralMemoryLayer's options
-    parallel_prefill = False  # segments run one after another; an export streams prompts by steps
+    parallel_prefill = False  # segments run one after another: the exported prefill graph loops over them
 
     def __init__(self, d_model: int, num_heads: int, persistent: int = 4, **memory):
         super().__init__()
         self.memory = NeuralMemoryLayer(d_model, num_heads, **memory)
         self.num_heads, self.head_dim, self.segment = num_heads, d_model // num_heads, self.memory.chunk_size
+        self.prefill_segment = self.segment
         if self.head_dim % 2:
             raise ConfigError(f"titans-mac needs an even head size for RoPE; d_model/num_heads = {self.head_dim}")
         self.read_query = nn.Linear(d_model, d_model, bias=False)
@@ -211,7 +215,8 @@ class TitansMAC(StatefulLayer):
         return {**buffer, **self.memory.init_state(batch, device, dtype)}
 
     def prefill(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
-        if x.shape[1] == 1:
+        # traced for any length, x is one piece within a segment: the exported graph loops over pieces
+        if not isinstance(x.shape[1], int) or x.shape[1] == 1:
             return self._segment_piece(x, state)
         position = state["position"]
         if bool((position != position[0]).any()):

@@ -13,6 +13,7 @@ its layers' states, named `"{layer}.{kind}"` (export maps them to
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -134,7 +135,7 @@ class LM(nn.Module):
 
     @property
     def parallel_prefill(self) -> bool:
-        """False when a layer's prefill loops over segments: an export then has a step graph only."""
+        """False when a layer's prefill loops over segments (see `prefill_segment`)."""
         return all(block.mixer.parallel_prefill for block in self.blocks)
 
     @property
@@ -150,6 +151,14 @@ class LM(nn.Module):
                               "give them one layout")
         ((max_length, sinks),) = layouts
         return {"max_length": max_length, "sinks": sinks, "states": [f"{i}.{kind}" for i, _ in layers for kind in ("key", "value")]}
+
+    @property
+    def prefill_segment(self) -> int:
+        """Positions per segment within which one traced prefill is exact for every layer (the greatest
+        common divisor of theirs: each layer's boundaries are boundaries of it); 0 when all prefill in
+        parallel or one loops with no segment."""
+        sizes = [block.mixer.prefill_segment for block in self.blocks if not block.mixer.parallel_prefill]
+        return math.gcd(*sizes) if sizes and all(sizes) else 0
 
     def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> State:
         """Flat ordered state `{"{layer}.{kind}": tensor}` of a fresh stream."""

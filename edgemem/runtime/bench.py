@@ -1,8 +1,8 @@
 """`edgemem bench DIR`, the runtime's side: step latency and memory at given positions and batch sizes.
 
 For every position p (ascending) one stream is brought to p by prefilling random bytes in chunks
-with the prefill graph (stepping 100k tokens one by one would take minutes; without a prefill
-graph, e.g. titans-mac, it is stepped), then forked into `batch` streams whose steps are timed
+with the prefill graph (stepping 100k tokens one by one would take minutes; an export without a
+prefill graph is stepped), then forked into `batch` streams whose steps are timed
 (`stream.step` at batch 1, `engine.step_batch` above). Reported per configuration: µs per token
 and tokens/s (median step time), state bytes per stream at the position and the process RSS.
 A configuration whose memory would not fit (softmax's KV cache × batch) is skipped with a reason.

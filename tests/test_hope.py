@@ -239,11 +239,11 @@ def test_preset_exports_verify_and_stream_in_the_runtime(small_exports):
     checks, skipped = verify(directory, threads=1)
     assert {c.target for c in checks} == {"generic", "ort", "onnx27"} and set(skipped) <= {"trt"}
     assert all(c.ok for c in checks), [c for c in checks if not c.ok]
-    assert load(directory).graphs == {"prefill": False, "step": True}  # prompts are stepped
+    assert load(directory).graphs == {"prefill": True, "step": True}  # a Loop over segments (test_segment_prefill.py)
     model = build("hope", seed=0, **small("hope")).eval()
     tokens = torch.randint(0, 256, (1, 70), generator=torch.Generator().manual_seed(2))  # crosses C_1, C_2
     with torch.no_grad():
         expected = model(tokens)[0].numpy()
     stream = Engine.load(directory, threads=1).new_stream()
-    got = [stream.prefill(tokens[0, :37].tolist())] + [stream.step(int(t))[None] for t in tokens[0, 37:]]
+    got = [stream.prefill(tokens[0, :37].tolist(), chunk_size=11)] + [stream.step(int(t))[None] for t in tokens[0, 37:]]
     np.testing.assert_allclose(np.concatenate(got), expected, rtol=1e-4, atol=1e-4)

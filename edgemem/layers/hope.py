@@ -32,8 +32,10 @@ Choices the paper leaves open, as made here:
   chain's output h_k to its residual stream;
 - the initial weights of every memory are learned (a fresh stream's state is not zero).
 
-A prefill runs in pieces that never cross a chunk or period boundary, one after another (a
-data-dependent loop: exports step prompts); rows of a batch must then sit at one position.
+A prefill runs in pieces that never cross a chunk or period boundary, one after another; rows of
+a batch must then sit at one position. The layer's `prefill_segment` is the greatest common divisor
+of the memory's chunk and the periods, so the exported prefill graph loops over segments of that
+many positions (edgemem.export.segments), as titans-mac's does.
 States: the memory's (`memory.{i}`, `momentum.{i}`, `chunk_memory.{i}`, `position`,
 `conv_state`) and per level `cms.{l}.memory.{i}`, `cms.{l}.chunk_memory.{i}` (no momentum: with η = 0
 the op's momentum input is multiplied by zero, so a level passes zeros); all share `position`.
@@ -41,36 +43,16 @@ the op's momentum input is multiplied by zero, so a level passes zeros); all sha
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
 
 import torch
 from torch import nn
 
-from edgemem.errors import ConfigError, EdgememError
+from edgemem.errors import ConfigError
 from edgemem.layers.base import State, StatefulLayer
 from edgemem.layers.common import l2norm
-from edgemem.layers.titans import NeuralMemoryLayer, chunk_start_memory, memory_state
+from edgemem.layers.titans import NeuralMemoryLayer, by_segment, chunk_start_memory, memory_state
 from edgemem.ops.neural_memory import ResidualNorm, memory_read, neural_memory_step
-
-Piece = Callable[[torch.Tensor, State], tuple[torch.Tensor, State]]
-
-
-def by_period(piece: Piece, x: torch.Tensor, state: State, period: int) -> tuple[torch.Tensor, State]:
-    """`piece` over the parts of x that stay inside one period of the stream."""
-    if x.shape[1] == 1:
-        return piece(x, state)
-    position = state["position"]
-    if bool((position != position[0]).any()):
-        raise EdgememError(
-            f"hope prefills a batch only when its streams sit at one position (got {position.tolist()}); step them instead"
-        )
-    first, start, outputs = int(position[0]), 0, []
-    while start < x.shape[1]:
-        end = min(x.shape[1], start + period - (first + start) % period)
-        y, state = piece(x[:, start:end], state)
-        outputs.append(y)
-        start = end
-    return torch.cat(outputs, dim=1), state
 
 
 def _heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -96,7 +78,7 @@ class SelfModifyingMemory(NeuralMemoryLayer):
         return _read(v, self.segment_memory(state), self.activation, norm)
 
     def prefill(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
-        return by_period(super().prefill, x, state, self.chunk_size)
+        return by_segment(super().prefill, x, state, self.chunk_size, "hope")
 
 
 class CMSLevel(StatefulLayer):
@@ -127,7 +109,7 @@ class CMSLevel(StatefulLayer):
         return {k: t for k, t in state.items() if not k.startswith("momentum.")}  # η = 0: the op's momentum is unused
 
     def prefill(self, h: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
-        return by_period(self._piece, h, state, self.period)
+        return by_segment(self._piece, h, state, self.period, "hope")
 
     def _piece(self, h: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         x = self.norm(h)
@@ -174,6 +156,7 @@ class HOPE(StatefulLayer):
         self.levels = nn.ModuleList(
             CMSLevel(d_model, num_heads, c, level_expansion, level_lr, activation) for c in levels
         )
+        self.prefill_segment = math.gcd(self.memory.chunk_size, *levels)
 
     def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> State:
         state = self.memory.init_state(batch, device, dtype)

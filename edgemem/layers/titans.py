@@ -24,6 +24,8 @@ buffers). Composite layers share one `position`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -143,6 +145,29 @@ class NeuralMemoryLayer(StatefulLayer):
         return chunk_start_memory(state, self.chunk_size, len(self.initial_memory))
 
 
+Piece = Callable[[torch.Tensor, State], tuple[torch.Tensor, State]]
+
+
+def by_segment(piece: Piece, x: torch.Tensor, state: State, segment: int, layer: str) -> tuple[torch.Tensor, State]:
+    """`piece` over the parts of x that stay inside one `segment` of the stream (segments aligned to
+    position 0), one after another. Traced for any length, x is one such part: the exported prefill
+    graph loops over them (`prefill_segment`, edgemem.export.segments)."""
+    if not isinstance(x.shape[1], int) or x.shape[1] == 1:
+        return piece(x, state)
+    position = state["position"]
+    if bool((position != position[0]).any()):
+        raise EdgememError(
+            f"{layer} prefills a batch only when its streams sit at one position (got {position.tolist()}); step them instead"
+        )
+    first, start, outputs = int(position[0]), 0, []
+    while start < x.shape[1]:
+        end = min(x.shape[1], start + segment - (first + start) % segment)
+        y, state = piece(x[:, start:end], state)
+        outputs.append(y)
+        start = end
+    return torch.cat(outputs, dim=1), state
+
+
 class _MemoryWithAttention(StatefulLayer):
     """A neural memory and a sliding-window attention with persistent slots, one position."""
 
@@ -215,20 +240,7 @@ class TitansMAC(StatefulLayer):
         return {**buffer, **self.memory.init_state(batch, device, dtype)}
 
     def prefill(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
-        # traced for any length, x is one piece within a segment: the exported graph loops over pieces
-        if not isinstance(x.shape[1], int) or x.shape[1] == 1:
-            return self._segment_piece(x, state)
-        position = state["position"]
-        if bool((position != position[0]).any()):
-            raise EdgememError("titans-mac prefills a batch whose streams share one position; step them instead")
-        start, outputs = 0, []
-        first = int(position[0])
-        while start < x.shape[1]:  # pieces never cross a segment boundary
-            end = min(x.shape[1], start + self.segment - (first + start) % self.segment)
-            y, state = self._segment_piece(x[:, start:end], state)
-            outputs.append(y)
-            start = end
-        return torch.cat(outputs, dim=1), state
+        return by_segment(self._segment_piece, x, state, self.segment, "titans-mac")
 
     def _segment_piece(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         b, n, _ = x.shape

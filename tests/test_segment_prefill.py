@@ -1,6 +1,8 @@
-"""Titans MAC's prefill graph: an ONNX Loop over segments whose body is the traced one-segment prefill.
+"""The prefill graphs of Titans MAC and HOPE: an ONNX Loop over segments whose body is the traced
+one-segment prefill.
 
-Exported (two layers, segments of 4 tokens, so short prompts cross many segment boundaries) and run
+Exported (two layers, segments of 4 tokens — HOPE's memory chunk 4 and CMS periods 4, 8, 16 — so
+short prompts cross many segment and period boundaries) and run
 by onnxruntime; references: the PyTorch model's own prefill and a float64 token-by-token loop of its
 steps; onnx.reference runs the same graph as a second, independent ONNX runtime. A hand-made piece
 graph checks the Loop itself: every piece within one segment, rows in order.
@@ -30,12 +32,18 @@ from edgemem.runtime.state import initial_state
 
 SEGMENT = 4
 OVERRIDES = {"d_model": 32, "n_layers": 2, "mlp_hidden": 32, "chunk_size": SEGMENT}
+LOOPED = {"titans-mac": OVERRIDES, "hope": {"d_model": 32, "n_layers": 2, "chunk_size": SEGMENT, "levels": [4, 8, 16]}}
 ONNXRUNTIME_TARGETS = ["generic", "ort", "onnx27"]
 
 
 @pytest.fixture(scope="module")
-def directory(request, tmp_path_factory):
-    return export_presets(request, tmp_path_factory, "titans-mac-prefill", {"titans-mac": (OVERRIDES, TARGETS)})["titans-mac"]
+def exports(request, tmp_path_factory):
+    return export_presets(request, tmp_path_factory, "looped-prefill", {a: (o, TARGETS) for a, o in LOOPED.items()})
+
+
+@pytest.fixture(scope="module", params=list(LOOPED))
+def directory(request, exports):
+    return exports[request.param]
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +96,8 @@ def _close(got: np.ndarray, expected: np.ndarray, what: str) -> None:
 
 def test_prefill_segment_is_mac_segment_and_divides_every_layer_segment():
     assert prefill_segment(build("titans-mac", seed=0, **OVERRIDES)) == SEGMENT
+    assert prefill_segment(build("hope", seed=0, **LOOPED["hope"])) == SEGMENT
+    assert prefill_segment(build("hope", seed=0, d_model=32, chunk_size=6, levels=[8, 12])) == 2
     assert prefill_segment(build("deltanet", seed=0, d_model=32, mlp_hidden=32)) == 0
     hybrid = LM(LMConfig(arch="hybrid", mixer="titans_mac", d_model=32, n_layers=2, mlp_hidden=0,
                          mixer_options={"num_heads": 4, "chunk_size": 6}, layer_types=["titans_mac", "deltanet"],
@@ -160,7 +170,8 @@ def test_prefill_graph_is_one_loop_over_segments_holding_the_lowered_nodes(direc
     assert [n.op_type for n in model.graph.node].count("Loop") == 1
     assert not [n for n in model.graph.node if n.domain == "edgemem"]  # the layers' nodes run inside the Loop
     inside = [n for n in _nodes(model.graph) if n.domain == "edgemem"]
-    assert [n.op_type for n in inside] == ["NeuralMemory"] * 2
+    memories = {"titans-mac": 1, "hope": 4}[load(directory).arch]  # per layer; hope: its memory and 3 CMS levels
+    assert [n.op_type for n in inside] == ["NeuralMemory"] * 2 * memories
     functions = {f.name for f in model.functions if f.domain == "edgemem"}
     if target == "trt":  # TensorRT's parser takes the plugins: attributes on the nodes, no local functions
         assert not functions

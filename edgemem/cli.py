@@ -104,7 +104,11 @@ def archs(as_json: bool) -> None:
 @click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True,
               help="Weights and activations; state is always fp32.")
 @click.option("--force", is_flag=True, help="Replace a non-empty output directory.")
-def export_command(arch, hf_dir, out_dir, targets, seed, checkpoint, overrides, dtype, force) -> None:
+@click.option("--max-length", type=click.IntRange(min=1),
+              help="Preallocate the softmax-attention KV cache to this many tokens per stream (default: a growing cache).")
+@click.option("--sinks", type=click.IntRange(min=0),
+              help="With --max-length: past it, keep the first SINKS tokens and a sliding window (default: an error).")
+def export_command(arch, hf_dir, out_dir, targets, seed, checkpoint, overrides, dtype, force, max_length, sinks) -> None:
     """Export prefill and step ONNX graphs, lowered per target, with edgemem.json."""
     from rich.console import Console
 
@@ -135,6 +139,12 @@ def export_command(arch, hf_dir, out_dir, targets, seed, checkpoint, overrides, 
         extra["seed"] = seed
     else:
         raise ConfigError("give --arch (a preset), --checkpoint or --hf DIR")
+    if sinks is not None and max_length is None:
+        raise ConfigError("--sinks needs --max-length (the window is the preallocated cache)")
+    if max_length is not None:
+        from edgemem.models.lm import set_kv_cache
+
+        set_kv_cache(model, max_length, sinks)
     console = Console(stderr=True)
     if not console.is_terminal:  # no spinner in a log: a line per stage instead
         logging.getLogger("edgemem.export").setLevel(logging.INFO)

@@ -11,3 +11,7 @@ class ConfigError(EdgememError, ValueError):
 
 class ShapeError(EdgememError, ValueError):
     """A tensor whose shape or dtype does not match the op or layer contract."""
+
+
+class CacheFullError(EdgememError, ValueError):
+    """A stream would pass the `max_length` of its preallocated KV cache (exported without a sliding window)."""

@@ -8,7 +8,13 @@ Pure Python (json, hashlib): the runtime reads it without torch or onnx.
      "state": [{"input": "past_key_values.0.recurrent_state", "output": "present.0.recurrent_state",
                 "shape": ["batch", 4, 64, 64], "dtype": "float32", "layer": "0",
                 "kind": "recurrent_state", "init": "zeros" | "file"}, ...],
-     "files": {"generic/step.onnx": "<sha256>", ...}}
+     "files": {"generic/step.onnx": "<sha256>", ...},
+     "kv_cache": {"max_length": 4096, "overflow": "error" | "sink_window", "sinks": 4,
+                  "states": ["past_key_values.3.key", ...], "in_place": ["ort"]}}   (only with one)
+
+`kv_cache`: the softmax-attention layers' preallocated caches: `max_length` slots; past them an
+error, or a sliding window keeping the first `sinks` tokens; `in_place`: the targets whose graphs
+write these states in place (the runtime binds one buffer as their input and output).
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ class Manifest:
     outputs: dict[str, str] = field(default_factory=lambda: {"logits": "logits"})
     format: str = FORMAT
     quantization: dict[str, Any] | None = None  # how an INT8 export was made (edgemem.quant); None: not quantized
+    kv_cache: dict[str, Any] | None = None  # preallocated KV caches (module docstring); None: none, or growing
     genai: dict[str, Any] | None = None  # fits onnxruntime-genai: {"fits", "config", "target"} or {"fits": false, "reasons"} (edgemem.export.genai)
 
     @property
@@ -67,6 +74,8 @@ class Manifest:
         data = asdict(self)
         if data["quantization"] is None:
             del data["quantization"]  # float exports read as before by tools that predate quantization
+        if data["kv_cache"] is None:
+            del data["kv_cache"]
         return json.dumps(data, indent=2) + "\n"
 
     def identity(self) -> str:
@@ -98,6 +107,15 @@ def load(directory: str | Path, *, check_files: bool = True) -> Manifest:
                 d in ("batch", "past_sequence") or (type(d) is int and d >= 0) for d in spec.shape):
             raise ManifestError(f"{path}: state {spec.input} has shape {spec.shape!r}; expected non-negative sizes, "
                                 "'batch' or 'past_sequence'")
+    kv = manifest.kv_cache
+    if kv is not None:
+        inputs = {s.input for s in manifest.state}
+        ok = (isinstance(kv, dict) and type(kv.get("max_length")) is int and kv["max_length"] > 0
+              and kv.get("overflow") in ("error", "sink_window") and isinstance(kv.get("states"), list)
+              and set(kv["states"]) <= inputs and isinstance(kv.get("in_place"), list) and type(kv.get("sinks")) is int)
+        if not ok:
+            raise ManifestError(f"{path}: kv_cache is {kv!r}; expected max_length (a positive integer), overflow "
+                                "('error' or 'sink_window'), sinks, states (state inputs) and in_place (targets)")
     if check_files:
         for name, digest in manifest.files.items():
             file = directory / name

@@ -16,6 +16,7 @@ from edgemem.errors import ConfigError
 from edgemem.ops import (
     OP_PACKAGES,
     banded_attention,
+    cache_attention,
     linear_attention,
     neural_memory,
     onnx_functions,
@@ -68,6 +69,7 @@ def call_each_op(x):
     banded_attention(x, x, x, num_heads=2, window=1)
     ring = torch.zeros(1, 2, 2, 4)
     window_attention_prefill(x, x, x, ring, ring, torch.zeros(1, dtype=torch.int64), num_heads=2, window=2)
+    cache_attention(x, x, x, ring, ring, torch.zeros(1, dtype=torch.int64), num_heads=2, kv_num_heads=2)
 
 
 def test_emitted_nodes_use_opset_domain_version_and_attributes(monkeypatch):

@@ -79,6 +79,19 @@ def _config(model: nn.Module) -> dict[str, Any]:
     return {**data, "vocab_size": config.vocab_size}
 
 
+def _kv_cache(model: nn.Module, targets: Sequence[str]) -> dict[str, Any] | None:
+    """The manifest's `kv_cache` entry from the model's (`model.kv_cache`, e.g. `LM.kv_cache`)."""
+    kv = getattr(model, "kv_cache", None)
+    if kv is None:
+        return None
+    window = kv["sinks"] is not None
+    return {
+        "max_length": kv["max_length"], "overflow": "sink_window" if window else "error", "sinks": kv["sinks"] or 0,
+        "states": [input_name(k) for k in kv["states"]],
+        "in_place": [] if window or "ort" not in targets else ["ort"],  # GroupQueryAttention (export.lower)
+    }
+
+
 def export(
     model: nn.Module,
     out_dir: str | Path,
@@ -143,6 +156,7 @@ def export(
             arch=str(getattr(model.config, "arch", "custom")), config=config, opset=OPSET, targets=list(targets),
             state=specs, graphs=graphs, files=files,
             inputs={"tokens": "input_ids", **{name: name for name in extras}}, outputs={output: output},
+            kv_cache=_kv_cache(model, targets),
         )
         manifest.genai, genai_config = genai.entry(manifest)
         if genai_config is not None:

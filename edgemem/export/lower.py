@@ -2,23 +2,28 @@
 
 - generic: edgemem nodes + their model-local functions (any ONNX runtime runs them).
 - ort:     `LinearAttention` → onnxruntime's native `com.microsoft::LinearAttention` (same contract
-           as ONNX opset 27; the inputs its update rule does not read are dropped).
+           as ONNX opset 27; the inputs its update rule does not read are dropped); `CacheAttention`
+           of a linear cache → `com.microsoft::GroupQueryAttention` (seqlens_k = position + T − 1
+           per row): bound to one buffer as past and present, it writes the new rows in place and
+           reads each row's filled part only. Its CPU kernel takes T > 1 with a past for batch 1 only.
 - onnx27:  `LinearAttention` → `ai.onnx::LinearAttention`, the model moved to opset 27.
 - trt:     every edgemem node gets `plugin_namespace` (the edgemem domain) and `plugin_version`
            (its version, as the string TensorRT's parser reads) and the edgemem functions are
            removed, so TensorRT's ONNX parser takes our plugins (TensorRT ≤ 10.6 would otherwise
-           prefer a local function of the same name).
+           prefer a local function of the same name). `CacheAttention` has no plugin: its function
+           body is inlined (standard ops).
 """
 
 from __future__ import annotations
 
 import onnx
-from onnx import helper, version_converter
+from onnx import TensorProto, helper, inliner, version_converter
 
 from edgemem.errors import EdgememError
 from edgemem.manifest import TARGETS
 from edgemem.opset import DOMAIN, VERSION
 from edgemem.ops import onnx_functions
+from edgemem.ops.cache_attention import OP_TYPE as CACHE_ATTENTION
 from edgemem.ops.linear_attention import ATTRIBUTES as LINEAR_ATTRIBUTES
 from edgemem.ops.linear_attention import OP_TYPE as LINEAR_ATTENTION
 
@@ -46,6 +51,30 @@ def _standard_linear_attention(node: onnx.NodeProto, domain: str) -> None:
     del node.attribute[:]
     node.attribute.extend(keep)
     node.domain = domain
+
+
+def _group_query_attention(node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    """`CacheAttention` of a linear cache as onnxruntime's GroupQueryAttention (float32, like the cache)."""
+    query, key, value, past_key, past_value, position, _ = node.input
+    output, present_key, present_value = node.output
+    name = node.name or output
+    n = {k: f"{name}/{k}" for k in ("one", "t", "total", "last", "seqlens", "max64", "max", "q", "k", "v", "y")}
+    return [
+        helper.make_node("Constant", [], [n["one"]], value=helper.make_tensor("one", TensorProto.INT64, [1], [1])),
+        helper.make_node("Shape", [query], [n["t"]], start=1, end=2),
+        helper.make_node("Add", [position, n["t"]], [n["total"]]),  # [B]: tokens per row after this run
+        helper.make_node("Sub", [n["total"], n["one"]], [n["last"]]),
+        helper.make_node("Cast", [n["last"]], [n["seqlens"]], to=TensorProto.INT32),
+        helper.make_node("ReduceMax", [n["total"]], [n["max64"]], keepdims=0),
+        helper.make_node("Cast", [n["max64"]], [n["max"]], to=TensorProto.INT32),
+        *(helper.make_node("Cast", [src], [n[k]], to=TensorProto.FLOAT) for src, k in ((query, "q"), (key, "k"), (value, "v"))),
+        helper.make_node(
+            "GroupQueryAttention", [n["q"], n["k"], n["v"], past_key, past_value, n["seqlens"], n["max"]],
+            [n["y"], present_key, present_value], name=name, domain="com.microsoft",
+            num_heads=_attr(node, "num_heads"), kv_num_heads=_attr(node, "kv_num_heads"), scale=_attr(node, "scale"),
+        ),
+        helper.make_node("CastLike", [n["y"], query], [output]),
+    ]
 
 
 def _prune(model: onnx.ModelProto) -> None:
@@ -79,6 +108,12 @@ def lower(model: onnx.ModelProto, target: str) -> onnx.ModelProto:
         for node in nodes:
             if node.op_type == LINEAR_ATTENTION:
                 _standard_linear_attention(node, "com.microsoft")
+        graph = []
+        for node in out.graph.node:
+            in_place = node.domain == DOMAIN and node.op_type == CACHE_ATTENTION and _attr(node, "sinks") < 0
+            graph.extend(_group_query_attention(node) if in_place else [node])
+        del out.graph.node[:]
+        out.graph.node.extend(graph)
         if any(n.domain == "com.microsoft" for n in out.graph.node):
             _set_opset(out, "com.microsoft", 1)
         _prune(out)
@@ -94,6 +129,9 @@ def lower(model: onnx.ModelProto, target: str) -> onnx.ModelProto:
         out.functions.extend(fresh[f.name] if f.domain == DOMAIN else f for f in functions if f.domain != DOMAIN or f.name in used)
         _prune(out)
     elif target == "trt":
+        if any(n.op_type == CACHE_ATTENTION for n in nodes):
+            out = inliner.inline_selected_functions(out, [(DOMAIN, CACHE_ATTENTION)])
+            nodes = [n for n in out.graph.node if n.domain == DOMAIN]
         plugin = [
             helper.make_attribute("plugin_namespace", DOMAIN),
             helper.make_attribute("plugin_version", str(VERSION)),

@@ -22,6 +22,7 @@ from edgemem.export.genai import unfit_reasons
 from edgemem.export.graphs import graph_io
 from edgemem.manifest import Manifest, load
 from edgemem.models import LM, LMConfig, load_checkpoint
+from edgemem.models.lm import set_kv_cache
 from edgemem.runtime.state import initial_state  # one definition of a fresh stream's state, shared with the runtime
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,9 @@ def rebuild(manifest: Manifest, checkpoint: str | Path | None = None) -> LM:
         torch.manual_seed(config["seed"])
         fields = {k: v for k, v in config.items() if k in LMConfig.__dataclass_fields__}
         model = LM(LMConfig(**fields))
+    kv = manifest.kv_cache
+    if kv:  # a checkpoint or an imported model is saved without the export's cache layout
+        set_kv_cache(model, kv["max_length"], kv["sinks"] if kv["overflow"] == "sink_window" else None)
     return model.eval()
 
 

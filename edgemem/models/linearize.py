@@ -30,8 +30,9 @@ def linearize(model: LM, *, window: int = 64, update_rule: str = "gated_delta", 
     if "softmax" not in kinds:
         raise ConfigError(f"linearize turns softmax attention into LiZA; {config.arch} has none (mixers: "
                           f"{', '.join(sorted(set(kinds)))})")
-    softmax = {**config.mixer_of(kinds.index("softmax"))[1], "window": window, "update_rule": update_rule,
-               "gate_init": gate_init}
+    projections = {k: v for k, v in config.mixer_of(kinds.index("softmax"))[1].items()
+                   if k not in ("max_length", "sinks")}  # a KV-cache layout: LiZA keeps none
+    softmax = {**projections, "window": window, "update_rule": update_rule, "gate_init": gate_init}
     rename = lambda kind: "liza" if kind == "softmax" else kind  # noqa: E731
     config = dataclasses.replace(
         config, arch=f"{config.arch}-linearized", mixer=rename(config.mixer),

@@ -139,6 +139,20 @@ class LM(nn.Module):
         return all(block.mixer.parallel_prefill for block in self.blocks)
 
     @property
+    def kv_cache(self) -> dict[str, Any] | None:
+        """The preallocated KV cache of the softmax-attention layers (`set_kv_cache`): `max_length`,
+        `sinks` (None: error past it) and the state names of the caches; None for growing or no caches."""
+        layers = [(i, b.mixer) for i, b in enumerate(self.blocks) if isinstance(b.mixer, SoftmaxAttention)]
+        layouts = {(m.max_length, m.sinks) for _, m in layers}
+        if not layers or layouts == {(None, None)}:
+            return None
+        if len(layouts) > 1:
+            raise ConfigError(f"softmax-attention layers differ in their KV cache (max_length, sinks): {sorted(layouts, key=str)}; "
+                              "give them one layout")
+        ((max_length, sinks),) = layouts
+        return {"max_length": max_length, "sinks": sinks, "states": [f"{i}.{kind}" for i, _ in layers for kind in ("key", "value")]}
+
+    @property
     def prefill_segment(self) -> int:
         """Positions per segment within which one traced prefill is exact for every layer (the greatest
         common divisor of theirs: each layer's boundaries are boundaries of it); 0 when all prefill in
@@ -176,3 +190,18 @@ class LM(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens `[B, T]` → logits `[B, T, V]` from a fresh state."""
         return self.prefill(tokens, self.init_state(tokens.shape[0], tokens.device))[0]
+
+
+def set_kv_cache(model: LM, max_length: int, sinks: int | None = None) -> None:
+    """Give every softmax-attention layer of `model` a preallocated cache of `max_length` tokens (with
+    `sinks`: a sliding window with attention sinks past it), in the layers and in `model.config`."""
+    layers = [b.mixer for b in model.blocks if isinstance(b.mixer, SoftmaxAttention)]
+    if not layers:
+        raise ConfigError(f"{model.config.arch} has no softmax-attention layer: a KV-cache length does not apply")
+    for layer in layers:
+        layer.set_cache(max_length, sinks)
+    config, options = model.config, {"max_length": max_length, "sinks": sinks}
+    if config.mixer == "softmax":
+        config.mixer_options = {**config.mixer_options, **options}
+    if "softmax" in config.layer_types and config.mixer != "softmax":
+        config.layer_type_options = {**config.layer_type_options, "softmax": {**config.layer_type_options.get("softmax", {}), **options}}

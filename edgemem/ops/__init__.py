@@ -7,6 +7,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 from edgemem.ops.banded_attention import banded_attention
+from edgemem.ops.cache_attention import cache_attention
 from edgemem.ops.linear_attention import linear_attention
 from edgemem.ops.neural_memory import neural_memory, neural_memory_step
 from edgemem.ops.window_attention import window_attention_prefill, window_attention_step
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
 # op type → its package (each package's OP_TYPE)
 OP_PACKAGES = {
     import_module(f"edgemem.ops.{package}").OP_TYPE: package
-    for package in ("linear_attention", "neural_memory", "banded_attention", "window_attention")
+    for package in ("linear_attention", "neural_memory", "banded_attention", "window_attention", "cache_attention")
 }
 
 
@@ -32,6 +33,7 @@ def onnx_functions(opset: int, op_types: list[str] | None = None) -> dict[str, o
 
 __all__ = [
     "banded_attention",
+    "cache_attention",
     "linear_attention",
     "neural_memory",
     "neural_memory_step",

@@ -211,6 +211,7 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
         quantized = Manifest(
             arch=manifest.arch, config=dict(manifest.config), opset=manifest.opset, targets=targets,
             state=manifest.state, graphs=manifest.graphs, files=files, inputs=manifest.inputs, outputs=manifest.outputs,
+            kv_cache=manifest.kv_cache,
             quantization=_record(directory, manifest, method, recipe, found, selected, counts),
         )
         write_atomic(tmp / MANIFEST, quantized.to_json().encode())

@@ -20,7 +20,13 @@ fixed-size state lives there, and stepping the same streams in the same order ag
 side with no copy at all. A stream used on its own again (step, prefill) first copies its row back
 (`Stream._sync`); reads (save, fork, state_dict) read the row; a slot gives its members their rows
 back before it takes other streams or is dropped. Streams may be at different positions: every row
-carries its own state (Titans and Longformer keep a per-row position tensor).
+carries its own state (Titans and Longformer keep a per-row position tensor, and so does a
+preallocated KV cache, manifest `kv_cache`).
+
+Preallocated KV caches. They are fixed-size state like any other; a backend may keep them in one
+buffer that the graph updates in place (manifest `kv_cache.in_place`). Past `max_length` a stream
+is refused with `CacheFullError` before anything runs, unless the export keeps a sliding window
+with attention sinks. Checkpoints hold only their filled part (`edgemem.runtime.state`).
 
 Threads. Every stream has a lock: step, prefill, save, fork, reset and state_dict hold it, so a
 stream used from several threads runs one operation at a time and loses no step. `step_batch` holds
@@ -44,7 +50,7 @@ import numpy as np
 
 from edgemem.config import finite, positive_int
 from edgemem.config import seed as check_seed
-from edgemem.errors import ConfigError
+from edgemem.errors import CacheFullError, ConfigError
 from edgemem.manifest import Manifest
 from edgemem.manifest import load as load_manifest
 from edgemem.runtime.errors import BackendError, BatchError, StateFileError, TokenError
@@ -81,6 +87,8 @@ class Engine:
         self._growth = sum(  # bytes per token of the KV caches
             int(np.prod(concrete_shape(s, 1, 1))) * np.dtype(s.dtype).itemsize for s in self._growing
         )
+        kv = manifest.kv_cache
+        self._max_length = kv["max_length"] if kv and kv["overflow"] == "error" else None  # None: no limit
         self._slots: OrderedDict[int, BatchSlot] = OrderedDict()
         self._lock = threading.RLock()  # reentrant: a slot gives states back while a batch holds it
 
@@ -126,6 +134,14 @@ class Engine:
     def _run_batch(self, slot: BatchSlot, streams: list[Stream], tokens: np.ndarray) -> np.ndarray:
         """One run of the step graph over `slot`'s current side (its members are `streams`); logits [n, V]."""
         raise NotImplementedError
+
+    def _check_room(self, position: int, tokens: int) -> None:
+        """Refuse `tokens` more at `position` past the end of a preallocated KV cache (exported without a window)."""
+        if self._max_length is not None and position + tokens > self._max_length:
+            raise CacheFullError(
+                f"the KV cache holds max_length={self._max_length} tokens: a stream at position {position} cannot take "
+                f"{tokens} more; export with a larger --max-length, or with --sinks S for a sliding window"
+            )
 
     # ------------------------------------------------------------------ streams
     def new_stream(self) -> Stream:
@@ -182,6 +198,8 @@ class Engine:
                                          "takes part in one batch at a time")
                     s._lock.acquire()  # a single-stream operation: wait for it
                 held.callback(s._lock.release)
+            for s in streams:
+                self._check_room(s._position, 1)
             for s in streams:
                 s._in_batch = True
                 held.callback(setattr, s, "_in_batch", False)
@@ -408,6 +426,7 @@ class Stream:
         """Consume one token; returns the logits [V] for the next one."""
         token = self._engine._token(token_id)
         with self._lock:
+            self._engine._check_room(self._position, 1)
             if self._slot is not None:
                 self._sync()
             self._run_step(token)
@@ -426,6 +445,7 @@ class Stream:
         chunk = positive_int(engine.chunk_size if chunk_size is None else chunk_size, "chunk_size")
         rows: list[np.ndarray] = []
         with self._lock:
+            engine._check_room(self._position, ids.size)
             if not engine.has_prefill:
                 for token in ids.tolist():
                     logits = self.step(token)

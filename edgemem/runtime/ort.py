@@ -11,6 +11,12 @@ and no copy of state (binding one buffer as both input and output is not guarant
 onnxruntime, hence two). The logits output is a bound buffer too; `step` returns a copy [V].
 A batch slot (`edgemem.runtime.base`) does the same with [n, ...] buffers and two bindings.
 
+Preallocated KV caches (manifest `kv_cache`) are fixed-size state. On a target that updates them
+in place (`kv_cache.in_place`: the `ort` target's GroupQueryAttention) sides A and B share one
+buffer per cache, bound as both the input and the output of every run: a step writes one row per
+stream there, and the buffers' addresses never change. On other targets they ping-pong like any
+state (the graph rewrites the whole cache: a copy of max_length rows per run).
+
 Growing state (a dim named "past_sequence": the softmax preset's KV cache). The step graph outputs
 `present = concat(past, new)`, a tensor one token longer than its input, so it cannot go into a
 pre-allocated buffer. Here each step binds the current caches as inputs and leaves the cache
@@ -75,10 +81,14 @@ class _Memory:
     def alloc(self, shape: Sequence[int], dtype: Any) -> ort.OrtValue:
         return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.device, 0)
 
-    def sides(self, specs: Sequence[StateSpec], rows: int) -> tuple[Sides, list[dict[str, np.ndarray]] | None]:
-        """Side A and side B buffers of `rows` rows for each state in `specs`, and their host views (None on a device)."""
-        bufs = [{s.input: self.alloc(concrete_shape(s, rows), s.dtype) for s in specs} for _ in range(2)]
-        return bufs, [{k: v.numpy() for k, v in b.items()} for b in bufs] if self.host else None
+    def sides(self, specs: Sequence[StateSpec], rows: int, shared: frozenset[str] = frozenset()
+              ) -> tuple[Sides, list[dict[str, np.ndarray]] | None]:
+        """Side A and side B buffers of `rows` rows for each state in `specs` (one buffer for both sides of
+        the `shared` ones, updated in place), and their host views (None on a device)."""
+        a = {s.input: self.alloc(concrete_shape(s, rows), s.dtype) for s in specs}
+        b = {s.input: a[s.input] if s.input in shared else self.alloc(concrete_shape(s, rows), s.dtype) for s in specs}
+        bufs = [a, b]
+        return bufs, [{k: v.numpy() for k, v in side.items()} for side in bufs] if self.host else None
 
     def read(self, value: ort.OrtValue) -> np.ndarray:
         """A view on the host, a copy from a device."""
@@ -123,6 +133,8 @@ class OrtEngine(Engine):
         self.backend, self.target, self.threads = backend, target, threads
         self._tokens_name, self._logits_name = manifest.inputs["tokens"], manifest.outputs["logits"]
         self._memory = _Memory("cuda" if backend == "ort-cuda" else "cpu")
+        kv = manifest.kv_cache or {}
+        self._in_place = frozenset(kv.get("states", ()) if target in kv.get("in_place", ()) else ())
         # A growing cache asks for larger tensors at every step and chunk. onnxruntime's CPU arena keeps
         # its high-water mark and fragments on ever-larger requests (prefilling in chunks to 100k tokens
         # grew it past 24 GB; with arena shrinkage, RSS still rose ~10x faster than the cache). Such
@@ -290,7 +302,7 @@ class _OrtSlot(BatchSlot):
 
     def __init__(self, engine: OrtEngine, n: int):
         super().__init__(engine, n)
-        self.bufs, self.views = engine._memory.sides(engine._fixed, n)
+        self.bufs, self.views = engine._memory.sides(engine._fixed, n, engine._in_place)
         self.ids, self.ids_view = _host([n, 1], np.int64)
         self.logits, self.logits_view = _host([n, 1, engine.vocab_size], engine.logits_dtype)
         self.bindings = [] if engine.grows else [  # with a KV cache, each batch binds afresh
@@ -319,7 +331,7 @@ class OrtStream(Stream):
 
     def __init__(self, engine: OrtEngine, state: Mapping[str, np.ndarray], position: int, logits: np.ndarray | None):
         super().__init__(engine)
-        self._bufs, self._views = engine._memory.sides(engine._fixed, 1)  # fixed-size state: sides A and B
+        self._bufs, self._views = engine._memory.sides(engine._fixed, 1, engine._in_place)  # fixed-size state: A and B
         self._grown: dict[str, ort.OrtValue | _Row] = {}  # KV caches: replaced every step
         self._ids, self._ids_view = _host([1, 1], np.int64)
         self._logits, self._logits_view = _host([1, 1, engine.vocab_size], engine.logits_dtype)

@@ -4,7 +4,9 @@ Pure numpy + safetensors (no torch): `edgemem.export.verify` uses `initial_state
 
 Checkpoint format (`edgemem-state/1`): one safetensors file (no pickle) holding
 
-    past_key_values.{layer}.{kind}   every state tensor of the stream, batch 1, as in edgemem.json
+    past_key_values.{layer}.{kind}   every state tensor of the stream, batch 1, as in edgemem.json;
+                                     a preallocated KV cache (manifest `kv_cache`) only up to its
+                                     filled length min(position, max_length), zero-padded on load
     logits                           float32 [vocab] — the next-token logits, when the stream has them
     __metadata__                     format, arch, identity (Manifest.identity(): a hash of the
                                      model files), position, sha256 (see `_checksum`)
@@ -92,9 +94,16 @@ def _checksum(metadata: Mapping[str, str], tensors: Mapping[str, np.ndarray]) ->
     return digest.hexdigest()
 
 
+def _caches(manifest: Manifest, position: int) -> tuple[list[str], int]:
+    """The preallocated KV-cache states and how many of their slots hold tokens at `position`."""
+    kv = manifest.kv_cache
+    return (list(kv["states"]), min(position, kv["max_length"])) if kv else ([], 0)
+
+
 def encode_checkpoint(manifest: Manifest, state: Mapping[str, np.ndarray], position: int,
                       logits: np.ndarray | None) -> bytes:
-    tensors = {name: np.ascontiguousarray(a) for name, a in state.items()}
+    caches, filled = _caches(manifest, position)
+    tensors = {name: np.ascontiguousarray(a[:, :, :filled] if name in caches else a) for name, a in state.items()}
     if logits is not None:
         tensors[LOGITS] = np.ascontiguousarray(logits, dtype=np.float32)
     metadata = {"format": FORMAT, "arch": manifest.arch, "identity": manifest.identity(), "position": str(int(position))}
@@ -156,6 +165,17 @@ def decode_checkpoint(data: bytes, manifest: Manifest, where: str = "state file"
     except (KeyError, ValueError):
         raise StateFileError(f"{where}: invalid position {metadata.get('position')!r}") from None
     logits = tensors.pop(LOGITS, None)
+    caches, filled = _caches(manifest, position)
+    for spec in manifest.state:
+        array = tensors.get(spec.input)
+        if spec.input in caches and array is not None:
+            want = concrete_shape(spec, 1)
+            if array.ndim != 4 or list(array.shape) != [*want[:2], filled, want[3]]:
+                raise StateFileError(f"{where}: {spec.input} has shape {list(array.shape)}, expected its filled part "
+                                     f"{[*want[:2], filled, want[3]]} at position {position}")
+            full = np.zeros(want, dtype=array.dtype)
+            full[:, :, :filled] = array
+            tensors[spec.input] = full
     check_state(manifest, tensors, where)
     if logits is not None and (logits.shape != (manifest.vocab_size,) or logits.dtype != np.float32):
         raise StateFileError(f"{where}: logits are {logits.dtype} {list(logits.shape)}, expected float32 [{manifest.vocab_size}]")

@@ -4,7 +4,8 @@ edgemem's state is `{"{layer}.{kind}": tensor}`. The per-layer layouts elsewhere
 - transformers (Qwen3.5 cache): a linear-attention layer keeps `conv_states` `[B, C, K]` (the
   last K conv inputs; edgemem keeps K − 1, the oldest is never read again) and
   `recurrent_states` `[B, H_v, d_k, d_v]`; an attention layer `keys` / `values` `[B, H_kv, L, D]`
-  after RoPE, as edgemem.
+  after RoPE, as edgemem's growing cache (a preallocated one, `max_length`, is cut to its filled
+  part and padded back; its rows must be at one position, and a sink window does not convert).
 - flash-linear-attention 0.6: `conv_state` is a (q, k, v) triple of `[B, C_x, K]` and
   `recurrent_state` is `[B, H_v, d_v, d_k]` (its layers call the kernels with state_v_first).
 """
@@ -32,12 +33,25 @@ def _layers(model: nn.Module, layout: str) -> list[nn.Module]:
     return mixers
 
 
+def _filled(mixer: SoftmaxAttention, position: torch.Tensor | None) -> int | None:
+    """How many cache slots a preallocated cache at `position` fills (None: a growing cache, all of it)."""
+    if mixer.max_length is None:
+        return None
+    if mixer.sinks is not None:
+        raise ConfigError("a sliding-window KV cache (sinks) has no transformers layout; export without --sinks")
+    if position.unique().numel() != 1 or int(position[0]) > mixer.max_length:
+        raise ConfigError(f"a KV cache converts at one position within max_length={mixer.max_length}; got positions "
+                          f"{position.tolist()}")
+    return int(position[0])
+
+
 def to_external(model: nn.Module, state: dict[str, torch.Tensor], layout: str = "transformers") -> list[Layer]:
     """edgemem state → one dict per layer in `layout` (see the module docstring)."""
     out: list[Layer] = []
     for i, mixer in enumerate(_layers(model, layout)):
         if isinstance(mixer, SoftmaxAttention):
-            out.append({"keys": state[f"{i}.key"], "values": state[f"{i}.value"]})
+            filled = _filled(mixer, state.get(f"{i}.position"))
+            out.append({"keys": state[f"{i}.key"][:, :, :filled], "values": state[f"{i}.value"][:, :, :filled]})
             continue
         recurrent = state[f"{i}.recurrent_state"]
         conv = state.get(f"{i}.conv_state")
@@ -59,7 +73,13 @@ def from_external(model: nn.Module, layers: list[Layer], layout: str = "transfor
     state: dict[str, torch.Tensor] = {}
     for i, (mixer, layer) in enumerate(zip(mixers, layers)):
         if isinstance(mixer, SoftmaxAttention):
-            state[f"{i}.key"], state[f"{i}.value"] = layer["keys"], layer["values"]
+            keys, values = layer["keys"], layer["values"]
+            if mixer.max_length is not None:
+                filled = _filled(mixer, torch.full(keys.shape[:1], keys.shape[2], dtype=torch.int64))
+                pad = (0, 0, 0, mixer.max_length - filled)
+                keys, values = torch.nn.functional.pad(keys, pad), torch.nn.functional.pad(values, pad)
+                state[f"{i}.position"] = torch.full(keys.shape[:1], filled, dtype=torch.int64)
+            state[f"{i}.key"], state[f"{i}.value"] = keys, values
             continue
         if layout == "transformers":
             conv, recurrent = layer["conv_states"], layer["recurrent_states"]

@@ -1,4 +1,4 @@
-"""Which nodes of an exported graph are INT8 projections, and the float boundary around state.
+"""Which nodes of an exported graph are INT8/INT4 projections, and the float boundary around state.
 
 A projection is a MatMul/Gemm of the main graph whose B is a weight (an initializer) and whose
 activation input is neither a state tensor nor a tensor that a custom node (edgemem's ops, or
@@ -18,7 +18,7 @@ import onnx
 PROJECTION_OPS = ("MatMul", "Gemm")
 QUANT_OPS = frozenset({
     "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger", "QLinearMatMul",
-    "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "QGemm",
+    "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "QGemm", "MatMulNBits",
 })
 _STANDARD_DOMAINS = ("", "ai.onnx")
 
@@ -26,6 +26,7 @@ _STANDARD_DOMAINS = ("", "ai.onnx")
 @dataclass(frozen=True)
 class Projection:
     node: str  # node name (what onnxruntime.quantization selects by)
+    op_type: str  # MatMul or Gemm
     module: str  # PyTorch module path from the exporter's metadata, e.g. model.blocks.0.mixer.qkv; "" if absent
     tensors: tuple[str, ...]  # inputs and outputs
     quantizable: bool  # False when structurally excluded (no weight, or touching state / a custom node)
@@ -88,7 +89,7 @@ def projections(model: onnx.ModelProto, state_names: set[str]) -> list[Projectio
             continue
         ok = len(node.input) >= 2 and node.input[1] in weights and node.input[0] not in weights
         ok = ok and not protected & {node.input[0], *node.output}
-        found.append(Projection(node.name, _module(node), (*filter(None, node.input), *node.output), ok and bool(node.name)))
+        found.append(Projection(node.name, node.op_type, _module(node), (*filter(None, node.input), *node.output), ok and bool(node.name)))
     return found
 
 
@@ -109,11 +110,11 @@ def boundary_violations(model: onnx.ModelProto, state_names: set[str]) -> list[s
 
 
 def quantized_projections(model: onnx.ModelProto) -> int:
-    """Projections running in INT8: MatMul/Gemm fed by a DequantizeLinear (QDQ), or integer matmuls (dynamic)."""
+    """Quantized projections: MatMul/Gemm fed by a DequantizeLinear (QDQ), integer matmuls (dynamic), MatMulNBits (int4)."""
     produced_by = {o: n.op_type for n in model.graph.node for o in n.output}
     count = 0
     for node in model.graph.node:
-        if node.op_type in ("MatMulInteger", "DynamicQuantizeMatMul", "QLinearMatMul", "QGemm"):
+        if node.op_type in ("MatMulInteger", "DynamicQuantizeMatMul", "QLinearMatMul", "QGemm", "MatMulNBits"):
             count += 1
         elif node.op_type in PROJECTION_OPS and node.input and produced_by.get(node.input[0]) == "DequantizeLinear":
             count += 1

@@ -4,6 +4,7 @@
     DIR/<target>/prefill.onnx        prompt of any length, from and to a state (absent when the
                                      model's prefill is a data-dependent loop: prompts are stepped)
     DIR/<target>/step.onnx           one token (absent for bidirectional models)
+    DIR/<target>/*.onnx.data         the weights of a graph past protobuf's 2 GiB limit (ONNX external data)
     DIR/state_init.safetensors       initial values of the states that do not start at zero
     DIR/tokenizer/                   the model's tokenizer files, when given (config["tokenizer"]
                                      names the tokenizer.json the runtime reads)
@@ -21,7 +22,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import onnx
 import torch
 from safetensors.torch import save as save_safetensors
 from torch import nn
@@ -30,7 +30,7 @@ from edgemem.errors import EdgememError
 from edgemem.export import genai
 from edgemem.export.graphs import export_graph, graph_io, growing_dims, input_name, output_name
 from edgemem.export.lower import lower
-from edgemem.files import check_output_dir, sha256, staged_directory, write_atomic
+from edgemem.files import check_output_dir, save_onnx, sha256, staged_directory, write_atomic
 from edgemem.manifest import MANIFEST, STATE_INIT, TARGETS, Manifest, StateSpec
 
 log = logging.getLogger(__name__)
@@ -117,9 +117,8 @@ def export(
             for target in targets:
                 path = tmp / target / f"{kind}.onnx"
                 path.parent.mkdir(exist_ok=True)
-                lowered = lower(proto, target)
-                onnx.save(lowered, path)
-                files[f"{target}/{kind}.onnx"] = sha256(path)
+                for written in save_onnx(lower(proto, target), path):
+                    files[f"{target}/{written.name}"] = sha256(written)
         specs = state_specs(model, state_dtype)
         initial = {s.input: t.contiguous() for s, t in zip(specs, model.init_state(1, dtype=state_dtype).values()) if s.init == "file"}
         if initial:

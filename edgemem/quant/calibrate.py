@@ -265,6 +265,13 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
             state=manifest.state, graphs=manifest.graphs, files=files, inputs=manifest.inputs, outputs=manifest.outputs,
             quantization=_record(directory, manifest, method, recipe, found, selected, counts, block_size),
         )
+        if method == "int4":  # weight-only MatMulNBits is onnxruntime-genai's own format: it runs the int4 export
+            from edgemem.export import genai
+
+            quantized.genai, config = genai.entry(quantized)
+            if config is not None:
+                write_atomic(tmp / genai.GENAI_CONFIG, config)
+                files[genai.GENAI_CONFIG] = sha256(tmp / genai.GENAI_CONFIG)
         write_atomic(tmp / MANIFEST, quantized.to_json().encode())
     log.info("wrote %s", out)
     return quantized

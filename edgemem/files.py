@@ -113,6 +113,7 @@ def save_onnx(model: Any, path: Path) -> list[Path]:
         return [path]
     data = path.with_name(path.name + ".data")
     onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location=data.name, size_threshold=1024)
+    data.chmod(0o666 & ~umask())  # onnx creates it 0600
     return [path, data]
 
 

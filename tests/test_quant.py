@@ -435,6 +435,48 @@ def test_int4_drift_report_is_finite_bounded_and_smaller_on_disk(int4):
     assert "INT4" not in int4["output"] and "int4 vs fp32" in int4["output"]
 
 
+def test_int4_quantizes_a_tied_head_read_through_a_transpose(tmp_path):
+    """Large exports keep a tied output head as MatMul(x, Transpose(embedding)): int4 gives the head its own
+    transposed weight (the embedding stays fp32 for the Gather) and makes it a MatMulNBits like the others."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from edgemem.quant.calibrate import _int4
+    from edgemem.quant.graph import fold_transposed_weights, projections
+
+    rng = np.random.default_rng(0)
+    embed, w = rng.standard_normal((40, 32)).astype(np.float32), rng.standard_normal((32, 32)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["embed", "ids"], ["h"], name="embedding"),
+         helper.make_node("MatMul", ["h", "w"], ["h2"], name="proj"),
+         helper.make_node("Transpose", ["embed"], ["embed_t"], perm=[1, 0], name="tie"),
+         helper.make_node("MatMul", ["h2", "embed_t"], ["logits"], name="head")],
+        "tied", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "T"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "T", 40])],
+        [numpy_helper.from_array(embed, "embed"), numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    assert [p.quantizable for p in projections(model, set())] == [True, False]
+    assert [p.quantizable for p in projections(model, set(), transposed=True)] == [True, True]
+    feeds = {"ids": rng.integers(0, 40, (1, 5))}
+
+    def run(m):
+        return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+    reference = run(model)
+    folded = onnx.ModelProto()
+    folded.CopyFrom(model)
+    assert fold_transposed_weights(folded, ["proj", "head"]) == 1
+    assert [n.op_type for n in folded.graph.node] == ["Gather", "MatMul", "MatMul"]
+    np.testing.assert_array_equal(run(folded), reference)
+    onnx.save(model, tmp_path / "tied.onnx")
+    _int4(tmp_path / "tied.onnx", tmp_path / "int4.onnx", ["proj", "head"], 16)
+    quantized = onnx.load(str(tmp_path / "int4.onnx"))
+    assert [n.op_type for n in quantized.graph.node] == ["Gather", "MatMulNBits", "MatMulNBits"]
+    assert quantized.graph.node[0].input[0] == "embed"  # the lookup still reads the fp32 table
+    err = np.linalg.norm(run(quantized) - reference) / np.linalg.norm(reference)
+    assert 0 < err < 0.2, err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--method", "int4", "--block-size", "48"], "int4 block size must be a power of two from 16 to 256"),
     (["--method", "int4", "--block-size", "8"], "int4 block size must be a power of two from 16 to 256"),

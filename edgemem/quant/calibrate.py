@@ -47,6 +47,7 @@ from edgemem.quant.graph import (
     PROJECTION_OPS,
     Projection,
     boundary_violations,
+    fold_transposed_weights,
     isolate_inputs,
     projections,
     quantized_projections,
@@ -123,10 +124,12 @@ def calibration_feeds(directory: Path, manifest: Manifest, recipe: Recipe, threa
 
 def _select(paths: dict[tuple[str, str], Path], state_names: set[str], recipe: Recipe, *, matmul_only: bool = False
             ) -> tuple[dict[tuple[str, str], list[Projection]], dict[tuple[str, str], list[str]]]:
-    """Every projection per (target, graph) and the node names to quantize (MatMul only when `matmul_only`:
-    MatMulNBits has no Gemm form); each recipe exclusion must name a projection of some graph."""
+    """Every projection per (target, graph) and the node names to quantize (with `matmul_only`, for MatMulNBits:
+    MatMul only, it has no Gemm form, and a weight read through a Transpose counts); each recipe exclusion must
+    name a projection of some graph."""
     found: dict[tuple[str, str], list[Projection]] = {
-        key: projections(onnx.load(str(path), load_external_data=False), state_names) for key, path in paths.items()
+        key: projections(onnx.load(str(path), load_external_data=False), state_names, transposed=matmul_only)
+        for key, path in paths.items()
     }
     everything = [p for ps in found.values() for p in ps]
     unknown = [pattern for pattern in recipe.exclude if not any(p.matches(pattern) for p in everything)]
@@ -164,6 +167,7 @@ def _int4(source: Path, dest: Path, nodes: list[str], block_size: int) -> None:
     chatty.setLevel(logging.WARNING)
     try:
         model = onnx.load(str(source))
+        fold_transposed_weights(model, nodes)  # a tied output head: MatMulNBits needs the weight as an initializer
         chosen = set(nodes)
         others = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in chosen]
         quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=block_size, is_symmetric=False, accuracy_level=ACCURACY_LEVEL,

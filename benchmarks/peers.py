@@ -156,7 +156,7 @@ def make_gguf(cache: Path, hf: Path, src: Path | None) -> tuple[dict[str, Path],
         # the random model's tokenizer is not one the converter knows by hash: name Qwen's pre-tokenizer (ids only here)
         runner = (f"import sys, runpy; sys.path[:0] = [{str(src)!r}, {str(src / 'gguf-py')!r}]; "
                   "import conversion.base as b; b.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'qwen2'; "
-                  f"sys.argv = ['convert_hf_to_gguf.py', {str(hf)!r}, '--outtype', 'f32', '--outfile', {str(out['fp32'])!r}]; "
+                  f"sys.argv = ['convert_hf_to_gguf.py', {str(hf)!r}, '--outtype', 'f32', '--no-mtp', '--outfile', {str(out['fp32'])!r}]; "
                   f"runpy.run_path({str(script)!r}, run_name='__main__')")
         done = subprocess.run([sys.executable, "-c", runner], capture_output=True, text=True)
         if done.returncode != 0:

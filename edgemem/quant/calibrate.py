@@ -40,7 +40,7 @@ from onnxruntime.quantization import (
 )
 
 from edgemem.errors import ConfigError, EdgememError
-from edgemem.files import check_output_dir, sha256, staged_directory, write_atomic
+from edgemem.files import check_output_dir, save_onnx, sha256, staged_directory, write_atomic
 from edgemem.manifest import MANIFEST, STATE_INIT, Manifest
 from edgemem.manifest import load as load_manifest
 from edgemem.quant.graph import (
@@ -175,7 +175,7 @@ def _int4(source: Path, dest: Path, nodes: list[str], block_size: int) -> None:
         quantizer.process()
     finally:
         chatty.setLevel(chatty_level)
-    onnx.save(quantizer.model.model, str(dest))
+    save_onnx(quantizer.model.model, dest)
 
 
 def _quantize(method: str, source: Path, dest: Path, nodes: list[str], feeds: list | None, cache: Path,
@@ -256,10 +256,14 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
                     if method == "static":
                         source.unlink()
                 else:
-                    shutil.copyfile(sources[(target, kind)], dest)
+                    for suffix in ("", ".data"):  # a graph with external data (edgemem.files.save_onnx) brings it
+                        if (source := sources[(target, kind)].with_name(f"{kind}.onnx{suffix}")).is_file():
+                            shutil.copyfile(source, dest.with_name(dest.name + suffix))
                 _check(dest, state_names, len(nodes))
-                name = f"{target}/{kind}.onnx"
-                files[name], counts[name] = sha256(dest), len(nodes)
+                counts[f"{target}/{kind}.onnx"] = len(nodes)
+                for written in (dest, dest.with_name(dest.name + ".data")):
+                    if written.is_file():
+                        files[f"{target}/{written.name}"] = sha256(written)
             cache.unlink(missing_ok=True)
         if STATE_INIT in manifest.files:
             shutil.copyfile(directory / STATE_INIT, tmp / STATE_INIT)

@@ -382,26 +382,31 @@ def build_command(directory, fp16, plugins, max_batch, max_sequence, out_dir, rt
 
 @main.command("calibrate")
 @click.argument("directory", type=click.Path(file_okay=False))
-@click.option("--method", type=click.Choice(["dynamic", "static"]), default="dynamic", show_default=True,
-              help="dynamic: int8 weights, activations quantized at run time; static: QDQ calibrated on rolled-out states.")
+@click.option("--method", type=click.Choice(["dynamic", "static", "int4"]), default="dynamic", show_default=True,
+              help="dynamic: int8 weights, activations quantized at run time; static: QDQ calibrated on rolled-out "
+                   "states; int4: 4-bit blockwise weights (MatMulNBits), no calibration data.")
+@click.option("--block-size", type=int, help="int4 only: input rows per quantization block (16, 32, 64, 128, 256; default 32).")
 @click.option("--recipe", default="default", show_default=True,
               help="Calibration recipe: a name in calib/ (default, mqar, bytes; `calib/mqar` works too) or a TOML file.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Output export directory (default: DIRECTORY-int8-METHOD).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False),
+              help="Output export directory (default: DIRECTORY-int8-METHOD, DIRECTORY-int4).")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Save the drift report as JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Save the drift plot as PNG (default with --report: beside it, .png).")
 @click.option("--no-drift", is_flag=True, help="Quantize only; skip the drift report.")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), help="onnxruntime intra-op threads.")
 @click.option("--force", is_flag=True, help="Replace a non-empty output directory.")
-def calibrate_command(directory, method, recipe, out_dir, report_path, plot_path, no_drift, threads, force) -> None:
-    """INT8 projections (state, gates, norms and edgemem ops stay float), then a drift report against fp32."""
+def calibrate_command(directory, method, block_size, recipe, out_dir, report_path, plot_path, no_drift, threads,
+                      force) -> None:
+    """INT8/INT4 projections (state, gates, norms and edgemem ops stay float), then a drift report against fp32."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
 
     from edgemem.files import check_output_file
-    from edgemem.quant import calibrate, default_out, drift_report, load_recipe, plot_report
+    from edgemem.quant import block_size_for, calibrate, default_out, drift_report, load_recipe, plot_report
 
+    block_size_for(method, block_size)  # a bad block size fails before any work
     for path, option in ((report_path, "--report"), (plot_path, "--plot")):
         if path:
             check_output_file(path, option)
@@ -409,20 +414,21 @@ def calibrate_command(directory, method, recipe, out_dir, report_path, plot_path
     out = Path(out_dir) if out_dir else default_out(directory, method)
     console = Console(stderr=True)
     with console.status(f"calibrating ({method}, recipe {recipe.name})"):
-        manifest = calibrate(directory, method, recipe, out, force=force, threads=threads)
+        manifest = calibrate(directory, method, recipe, out, force=force, threads=threads, block_size=block_size)
     counts = manifest.quantization["quantized_projections"]
-    click.echo(f"wrote {out}: {', '.join(manifest.targets)}; {sum(counts.values())} int8 projections in "
+    bits = "int4" if method == "int4" else "int8"
+    click.echo(f"wrote {out}: {', '.join(manifest.targets)}; {sum(counts.values())} {bits} projections in "
                f"{len(counts)} graphs; state stays fp32")
     if no_drift:
         return
     with console.status("drift report") as status:
         report = drift_report(directory, out, recipe, threads=threads, progress=lambda text: status.update(f"drift: {text}"))
     kinds = list(next(iter(report["horizons"].values()))["state_rel_err"])
-    table = Table("horizon", "logits rel err", *(f"{k} rel err" for k in kinds), f"{report['metric_name']} int8",
+    table = Table("horizon", "logits rel err", *(f"{k} rel err" for k in kinds), f"{report['metric_name']} {bits}",
                   f"{report['metric_name']} fp32", box=box.SIMPLE_HEAD,
-                  title=f"{manifest.arch} int8 {method} vs fp32: {report['task']['name']}, {report['task']['streams']} "
-                        f"held-out stream(s)",
-                  caption=f"µs/token (step): fp32 {report['us_per_token']['fp32']:.1f}, int8 "
+                  title=f"{manifest.arch} {bits if method == 'int4' else f'int8 {method}'} vs fp32: {report['task']['name']}, "
+                        f"{report['task']['streams']} held-out stream(s)",
+                  caption=f"µs/token (step): fp32 {report['us_per_token']['fp32']:.1f}, {bits} "
                           f"{report['us_per_token']['quantized']:.1f}; {report['target']} graphs "
                           f"{_size(report['size_bytes']['fp32'])} → {_size(report['size_bytes']['quantized'])}")
 

@@ -23,6 +23,7 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from edgemem.errors import EdgememError
 
@@ -96,6 +97,24 @@ def write_atomic(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+PROTOBUF_LIMIT = 2**31 - 2**20  # a protobuf message (an .onnx file) must stay under 2 GiB; keep a margin
+
+
+def save_onnx(model: Any, path: Path) -> list[Path]:
+    """Write an onnx.ModelProto to `path` (inside a staged directory); a model past protobuf's 2 GiB limit keeps
+    its weights in `<name>.data` beside it (ONNX external data, which onnxruntime finds by the graph's path).
+    Returns the files written. Modifies `model` when it moves weights out."""
+    import onnx
+
+    if model.ByteSize() < PROTOBUF_LIMIT:
+        onnx.save(model, path)
+        return [path]
+    data = path.with_name(path.name + ".data")
+    onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location=data.name, size_threshold=1024)
+    data.chmod(0o666 & ~umask())  # onnx creates it 0600
+    return [path, data]
 
 
 def _writable_ancestor(path: Path, what: str) -> Path:

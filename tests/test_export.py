@@ -255,3 +255,28 @@ def test_fp16_export_keeps_state_in_fp32(tmp_path):
         assert any(t.data_type == onnx.TensorProto.FLOAT16 and len(t.dims) == 2 for t in graph.initializer)
     checks, _ = verify(tmp_path / "out")  # generic runs in onnxruntime at fp16 tolerance
     assert checks and all(c.ok for c in checks)
+
+
+def test_a_graph_past_the_protobuf_limit_keeps_its_weights_beside_it(tmp_path, monkeypatch):
+    """A real-size model (Qwen3.5-0.8B in fp32 is 3 GB) cannot be one .onnx file: with the limit lowered to a byte,
+    the graphs go out as ONNX external data, the manifest hashes the .data files, and the runtime and int4
+    calibration read them; logits equal the single-file export's."""
+    import edgemem.files
+    from edgemem.quant import calibrate
+    from edgemem.runtime import Engine
+
+    model = build("gated-deltanet", seed=0, d_model=32, mlp_hidden=32, n_layers=2, num_heads=2)
+    export(model, tmp_path / "one", targets=["ort"])
+    monkeypatch.setattr(edgemem.files, "PROTOBUF_LIMIT", 1)
+    manifest = export(model, tmp_path / "split", targets=["ort"])
+    assert {"ort/prefill.onnx.data", "ort/step.onnx.data"} <= set(manifest.files)
+    assert (tmp_path / "split/ort/step.onnx.data").stat().st_size > 0.4 * (tmp_path / "one/ort/step.onnx").stat().st_size
+    ids = np.random.default_rng(0).integers(0, 256, 40)
+    split = Engine.load(tmp_path / "split", threads=1, check_files=True).new_stream()
+    logits = np.concatenate([split.prefill(ids[:30]), np.stack([split.step(int(t)) for t in ids[30:]])])
+    one = Engine.load(tmp_path / "one", threads=1).new_stream()
+    np.testing.assert_array_equal(logits, np.concatenate([one.prefill(ids[:30]), np.stack([one.step(int(t)) for t in ids[30:]])]))
+    quantized = calibrate(tmp_path / "split", "int4", out=tmp_path / "int4")  # written split too (limit still 1)
+    assert sum(quantized.quantization["quantized_projections"].values()) > 0 and "ort/step.onnx.data" in quantized.files
+    stream = Engine.load(tmp_path / "int4", threads=1, check_files=True).new_stream()
+    assert np.isfinite(stream.prefill(ids[:30])).all()

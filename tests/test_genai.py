@@ -55,6 +55,19 @@ def test_genai_generates_the_runtime_greedy_tokens(exported, arch, dtype):
     assert genai_greedy(directory, PROMPT, NEW_TOKENS, eos) == reference
 
 
+def test_genai_runs_the_int4_export_and_generates_its_greedy_tokens(exported, tmp_path):
+    from edgemem.quant import calibrate
+
+    out = tmp_path / "int4"
+    manifest = calibrate(exported("gated-deltanet"), "int4", out=out, block_size=16)
+    assert manifest.genai == {"fits": True, "config": GENAI_CONFIG, "target": "ort", "tokenizer": []}
+    assert json.loads((out / GENAI_CONFIG).read_text())["model"]["decoder"]["filename"] == "ort/prefill.onnx"
+    load_manifest(out, check_files=True)
+    reference = list(Engine.load(out, threads=1).generate(bytes(PROMPT), max_new_tokens=NEW_TOKENS))
+    eos = min(set(range(manifest.vocab_size)) - set(reference))
+    assert genai_greedy(out, PROMPT, NEW_TOKENS, eos) == reference
+
+
 @pytest.mark.slow
 def test_genai_runs_a_hybrid_of_recurrent_and_attention_layers(tmp_path):
     from edgemem.layers import SoftmaxAttention

@@ -1,6 +1,6 @@
-"""INT8 calibration (`edgemem calibrate`, edgemem.quant): artifacts that run, float state, drift reports.
+"""INT8/INT4 calibration (`edgemem calibrate`, edgemem.quant): artifacts that run, float state, drift reports.
 
-A small random-weight deltanet is exported once per module and quantized both ways; the trained
+A small random-weight deltanet is exported once per module and quantized three ways; the trained
 MQAR deltanet (checkpoints/deltanet-mqar.safetensors) is checked for drift when it exists.
 """
 
@@ -230,12 +230,12 @@ def test_not_an_export_is_a_clean_error(tmp_path):
 
 
 def test_unknown_method_is_a_clean_error(fp32):
-    _clean_failure(_invoke("calibrate", fp32, "--method", "int4"), "'int4' is not one of")
+    _clean_failure(_invoke("calibrate", fp32, "--method", "int3"), "'int3' is not one of")
     from edgemem.errors import ConfigError
     from edgemem.quant import calibrate
 
     with pytest.raises(ConfigError, match="unknown quantization method"):
-        calibrate(fp32, "int4")
+        calibrate(fp32, "int3")
 
 
 def test_missing_recipe_is_a_clean_error(fp32):
@@ -297,6 +297,199 @@ def test_example_recipes_in_calib_load_by_path():
         recipe = load_recipe(str(path))
         assert recipe.name == path.stem and recipe.source == str(path)
         recipe.make_task()
+
+
+# ---------------------------------------------------------------- int4 (MatMulNBits, weight-only)
+
+INT4_RECIPE = """
+[drift]
+horizons = [32, 512, 4096]
+streams = 1
+window = 32
+"""
+
+
+@pytest.fixture(scope="module")
+def int4(fp32, tmp_path_factory):
+    """The int4 export through the CLI (block 16: four blocks per 64-wide input) with its drift report."""
+    base = tmp_path_factory.mktemp("int4")
+    recipe = base / "int4.toml"
+    recipe.write_text(INT4_RECIPE)
+    out, report = base / "deltanet-int4", base / "int4-report.json"
+    result = _invoke("calibrate", fp32, "--method", "int4", "--block-size", "16", "--recipe", recipe, "--out", out,
+                     "--report", report)
+    assert result.exit_code == 0, result.output
+    return {"dir": out, "report": json.loads(report.read_text()), "output": result.output}
+
+
+def _nbits_weights(model):
+    """{MatMulNBits node name: (W [K, N] dequantized in numpy, scale [N, blocks], block)} from the packed
+    initializers: 4-bit values two per byte (low nibble first) along K, a 4-bit zero point per block."""
+    values = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    found = {}
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        k, n, block = attrs["K"], attrs["N"], attrs["block_size"]
+        blocks = -(-k // block)
+        packed = values[node.input[1]].reshape(n, -1)
+        q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, -1)[:, :k].astype(np.float64)
+        scale = values[node.input[2]].reshape(n, blocks).astype(np.float64)
+        zp = values[node.input[3]].reshape(n, -1)
+        zp = np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(n, -1)[:, :blocks].astype(np.float64)
+        rows = np.arange(k) // block
+        found[node.name] = (((q - zp[:, rows]) * scale[:, rows]).T, scale, block)
+    return found
+
+
+def test_int4_export_runs_in_onnxruntime_close_to_fp32(fp32, int4):
+    ids = np.random.default_rng(0).integers(0, 256, 300)
+    reference = Engine.load(fp32, threads=1).new_stream().prefill(ids)
+    manifest = load_manifest(int4["dir"], check_files=True)
+    assert manifest.targets == ["ort", "generic"]  # trt takes explicit Q/DQ only
+    for target in ("ort", "generic"):
+        stream = Engine.load(int4["dir"], threads=1, target=target).new_stream()
+        logits = np.concatenate([stream.prefill(ids[:200]), np.stack([stream.step(int(t)) for t in ids[200:]])])
+        err = np.linalg.norm(logits - reference) / np.linalg.norm(reference)
+        assert 0 < err < 0.3, (target, err)
+        assert all(v.dtype == np.float32 for v in stream.state_dict().values())
+
+
+def test_int4_has_a_matmulnbits_node_per_projection_and_records_the_block(fp32, int4):
+    manifest, files = _graph_files(int4["dir"])
+    state = {n for s in manifest.state for n in (s.input, s.output)}
+    for path in files:
+        source = onnx.load(str(fp32 / path.parent.name / path.name))
+        weights = {i.name for i in source.graph.initializer}
+        projections = {n.name for n in source.graph.node if n.op_type == "MatMul" and n.input[1] in weights}
+        model = onnx.load(str(path))
+        nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+        assert len(projections) == 11 and {n.name.removesuffix("_Q4") for n in nbits} == projections, path
+        assert not any(n.op_type == "MatMul" and n.input[1] in {i.name for i in model.graph.initializer}
+                       for n in model.graph.node)  # no float weight projection left
+        for node in nbits:
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            assert attrs["bits"] == 4 and attrs["block_size"] == 16 and node.domain == "com.microsoft"
+            assert not {*node.input, *node.output} & state
+    record = manifest.quantization
+    assert record["method"] == "int4" and record["scheme"]["block_size"] == 16
+    assert set(record["quantized_projections"].values()) == {11}
+    assert "11 int4 projections" not in int4["output"] and "44 int4 projections in 4 graphs" in int4["output"]
+
+
+def test_int4_weights_are_the_fp32_weights_rounded_to_their_block_grid(fp32, int4):
+    """Unpacked in numpy: every weight within half a quantization step of the fp32 weight, per block."""
+    source = onnx.load(str(fp32 / "ort" / "step.onnx"))
+    weights = {i.name: onnx.numpy_helper.to_array(i) for i in source.graph.initializer}
+    original = {n.name: weights[n.input[1]] for n in source.graph.node if n.op_type == "MatMul" and n.input[1] in weights}
+    found = _nbits_weights(onnx.load(str(int4["dir"] / "ort" / "step.onnx")))
+    assert len(found) == 11
+    for name, (dequantized, scale, block) in found.items():
+        w = original[name.removesuffix("_Q4")].astype(np.float64)
+        step = np.repeat(scale.T, block, axis=0)[: w.shape[0]]
+        assert np.all(np.abs(dequantized - w) <= step / 2 * (1 + 1e-5) + 1e-7), name
+        assert 0 < np.abs(dequantized - w).max()  # really rounded
+
+
+def test_int4_graph_matches_the_fp32_graph_with_dequantized_weights(fp32, int4):
+    """The independent reference: the fp32 step graph with each projection's weight replaced by its blockwise
+    dequantization (numpy) — the int4 graph is far closer to it than to the fp32 graph (what is left is the
+    kernel's int8 activations per block)."""
+    import onnxruntime as ort
+
+    source = onnx.load(str(fp32 / "ort" / "step.onnx"))
+    quantized = onnx.load(str(int4["dir"] / "ort" / "step.onnx"))
+    found = _nbits_weights(quantized)
+    by_node = {n.name: n.input[1] for n in source.graph.node if n.op_type == "MatMul"}
+    replaced = {by_node[name.removesuffix("_Q4")]: w for name, (w, _, _) in found.items()}
+    reference = onnx.load(str(fp32 / "ort" / "step.onnx"))
+    for init in reference.graph.initializer:
+        if init.name in replaced:
+            init.CopyFrom(onnx.numpy_helper.from_array(replaced[init.name].astype(np.float32), init.name))
+    manifest = load_manifest(fp32)
+    rng = np.random.default_rng(1)
+    feeds = {manifest.inputs["tokens"]: rng.integers(0, 256, (3, 1))}
+    for spec in manifest.state:
+        shape = [3 if d == "batch" else d for d in spec.shape]
+        feeds[spec.input] = (rng.standard_normal(shape) * 0.3).astype(np.float32)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+
+    def run(model):
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+    outs_q, outs_deq, outs_fp = run(quantized), run(reference), run(source)
+    for q, deq, fp in zip(outs_q, outs_deq, outs_fp):
+        to_deq = np.linalg.norm(q - deq) / np.linalg.norm(deq)
+        to_fp = np.linalg.norm(q - fp) / np.linalg.norm(fp)
+        assert to_deq < 0.02 and to_deq < 0.25 * to_fp, (to_deq, to_fp)
+
+
+def test_int4_drift_report_is_finite_bounded_and_smaller_on_disk(int4):
+    report = int4["report"]
+    assert report["method"] == "int4" and list(report["horizons"]) == ["32", "512", "4096"]
+    for row in report["horizons"].values():
+        assert all(0 < v < 0.5 for v in (row["logits_rel_err"], *row["state_rel_err"].values())), row
+    assert report["size_bytes"]["quantized"] < 0.6 * report["size_bytes"]["fp32"]  # the fp32 embedding stays
+    assert "INT4" not in int4["output"] and "int4 vs fp32" in int4["output"]
+
+
+def test_int4_quantizes_a_tied_head_read_through_a_transpose(tmp_path):
+    """Large exports keep a tied output head as MatMul(x, Transpose(embedding)): int4 gives the head its own
+    transposed weight (the embedding stays fp32 for the Gather) and makes it a MatMulNBits like the others."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from edgemem.quant.calibrate import _int4
+    from edgemem.quant.graph import fold_transposed_weights, projections
+
+    rng = np.random.default_rng(0)
+    embed, w = rng.standard_normal((40, 32)).astype(np.float32), rng.standard_normal((32, 32)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["embed", "ids"], ["h"], name="embedding"),
+         helper.make_node("MatMul", ["h", "w"], ["h2"], name="proj"),
+         helper.make_node("Transpose", ["embed"], ["embed_t"], perm=[1, 0], name="tie"),
+         helper.make_node("MatMul", ["h2", "embed_t"], ["logits"], name="head")],
+        "tied", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "T"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "T", 40])],
+        [numpy_helper.from_array(embed, "embed"), numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    assert [p.quantizable for p in projections(model, set())] == [True, False]
+    assert [p.quantizable for p in projections(model, set(), transposed=True)] == [True, True]
+    feeds = {"ids": rng.integers(0, 40, (1, 5))}
+
+    def run(m):
+        return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+    reference = run(model)
+    folded = onnx.ModelProto()
+    folded.CopyFrom(model)
+    assert fold_transposed_weights(folded, ["proj", "head"]) == 1
+    assert [n.op_type for n in folded.graph.node] == ["Gather", "MatMul", "MatMul"]
+    np.testing.assert_array_equal(run(folded), reference)
+    onnx.save(model, tmp_path / "tied.onnx")
+    _int4(tmp_path / "tied.onnx", tmp_path / "int4.onnx", ["proj", "head"], 16)
+    quantized = onnx.load(str(tmp_path / "int4.onnx"))
+    assert [n.op_type for n in quantized.graph.node] == ["Gather", "MatMulNBits", "MatMulNBits"]
+    assert quantized.graph.node[0].input[0] == "embed"  # the lookup still reads the fp32 table
+    err = np.linalg.norm(run(quantized) - reference) / np.linalg.norm(reference)
+    assert 0 < err < 0.2, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--method", "int4", "--block-size", "48"], "int4 block size must be a power of two from 16 to 256"),
+    (["--method", "int4", "--block-size", "8"], "int4 block size must be a power of two from 16 to 256"),
+    (["--method", "dynamic", "--block-size", "32"], "a block size applies to --method int4 only"),
+])
+def test_bad_block_size_is_a_clean_error(fp32, tmp_path, args, message):
+    _clean_failure(_invoke("calibrate", fp32, *args, "--out", tmp_path / "q", "--no-drift"), message)
+    assert not (tmp_path / "q").exists()
+    from edgemem.errors import ConfigError
+    from edgemem.quant import calibrate
+
+    with pytest.raises(ConfigError, match="block size"):
+        calibrate(fp32, args[1], block_size=int(args[3]), out=tmp_path / "q")
 
 
 # ---------------------------------------------------------------- trained model

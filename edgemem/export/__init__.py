@@ -5,6 +5,7 @@
                                      for Titans MAC, edgemem.export.segments; absent when the model's
                                      prefill is a data-dependent loop without segments: prompts are stepped)
     DIR/<target>/step.onnx           one token (absent for bidirectional models)
+    DIR/<target>/*.onnx.data         the weights of a graph past protobuf's 2 GiB limit (ONNX external data)
     DIR/state_init.safetensors       initial values of the states that do not start at zero
     DIR/tokenizer/                   the model's tokenizer files, when given (config["tokenizer"]
                                      names the tokenizer.json the runtime reads)
@@ -22,7 +23,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import onnx
 import torch
 from safetensors.torch import save as save_safetensors
 from torch import nn
@@ -32,7 +32,7 @@ from edgemem.export import genai
 from edgemem.export.graphs import export_graph, graph_io, growing_dims, input_name, output_name
 from edgemem.export.lower import lower
 from edgemem.export.segments import loop_over_segments, position_input, prefill_segment
-from edgemem.files import check_output_dir, sha256, staged_directory, write_atomic
+from edgemem.files import check_output_dir, save_onnx, sha256, staged_directory, write_atomic
 from edgemem.manifest import MANIFEST, STATE_INIT, TARGETS, Manifest, StateSpec
 
 log = logging.getLogger(__name__)
@@ -137,8 +137,8 @@ def export(
                 lowered = lower(proto, target)
                 if kind == "prefill" and segment:  # lowered first: the Loop body holds the lowered nodes
                     lowered = loop_over_segments(lowered, segment, position, ["input_ids", *graph_io(model)[0]])
-                onnx.save(lowered, path)
-                files[f"{target}/{kind}.onnx"] = sha256(path)
+                for written in save_onnx(lowered, path):
+                    files[f"{target}/{written.name}"] = sha256(written)
         specs = state_specs(model, state_dtype)
         initial = {s.input: t.contiguous() for s, t in zip(specs, model.init_state(1, dtype=state_dtype).values()) if s.init == "file"}
         if initial:

@@ -41,8 +41,9 @@ def decide(manifest: Manifest) -> tuple[str | None, list[str]]:
         reasons.append("bidirectional (no step graph): genai generates token by token")
     elif not manifest.graphs.get("prefill", False):
         reasons.append("no prefill graph (prompts are stepped): genai runs one graph for the whole prompt")
-    if manifest.quantization:
-        reasons.append("an INT8 export: edgemem calibrate writes no genai_config.json (the float export has one)")
+    if manifest.quantization and manifest.quantization.get("method") != "int4":
+        reasons.append("an INT8 export: edgemem calibrate writes no genai_config.json (the float export and an int4 "
+                       "export have one)")
     nonzero = [s.input for s in manifest.state if s.init != "zeros"]
     if nonzero:
         reasons.append(f"non-zero initial state ({', '.join(nonzero)} start from {STATE_INIT}): genai starts every "

@@ -1,4 +1,4 @@
-"""`calibrate`: an fp32 export directory → an INT8 export directory (projections only, state float).
+"""`calibrate`: an fp32 export directory → an INT8 or INT4 export directory (projections only, state float).
 
 dynamic: onnxruntime `quantize_dynamic` (MatMulInteger with per-channel INT8 weights, activations
   quantized at run time); no calibration data. Targets: the onnxruntime-runnable ones (ort, generic,
@@ -8,6 +8,11 @@ static: onnxruntime `quantize_static` in QDQ format, symmetric INT8 activations,
   edgemem runtime rolls out at the recipe's log-spaced positions. Ranges are calibrated once per graph
   (prefill, step) on the first runnable target and reused, by tensor name, for the other targets,
   trt included (its MatMuls are the same nodes; the plugin nodes stay float).
+int4: onnxruntime's `MatMulNBitsQuantizer` (weight-only, round-to-nearest): each selected MatMul becomes a
+  `com.microsoft::MatMulNBits` with 4-bit weights, asymmetric per block of `block_size` input rows (a float
+  scale and a 4-bit zero point per block and output column); activations stay float in the graph, the CPU
+  kernel multiplies them as int8 per block (accuracy_level 4). Targets: the onnxruntime-runnable ones. No
+  calibration data.
 
 Only the recipe-approved projections (see `edgemem.quant.graph`) are quantized; outputs of MatMul/Gemm
 are never quantized, so nothing downstream (gates, decays, norms, custom nodes, state) sees INT8.
@@ -35,13 +40,14 @@ from onnxruntime.quantization import (
 )
 
 from edgemem.errors import ConfigError, EdgememError
-from edgemem.files import check_output_dir, sha256, staged_directory, write_atomic
+from edgemem.files import check_output_dir, save_onnx, sha256, staged_directory, write_atomic
 from edgemem.manifest import MANIFEST, STATE_INIT, Manifest
 from edgemem.manifest import load as load_manifest
 from edgemem.quant.graph import (
     PROJECTION_OPS,
     Projection,
     boundary_violations,
+    fold_transposed_weights,
     isolate_inputs,
     projections,
     quantized_projections,
@@ -50,15 +56,32 @@ from edgemem.quant.recipe import Recipe, RecipeError, load_recipe
 
 log = logging.getLogger(__name__)
 
-METHODS = ("dynamic", "static")
+METHODS = ("dynamic", "static", "int4")
+BLOCK_SIZES = (16, 32, 64, 128, 256)  # MatMulNBits: a power of two, at least 16
+DEFAULT_BLOCK = 32
+ACCURACY_LEVEL = 4  # MatMulNBits on CPU: int8 activations per block inside the kernel (the fast path)
 RUNNABLE = ("ort", "generic", "onnx27")  # targets onnxruntime runs, in order of preference
 GRAPHS = ("prefill", "step")
 
 
 def default_out(directory: str | Path, method: str) -> Path:
-    """Where `edgemem calibrate DIR --method M` writes by default: `DIR-int8-M` beside DIR."""
+    """Where `edgemem calibrate DIR --method M` writes by default: `DIR-int8-M` beside DIR (`DIR-int4` for int4)."""
     directory = Path(directory).resolve()
-    return directory.with_name(f"{directory.name}-int8-{method}")
+    return directory.with_name(f"{directory.name}-int4" if method == "int4" else f"{directory.name}-int8-{method}")
+
+
+def block_size_for(method: str, block_size: int | None) -> int | None:
+    """The int4 block size (default 32); None for the int8 methods, which take none."""
+    if method != "int4":
+        if block_size is not None:
+            raise ConfigError(f"a block size applies to --method int4 only, not {method!r}")
+        return None
+    if block_size is None:
+        return DEFAULT_BLOCK
+    if block_size not in BLOCK_SIZES:
+        raise ConfigError(f"int4 block size must be a power of two from 16 to 256 "
+                          f"({', '.join(map(str, BLOCK_SIZES))}); got {block_size}")
+    return block_size
 
 
 class _Reader(CalibrationDataReader):
@@ -99,12 +122,14 @@ def calibration_feeds(directory: Path, manifest: Manifest, recipe: Recipe, threa
     return feeds
 
 
-def _select(paths: dict[tuple[str, str], Path], state_names: set[str],
-            recipe: Recipe) -> tuple[dict[tuple[str, str], list[Projection]], dict[tuple[str, str], list[str]]]:
-    """Every projection per (target, graph) and the node names to quantize; each recipe exclusion must
+def _select(paths: dict[tuple[str, str], Path], state_names: set[str], recipe: Recipe, *, matmul_only: bool = False
+            ) -> tuple[dict[tuple[str, str], list[Projection]], dict[tuple[str, str], list[str]]]:
+    """Every projection per (target, graph) and the node names to quantize (with `matmul_only`, for MatMulNBits:
+    MatMul only, it has no Gemm form, and a weight read through a Transpose counts); each recipe exclusion must
     name a projection of some graph."""
     found: dict[tuple[str, str], list[Projection]] = {
-        key: projections(onnx.load(str(path), load_external_data=False), state_names) for key, path in paths.items()
+        key: projections(onnx.load(str(path), load_external_data=False), state_names, transposed=matmul_only)
+        for key, path in paths.items()
     }
     everything = [p for ps in found.values() for p in ps]
     unknown = [pattern for pattern in recipe.exclude if not any(p.matches(pattern) for p in everything)]
@@ -113,7 +138,8 @@ def _select(paths: dict[tuple[str, str], Path], state_names: set[str],
         raise RecipeError(f"{recipe.source}: quantize.exclude names no MatMul/Gemm of this export: {', '.join(unknown)} "
                           f"(known projections: {', '.join(modules)})")
     selected = {
-        key: [p.node for p in ps if p.quantizable and not any(p.matches(x) for x in recipe.exclude)]
+        key: [p.node for p in ps if p.quantizable and not any(p.matches(x) for x in recipe.exclude)
+              and (p.op_type == "MatMul" or not matmul_only)]
         for key, ps in found.items()
     }
     return found, selected
@@ -129,13 +155,40 @@ class _QuietQuantizer(logging.Filter):
         return True
 
 
-def _quantize(method: str, source: Path, dest: Path, nodes: list[str], feeds: list | None, cache: Path) -> None:
+def _int4(source: Path, dest: Path, nodes: list[str], block_size: int) -> None:
+    """MatMulNBits on `nodes`: the quantizer takes every MatMul it is not told to exclude."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    root.handlers[:], root.level = handlers, level  # its import calls logging.basicConfig(level=INFO): undo that
+    chatty = logging.getLogger(MatMulNBitsQuantizer.__module__)  # a line per node at INFO
+    chatty_level = chatty.level
+    chatty.setLevel(logging.WARNING)
+    try:
+        model = onnx.load(str(source))
+        fold_transposed_weights(model, nodes)  # a tied output head: MatMulNBits needs the weight as an initializer
+        chosen = set(nodes)
+        others = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in chosen]
+        quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=block_size, is_symmetric=False, accuracy_level=ACCURACY_LEVEL,
+                                         nodes_to_exclude=others, op_types_to_quantize=("MatMul",))
+        quantizer.process()
+    finally:
+        chatty.setLevel(chatty_level)
+    save_onnx(quantizer.model.model, dest)
+
+
+def _quantize(method: str, source: Path, dest: Path, nodes: list[str], feeds: list | None, cache: Path,
+              block_size: int | None = None) -> None:
     """onnxruntime.quantization on `nodes`; static ranges come from `feeds`, or from `cache` when None."""
     common = dict(op_types_to_quantize=list(PROJECTION_OPS), per_channel=True, nodes_to_quantize=nodes,
                   weight_type=QuantType.QInt8)
     quiet = _QuietQuantizer()
     logging.getLogger().addFilter(quiet)
     try:
+        if method == "int4":
+            _int4(source, dest, nodes, block_size or DEFAULT_BLOCK)
+            return
         if method == "dynamic":
             quantize_dynamic(source, dest, extra_options={"MatMulConstBOnly": True}, **common)
             return
@@ -153,12 +206,14 @@ def _quantize(method: str, source: Path, dest: Path, nodes: list[str], feeds: li
 
 
 def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Recipe | None = None,
-              out: str | Path | None = None, *, force: bool = False, threads: int | None = 1) -> Manifest:
-    """Quantize the export in `directory` to INT8 (see the module docstring); returns the new manifest."""
+              out: str | Path | None = None, *, force: bool = False, threads: int | None = 1,
+              block_size: int | None = None) -> Manifest:
+    """Quantize the export in `directory` to INT8 or INT4 (see the module docstring); returns the new manifest."""
     directory = Path(directory)
     manifest = load_manifest(directory)
     if method not in METHODS:
         raise ConfigError(f"unknown quantization method {method!r}; choose from {', '.join(METHODS)}")
+    block_size = block_size_for(method, block_size)
     if manifest.quantization:
         raise EdgememError(f"{directory} is already quantized ({manifest.quantization['method']}); "
                            "calibrate the fp32 export")
@@ -168,15 +223,15 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
         raise EdgememError(f"{directory} has no target onnxruntime can run (it has {', '.join(manifest.targets)}); "
                            "calibration needs ort or generic")
     targets = runnable + (["trt"] if method == "static" and "trt" in manifest.targets else [])
-    if method == "dynamic" and "trt" in manifest.targets:
-        log.warning("dynamic INT8 leaves the trt target out (TensorRT needs explicit Q/DQ: use --method static)")
+    if method != "static" and "trt" in manifest.targets:
+        log.warning("%s leaves the trt target out (TensorRT needs explicit Q/DQ: use --method static)", method)
     kinds = [k for k in GRAPHS if manifest.graphs.get(k)]
     out = Path(out) if out is not None else default_out(directory, method)
     out = check_output_dir(out, force=force, inputs=[directory])
 
     state_names = {n for s in manifest.state for n in (s.input, s.output)}
     sources = {(t, k): directory / t / f"{k}.onnx" for t in targets for k in kinds}
-    found, selected = _select(sources, state_names, recipe)
+    found, selected = _select(sources, state_names, recipe, matmul_only=method == "int4")
     feeds = calibration_feeds(directory, manifest, recipe, threads) if method == "static" else None
 
     with staged_directory(out) as tmp:
@@ -196,14 +251,19 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
                         isolate_inputs(model, nodes)
                         source = tmp / f".{target}-{kind}.isolated.onnx"
                         onnx.save(model, source)
-                    _quantize(method, source, dest, nodes, feeds[kind] if feeds is not None and i == 0 else None, cache)
+                    _quantize(method, source, dest, nodes, feeds[kind] if feeds is not None and i == 0 else None, cache,
+                              block_size)
                     if method == "static":
                         source.unlink()
                 else:
-                    shutil.copyfile(sources[(target, kind)], dest)
+                    for suffix in ("", ".data"):  # a graph with external data (edgemem.files.save_onnx) brings it
+                        if (source := sources[(target, kind)].with_name(f"{kind}.onnx{suffix}")).is_file():
+                            shutil.copyfile(source, dest.with_name(dest.name + suffix))
                 _check(dest, state_names, len(nodes))
-                name = f"{target}/{kind}.onnx"
-                files[name], counts[name] = sha256(dest), len(nodes)
+                counts[f"{target}/{kind}.onnx"] = len(nodes)
+                for written in (dest, dest.with_name(dest.name + ".data")):
+                    if written.is_file():
+                        files[f"{target}/{written.name}"] = sha256(written)
             cache.unlink(missing_ok=True)
         if STATE_INIT in manifest.files:
             shutil.copyfile(directory / STATE_INIT, tmp / STATE_INIT)
@@ -212,8 +272,15 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
             arch=manifest.arch, config=dict(manifest.config), opset=manifest.opset, targets=targets,
             state=manifest.state, graphs=manifest.graphs, files=files, inputs=manifest.inputs, outputs=manifest.outputs,
             kv_cache=manifest.kv_cache,
-            quantization=_record(directory, manifest, method, recipe, found, selected, counts),
+            quantization=_record(directory, manifest, method, recipe, found, selected, counts, block_size),
         )
+        if method == "int4":  # weight-only MatMulNBits is onnxruntime-genai's own format: it runs the int4 export
+            from edgemem.export import genai
+
+            quantized.genai, config = genai.entry(quantized)
+            if config is not None:
+                write_atomic(tmp / genai.GENAI_CONFIG, config)
+                files[genai.GENAI_CONFIG] = sha256(tmp / genai.GENAI_CONFIG)
         write_atomic(tmp / MANIFEST, quantized.to_json().encode())
     log.info("wrote %s", out)
     return quantized
@@ -230,15 +297,22 @@ def _check(path: Path, state_names: set[str], expected: int) -> None:
         raise EdgememError(f"{path.name}: {count} projections quantized, {expected} selected")
 
 
+def _scheme(method: str, block_size: int | None) -> dict[str, Any]:
+    if method == "int4":
+        return {"weights": f"int4 asymmetric blockwise (block {block_size} input rows, float scale, 4-bit zero point)",
+                "activations": f"float in the graph; int8 per block inside MatMulNBits (accuracy_level {ACCURACY_LEVEL})",
+                "ops": ["MatMul"], "block_size": block_size}
+    return {"weights": "int8 symmetric per-channel", "activations": "int8 dynamic per-tensor"
+            if method == "dynamic" else "int8 symmetric per-tensor (QDQ, MinMax calibration)", "ops": list(PROJECTION_OPS)}
+
+
 def _record(directory: Path, manifest: Manifest, method: str, recipe: Recipe, found: dict, selected: dict,
-            counts: dict[str, int]) -> dict[str, Any]:
+            counts: dict[str, int], block_size: int | None) -> dict[str, Any]:
     """The manifest's record of how this export was quantized."""
     kept = {p.module or p.node for key, ps in found.items() for p in ps if p.node not in selected[key]}
     return {
         "method": method,
-        "scheme": {"weights": "int8 symmetric per-channel", "activations": "int8 dynamic per-tensor"
-                   if method == "dynamic" else "int8 symmetric per-tensor (QDQ, MinMax calibration)",
-                   "ops": list(PROJECTION_OPS)},
+        "scheme": _scheme(method, block_size),
         "recipe": recipe.to_dict(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "source": {"directory": str(directory.resolve()), "identity": manifest.identity()},

@@ -1,4 +1,4 @@
-"""Drift report: a quantized export against its fp32 export on held-out streams, at long horizons.
+"""Drift report: a quantized (INT8 or INT4) export against its fp32 export on held-out streams, at long horizons.
 
 Both exports roll out the same held-out streams of the recipe's task (`Task.stream`) with the
 runtime's chunked prefill (the prefill graph, `chunk_size` tokens per run; a model without one is
@@ -137,6 +137,10 @@ def drift_report(reference: str | Path, quantized: str | Path, recipe: str | Rec
     }
 
 
+def _label(method: str | None) -> str:
+    return "INT4" if method == "int4" else f"INT8 {method or ''}".strip()
+
+
 def plot_report(report: dict[str, Any], path: str | Path) -> bool:
     """Error and metric against horizon as a PNG; False (and a log line) when matplotlib is missing."""
     try:
@@ -154,9 +158,9 @@ def plot_report(report: dict[str, Any], path: str | Path) -> bool:
     for kind in rows[0]["state_rel_err"]:
         err_ax.plot(horizons, [r["state_rel_err"][kind] for r in rows], "s--", label=f"state: {kind}")
     err_ax.set(xscale="log", yscale="log", xlabel="position (tokens)", ylabel="relative error vs fp32",
-               title=f"INT8 {report.get('method') or ''} drift")
+               title=f"{_label(report.get('method'))} drift")
     err_ax.legend(fontsize="small")
-    metric_ax.plot(horizons, [r["metric"] for r in rows], "o-", label="int8")
+    metric_ax.plot(horizons, [r["metric"] for r in rows], "o-", label="int4" if report.get("method") == "int4" else "int8")
     metric_ax.plot(horizons, [report["fp32_metric"][str(h)] for h in horizons], "s--", label="fp32")
     metric_ax.set(xscale="log", xlabel="position (tokens)", ylabel=report["metric_name"], title=report["task"]["name"])
     metric_ax.legend()

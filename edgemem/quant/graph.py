@@ -1,4 +1,4 @@
-"""Which nodes of an exported graph are INT8 projections, and the float boundary around state.
+"""Which nodes of an exported graph are INT8/INT4 projections, and the float boundary around state.
 
 A projection is a MatMul/Gemm of the main graph whose B is a weight (an initializer) and whose
 activation input is neither a state tensor nor a tensor that a custom node (edgemem's ops, or
@@ -18,7 +18,7 @@ import onnx
 PROJECTION_OPS = ("MatMul", "Gemm")
 QUANT_OPS = frozenset({
     "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger", "QLinearMatMul",
-    "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "QGemm",
+    "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "QGemm", "MatMulNBits",
 })
 _STANDARD_DOMAINS = ("", "ai.onnx")
 
@@ -26,6 +26,7 @@ _STANDARD_DOMAINS = ("", "ai.onnx")
 @dataclass(frozen=True)
 class Projection:
     node: str  # node name (what onnxruntime.quantization selects by)
+    op_type: str  # MatMul or Gemm
     module: str  # PyTorch module path from the exporter's metadata, e.g. model.blocks.0.mixer.qkv; "" if absent
     tensors: tuple[str, ...]  # inputs and outputs
     quantizable: bool  # False when structurally excluded (no weight, or touching state / a custom node)
@@ -77,10 +78,21 @@ def _module(node: onnx.NodeProto) -> str:
     return ""
 
 
-def projections(model: onnx.ModelProto, state_names: set[str]) -> list[Projection]:
-    """Every MatMul/Gemm of the main graph, marked quantizable or not (see the module docstring)."""
+def _transposed_weights(model: onnx.ModelProto) -> dict[str, str]:
+    """{output: initializer} of 2-D Transposes of an initializer: a tied output head reads the embedding so when the
+    exporter did not fold the transpose (it leaves large tensors alone)."""
+    shapes = {i.name: len(i.dims) for i in model.graph.initializer}
+    return {n.output[0]: n.input[0] for n in model.graph.node
+            if n.op_type == "Transpose" and n.domain in _STANDARD_DOMAINS and shapes.get(n.input[0]) == 2}
+
+
+def projections(model: onnx.ModelProto, state_names: set[str], *, transposed: bool = False) -> list[Projection]:
+    """Every MatMul/Gemm of the main graph, marked quantizable or not (see the module docstring). With
+    `transposed`, a weight read through a Transpose (see `fold_transposed_weights`) counts as a weight."""
     weights = {i.name for i in model.graph.initializer}
     weights |= {n.output[0] for n in model.graph.node if n.op_type == "Constant" and n.domain in _STANDARD_DOMAINS}
+    if transposed:
+        weights |= set(_transposed_weights(model))
     protected = protected_tensors(model, state_names)
     found = []
     for node in model.graph.node:
@@ -88,7 +100,7 @@ def projections(model: onnx.ModelProto, state_names: set[str]) -> list[Projectio
             continue
         ok = len(node.input) >= 2 and node.input[1] in weights and node.input[0] not in weights
         ok = ok and not protected & {node.input[0], *node.output}
-        found.append(Projection(node.name, _module(node), (*filter(None, node.input), *node.output), ok and bool(node.name)))
+        found.append(Projection(node.name, node.op_type, _module(node), (*filter(None, node.input), *node.output), ok and bool(node.name)))
     return found
 
 
@@ -109,11 +121,11 @@ def boundary_violations(model: onnx.ModelProto, state_names: set[str]) -> list[s
 
 
 def quantized_projections(model: onnx.ModelProto) -> int:
-    """Projections running in INT8: MatMul/Gemm fed by a DequantizeLinear (QDQ), or integer matmuls (dynamic)."""
+    """Quantized projections: MatMul/Gemm fed by a DequantizeLinear (QDQ), integer matmuls (dynamic), MatMulNBits (int4)."""
     produced_by = {o: n.op_type for n in model.graph.node for o in n.output}
     count = 0
     for node in model.graph.node:
-        if node.op_type in ("MatMulInteger", "DynamicQuantizeMatMul", "QLinearMatMul", "QGemm"):
+        if node.op_type in ("MatMulInteger", "DynamicQuantizeMatMul", "QLinearMatMul", "QGemm", "MatMulNBits"):
             count += 1
         elif node.op_type in PROJECTION_OPS and node.input and produced_by.get(node.input[0]) == "DequantizeLinear":
             count += 1
@@ -144,3 +156,29 @@ def isolate_inputs(model: onnx.ModelProto, nodes: list[str]) -> int:
     del model.graph.node[:]
     model.graph.node.extend(graph_nodes)
     return inserted
+
+
+def fold_transposed_weights(model: onnx.ModelProto, nodes: list[str]) -> int:
+    """Give each MatMul of `nodes` that reads a transposed initializer its own transposed copy as an initializer
+    (what a weight-only quantizer needs); a Transpose no longer read is dropped. Modifies `model` (its weights must
+    be loaded); returns the number of weights folded."""
+    from onnx import numpy_helper
+
+    sources = _transposed_weights(model)
+    values = {i.name: i for i in model.graph.initializer}
+    chosen = set(nodes)
+    folded = 0
+    for node in model.graph.node:
+        if node.name in chosen and node.op_type == "MatMul" and node.input[1] in sources:
+            name = f"{sources[node.input[1]]}.transposed"
+            if name not in values:
+                array = numpy_helper.to_array(values[sources[node.input[1]]]).T.copy()
+                values[name] = numpy_helper.from_array(array, name)
+                model.graph.initializer.append(values[name])
+            node.input[1] = name
+            folded += 1
+    read = {name for n in model.graph.node for name in n.input} | {o.name for o in model.graph.output}
+    kept = [n for n in model.graph.node if not (n.op_type == "Transpose" and n.output[0] in sources and n.output[0] not in read)]
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    return folded

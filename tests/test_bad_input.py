@@ -168,7 +168,7 @@ CLI_CASES += [
      "is a file, not a directory"),
     ("calibrate-report-is-dir", ["calibrate", "{ws}/work/e", "--out", "{ws}/q", "--report", "{ws}/adir"], "is a directory"),
     ("calibrate-plot-proc", ["calibrate", "{ws}/work/e", "--out", "{ws}/q", "--plot", "/proc/x.png"], "cannot write"),
-    ("calibrate-method", ["calibrate", "{ws}/work/e", "--method", "int4", "--out", "{ws}/q"], "'int4' is not one of"),
+    ("calibrate-method", ["calibrate", "{ws}/work/e", "--method", "int3", "--out", "{ws}/q"], "'int3' is not one of"),
     ("calibrate-recipe", ["calibrate", "{ws}/work/e", "--recipe", "nosuch", "--out", "{ws}/q"], "nosuch"),
     ("calibrate-threads-0", ["calibrate", "{ws}/work/e", "--threads", "0", "--out", "{ws}/q"], "0 is not in the range"),
     ("calibrate-not-export", ["calibrate", "{ws}/src", "--out", "{ws}/q"], "not an edgemem export"),

@@ -44,7 +44,14 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's edgemem, whatever else is installed
-ENGINES = ("edgemem", "genai", "llama.cpp", "transformers")
+ENGINES = ("edgemem", "edgemem-growing", "genai", "llama.cpp", "transformers")
+GRAPHS = {  # what each engine runs
+    "edgemem": "edgemem export --max-length (preallocated KV cache written in place)",
+    "edgemem-growing": "edgemem export (growing KV cache: the graph genai runs)",
+    "genai": "edgemem export (growing KV cache), genai_config.json",
+    "llama.cpp": "convert_hf_to_gguf.py (f32) / llama_model_quantize (Q4_0)",
+    "transformers": "Qwen3_5ForCausalLM, DynamicCache",
+}
 PRECISIONS = ("fp32", "int4")
 CHUNK = 512
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -125,20 +132,37 @@ def make_model(cache: Path, name: str) -> Path:
     return hf
 
 
-def make_exports(cache: Path, hf: Path) -> dict[str, Path]:
+def make_exports(cache: Path, hf: Path, max_length: int) -> dict[str, dict[str, Path]]:
+    """{"growing" | "preallocated": {precision: export directory}}; the preallocated cache holds `max_length`."""
     from edgemem.export import export
     from edgemem.models.hf import from_hf, tokenizer_files
+    from edgemem.models.lm import set_kv_cache
     from edgemem.quant import calibrate
 
-    out = {"fp32": cache / "edgemem-fp32", "int4": cache / "edgemem-int4"}
-    if not (out["fp32"] / "edgemem.json").is_file():
-        log("edgemem export (ort target)")
-        export(from_hf(hf), out["fp32"], targets=["ort"], extra_config={"source": str(hf)}, tokenizer=tokenizer_files(hf),
-               force=True)
-    if not (out["int4"] / "edgemem.json").is_file():
-        log("edgemem calibrate --method int4")
-        calibrate(out["fp32"], "int4", out=out["int4"], force=True)
+    out = {"growing": {"fp32": cache / "edgemem-fp32", "int4": cache / "edgemem-int4"},
+           "preallocated": {"fp32": cache / f"edgemem-fp32-cache{max_length}", "int4": cache / f"edgemem-int4-cache{max_length}"}}
+    for kind, dirs in out.items():
+        if not (dirs["fp32"] / "edgemem.json").is_file():
+            log(f"edgemem export (ort target, {kind} KV cache)")
+            model = from_hf(hf)
+            if kind == "preallocated":
+                set_kv_cache(model, max_length)
+            export(model, dirs["fp32"], targets=["ort"], extra_config={"source": str(hf)}, tokenizer=tokenizer_files(hf),
+                   force=True)
+        if not (dirs["int4"] / "edgemem.json").is_file():
+            log(f"edgemem calibrate --method int4 ({kind} KV cache)")
+            calibrate(dirs["fp32"], "int4", out=dirs["int4"], force=True)
     return out
+
+
+def stream_length(positions: list[int], steps: int) -> int:
+    """Tokens a worker's stream holds at most: every position, the decoded tokens after each, some slack."""
+    return max(positions) + steps * len(positions) + 16
+
+
+def cache_length(positions: list[int], steps: int) -> int:
+    """The preallocated cache: the stream's length rounded up to a power of two (one export serves nearby runs)."""
+    return 1 << (stream_length(positions, steps) - 1).bit_length()
 
 
 def make_gguf(cache: Path, hf: Path, src: Path | None) -> tuple[dict[str, Path], str]:
@@ -219,7 +243,13 @@ def peak_rss() -> int:
 
 
 class Runner:
-    """prefill(ids) continues the stream; step(token) decodes one token."""
+    """prefill(ids) continues the stream; step(token) decodes one token. A runner whose cache can be filled
+    (`fills`) reaches positions after the first by fill(n): n random rows appended to every attention cache."""
+
+    fills = False
+
+    def fill(self, n: int) -> None:
+        raise NotImplementedError
 
     def prefill(self, ids: np.ndarray) -> None:
         raise NotImplementedError
@@ -294,6 +324,8 @@ class LlamaRunner(Runner):
 
 
 class TransformersRunner(Runner):
+    fills = True  # a 16K real prefill in eager mode takes longer than the rest of the benchmark
+
     def __init__(self, path: Path, threads: int, max_len: int):
         import torch
         from transformers import DynamicCache, Qwen3_5ForCausalLM
@@ -302,6 +334,17 @@ class TransformersRunner(Runner):
         self.torch = torch
         self.model = Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         self.cache = DynamicCache(config=self.model.config)
+
+    def fill(self, n):
+        """Append n random rows to each full-attention layer's keys and values; the gated-DeltaNet layers' states
+        have a fixed size and stay as the real prefill left them. Decode time does not depend on the values."""
+        from transformers.cache_utils import DynamicLayer
+
+        for layer in self.cache.layers:
+            if isinstance(layer, DynamicLayer) and layer.get_seq_length():
+                shape = (*layer.keys.shape[:-2], n, layer.keys.shape[-1])
+                layer.keys = self.torch.cat([layer.keys, self.torch.randn(shape, dtype=layer.keys.dtype)], dim=-2)
+                layer.values = self.torch.cat([layer.values, self.torch.randn(shape, dtype=layer.values.dtype)], dim=-2)
 
     def _run(self, ids):
         with self.torch.inference_mode():
@@ -316,20 +359,24 @@ class TransformersRunner(Runner):
         self._run([token])
 
 
-RUNNERS = {"edgemem": EdgememRunner, "genai": GenaiRunner, "llama.cpp": LlamaRunner, "transformers": TransformersRunner}
+RUNNERS = {"edgemem": EdgememRunner, "edgemem-growing": EdgememRunner, "genai": GenaiRunner, "llama.cpp": LlamaRunner, "transformers": TransformersRunner}
 
 
 def worker(args: argparse.Namespace) -> None:
     """One engine × precision: load, prefill to each position, time decode there; JSON on stdout."""
     positions = sorted(args.positions)
-    length = positions[-1] + args.steps * len(positions) + 16
+    length = stream_length(positions, args.steps)
     ids = np.random.default_rng(1).integers(2, CONFIGS[args.config]["vocab_size"], length)
     t0 = time.perf_counter()
     runner = RUNNERS[args.worker](Path(args.path), args.threads, length)
     result: dict[str, Any] = {"load_s": round(time.perf_counter() - t0, 2), "prefill": {}, "decode": {}}
     position = 0
     for target in positions:
-        if target > position:
+        if target > position and position and runner.fills:
+            runner.fill(target - position)
+            result.setdefault("filled", []).append(f"{position}-{target}")
+            position = target
+        elif target > position:
             t0 = time.perf_counter()
             runner.prefill(ids[position:target])
             seconds = time.perf_counter() - t0
@@ -366,8 +413,9 @@ def run_worker(engine: str, precision: str, path: Path, args: argparse.Namespace
 
 def table(report: dict[str, Any]) -> str:
     positions = report["positions"]
-    head = ["engine", "precision", *(f"decode tok/s @{p}" for p in positions), f"prefill tok/s (0→{positions[0]})",
-            "peak RSS (GiB)", "floor tok/s"]
+    first, last = positions[0], positions[-1]
+    head = ["engine", "precision", *(f"decode tok/s @{p}" for p in positions), f"step time @{last} / @{first}",
+            f"prefill tok/s (0→{first})", "peak RSS (GiB)", "model files (GB)", "floor tok/s", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for engine, rows in report["engines"].items():
         for precision, row in rows.items():
@@ -376,9 +424,13 @@ def table(report: dict[str, Any]) -> str:
                 lines.append(f"| {engine} | {precision} | " + " | ".join([""] * (len(head) - 3))
                              + f" | {row.get('skipped') or row.get('error')} |")
                 continue
+            decode = row["decode"]
             prefill = next(iter(row["prefill"].values()))["tok_s"]
-            lines.append("| " + " | ".join([engine, precision, *(f"{row['decode'][str(p)]['tok_s']:.2f}" for p in positions),
-                                            f"{prefill:.1f}", f"{row['peak_rss_bytes'] / 2**30:.2f}", f"{floor}"]) + " |")
+            note = f"reached {', '.join(row['filled'])} by filling its cache" if row.get("filled") else ""
+            lines.append("| " + " | ".join([
+                engine, precision, *(f"{decode[str(p)]['tok_s']:.2f}" for p in positions),
+                f"{decode[str(last)]['us_per_token'] / decode[str(first)]['us_per_token']:.2f}", f"{prefill:.1f}",
+                f"{row['peak_rss_bytes'] / 2**30:.2f}", f"{row.get('model_bytes', 0) / 1e9:.2f}", f"{floor}", note]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -457,12 +509,12 @@ def main() -> None:
     cache = args.cache or Path.home() / ".cache" / "edgemem-bench" / args.config
     cache.mkdir(parents=True, exist_ok=True)
     hf = make_model(cache, args.config)
-    exports = make_exports(cache, hf)
+    exports = make_exports(cache, hf, cache_length(args.positions, args.steps))
     ggufs, no_llama = make_gguf(cache, hf, args.llama_cpp_src) if "llama.cpp" in args.engines else ({}, "")
     bandwidth = copy_bandwidth(64 if args.config == "tiny" else 512)
     floor = {}
     for precision in args.precisions:
-        weights = decode_weight_bytes(exports[precision])
+        weights = decode_weight_bytes(exports["growing"][precision])
         us = weights / bandwidth * 1e6
         floor[precision] = {"weight_bytes": weights, "us_per_token": round(us, 1), "tok_s": round(1e6 / us, 2)}
     installed = {"genai": "onnxruntime_genai", "llama.cpp": "llama_cpp", "transformers": "transformers"}
@@ -478,8 +530,9 @@ def main() -> None:
             elif engine == "transformers" and precision == "int4":
                 engines[engine][precision] = {"skipped": "transformers has no int4 CPU path in this environment"}
             else:
-                path = {"edgemem": exports, "genai": exports, "llama.cpp": ggufs, "transformers": {"fp32": hf}}[engine][precision]
-                engines[engine][precision] = run_worker(engine, precision, path, args)
+                path = {"edgemem": exports["preallocated"], "edgemem-growing": exports["growing"], "genai": exports["growing"],
+                        "llama.cpp": ggufs, "transformers": {"fp32": hf}}[engine][precision]
+                engines[engine][precision] = {"graph": GRAPHS[engine], **run_worker(engine, precision, path, args)}
                 engines[engine][precision]["model_bytes"] = sum(
                     f.stat().st_size for f in ([path] if path.is_file() else path.rglob("*")) if f.is_file()
                     and f.suffix in (".onnx", ".data", ".gguf", ".safetensors"))
@@ -489,8 +542,10 @@ def main() -> None:
                     "copy_bandwidth_GBps": round(bandwidth / 1e9, 2)},
         "positions": sorted(args.positions), "steps": args.steps, "precisions": args.precisions, "prefill_chunk": CHUNK,
         "floor": floor, "engines": engines,
-        "method": "each engine in its own process; position reached by a real chunked prefill; decode = median of "
-                  "`steps` batch-1 tokens; floor = decode weight bytes / copy bandwidth",
+        "kv_cache_length": cache_length(args.positions, args.steps),
+        "method": "each engine in its own process; positions reached by a real chunked prefill, except where a row "
+                  "lists `filled` (random rows appended to its attention caches); decode = median of `steps` batch-1 "
+                  "tokens; floor = decode weight bytes / copy bandwidth",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     args.out.mkdir(parents=True, exist_ok=True)

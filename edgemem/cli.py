@@ -404,6 +404,7 @@ def calibrate_command(directory, method, block_size, recipe, out_dir, report_pat
     from rich.table import Table
 
     from edgemem.files import check_output_file
+    from edgemem.manifest import load as load_manifest
     from edgemem.quant import block_size_for, calibrate, default_out, drift_report, load_recipe, plot_report
 
     block_size_for(method, block_size)  # a bad block size fails before any work
@@ -411,6 +412,9 @@ def calibrate_command(directory, method, block_size, recipe, out_dir, report_pat
         if path:
             check_output_file(path, option)
     recipe = load_recipe(recipe)
+    if not no_drift:  # the report's data must fit the model before anything is written
+        source = load_manifest(directory)
+        recipe.check_vocabulary(source.arch, source.vocab_size)
     out = Path(out_dir) if out_dir else default_out(directory, method)
     console = Console(stderr=True)
     with console.status(f"calibrating ({method}, recipe {recipe.name})"):

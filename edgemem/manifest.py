@@ -32,6 +32,7 @@ FORMAT = "edgemem/1"
 MANIFEST = "edgemem.json"
 STATE_DTYPES = ("float32", "float16", "float64", "int64")
 STATE_INIT = "state_init.safetensors"
+TOKENIZER_DIR = "tokenizer"  # the tokenizer files an export carries
 TARGETS = ("generic", "ort", "onnx27", "trt")
 
 

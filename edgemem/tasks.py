@@ -54,6 +54,7 @@ from edgemem.config import fits_memory
 from edgemem.errors import ConfigError
 
 TASKS: tuple[str, ...] = ("mqar", "mqar-far", "copy", "bytes")
+VOCAB = 256  # every task's token ids are bytes
 HELD_OUT = 0x4E1D  # first word of every held-out seed sequence
 TRAIN = 0x7EA1  # first word of every training seed sequence (used by edgemem.train)
 

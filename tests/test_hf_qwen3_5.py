@@ -20,6 +20,7 @@ from edgemem.export import export
 from edgemem.models import from_hf
 from edgemem.models.hf import tokenizer_files
 from edgemem.models.hf.cache import from_external, to_external
+from edgemem.quant import calibrate
 from edgemem.runtime import Engine
 
 VOCAB = 61
@@ -178,6 +179,25 @@ def test_edgemem_run_encodes_and_decodes_text_with_the_exported_tokenizer(export
     result = CliRunner().invoke(main, ["run", str(out), "--prompt", text, "--max-new-tokens", "8", "--threads", "1"])
     assert result.exit_code == 0, result.output
     assert result.stdout == tok.decode(reference)
+
+
+@pytest.mark.parametrize("method", ["dynamic", "int4"])
+def test_a_quantized_export_keeps_the_tokenizer_and_runs_text(exported, tmp_path, method):
+    """calibrate carries the tokenizer beside the graphs (hashed), so `edgemem run --prompt` works on its output."""
+    _, src, out, _ = exported
+    quantized = tmp_path / method
+    calibrate(out, method, out=quantized)
+    files = json.loads((quantized / "edgemem.json").read_text())["files"]
+    assert files["tokenizer/tokenizer.json"] == json.loads((out / "edgemem.json").read_text())["files"]["tokenizer/tokenizer.json"]
+    result = CliRunner().invoke(main, ["run", str(quantized), "--prompt", "w3 w14 w15", "--max-new-tokens", "4", "--threads", "1"])
+    assert result.exit_code == 0, result.output
+
+
+def test_calibrating_a_model_smaller_than_the_byte_tasks_is_refused_before_writing(exported, tmp_path):
+    _, _, out, _ = exported  # vocabulary 61: the calibration and drift tasks feed byte ids up to 255
+    result = CliRunner().invoke(main, ["calibrate", str(out), "--method", "int4", "--out", str(tmp_path / "q")])
+    assert result.exit_code == 2 and "vocabulary of 61" in result.output and "at least 256 tokens" in result.output
+    assert not (tmp_path / "q").exists()
 
 
 def test_state_hands_over_both_ways_with_transformers_cache(exported):

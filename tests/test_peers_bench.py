@@ -26,17 +26,59 @@ def test_peer_benchmark_runs_every_installed_engine_on_a_tiny_model(tmp_path):
     assert report["positions"] == [32, 96] and report["machine"]["copy_bandwidth_GBps"] > 0
     floor = report["floor"]
     assert 0 < floor["int4"]["weight_bytes"] < floor["fp32"]["weight_bytes"]
-    ran = {"edgemem"} | {e for e, m in (("genai", "onnxruntime_genai"), ("transformers", "transformers"))
+    ran = {"edgemem", "edgemem-growing"} | {e for e, m in (("genai", "onnxruntime_genai"), ("transformers", "transformers"))
                          if importlib.util.find_spec(m)}
-    for engine in ("edgemem", "genai", "llama.cpp", "transformers"):
+    for engine in ("edgemem", "edgemem-growing", "genai", "llama.cpp", "transformers"):
         for precision in ("fp32", "int4"):
             row = report["engines"][engine][precision]
             if engine in ran and not (engine == "transformers" and precision == "int4"):
                 assert "error" not in row, (engine, precision, row)
                 assert all(row["decode"][p]["tok_s"] > 0 for p in ("32", "96")), row
-                assert list(row["prefill"]) == ["0-32", "35-96"] and row["peak_rss_bytes"] > 2**20
+                assert row["peak_rss_bytes"] > 2**20 and row["graph"]
+                if engine == "transformers":  # the later position is reached by filling its cache with random rows
+                    assert list(row["prefill"]) == ["0-32"] and row["filled"] == ["35-96"]
+                else:
+                    assert list(row["prefill"]) == ["0-32", "35-96"] and "filled" not in row
             else:
                 assert row["skipped"], (engine, precision, row)  # not installed / no source tree / no int4 path
     table = (tmp_path / "out" / "peers-quick-tiny.md").read_text()
-    assert table.count("\n") == 2 + 8 and "| edgemem | int4 |" in table
+    assert table.count("\n") == 2 + 10 and "| edgemem | int4 |" in table and "| edgemem-growing | fp32 |" in table
+    assert report["kv_cache_length"] == 128  # 96 + 2 × 3 decoded + 16, rounded up to a power of two
+    assert (tmp_path / "cache" / "edgemem-fp32-cache128" / "edgemem.json").is_file()
     assert (tmp_path / "out" / "peers-quick-tiny.png").stat().st_size > 10_000
+
+
+def _peers():
+    spec = importlib.util.spec_from_file_location("peers", ROOT / "benchmarks" / "peers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_transformers_fill_brings_every_attention_cache_to_the_position_and_decoding_goes_on(tmp_path):
+    pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+    import torch
+    from transformers.cache_utils import DynamicLayer
+
+    peers = _peers()
+    runner = peers.TransformersRunner(peers.make_model(tmp_path, "tiny"), threads=1, max_len=64)
+    runner.prefill([5, 9, 12, 7, 3, 2, 8, 4])
+    def linear_states():
+        return [t.clone() for layer in runner.cache.layers for t in getattr(layer, "recurrent_states", {}).values()]
+
+    linear = linear_states()
+    runner.fill(20)
+    assert runner.cache.get_seq_length() == 28
+    attention = [layer for layer in runner.cache.layers if isinstance(layer, DynamicLayer)]
+    assert attention and all(layer.keys.shape[-2] == layer.values.shape[-2] == 28 for layer in attention)
+    assert linear and all(torch.equal(a, b) for a, b in zip(linear, linear_states()))  # fixed-size states are left alone
+    runner.step(11)
+    assert runner.cache.get_seq_length() == 29
+
+
+def test_the_preallocated_cache_covers_the_whole_stream():
+    peers = _peers()
+    assert peers.stream_length([1024, 16384], 32) == 16384 + 64 + 16
+    assert peers.cache_length([1024, 16384], 32) == 32768
+    assert peers.cache_length([32, 96], 3) == 128 and peers.cache_length([16], 1) == 64
+

@@ -11,7 +11,9 @@ graph checks the Loop itself: every piece within one segment, rows in order.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import random
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -29,6 +31,8 @@ from edgemem.manifest import load
 from edgemem.models import LM, LMConfig, build
 from edgemem.runtime import Engine
 from edgemem.runtime.state import initial_state
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SEGMENT = 4
 OVERRIDES = {"d_model": 32, "n_layers": 2, "mlp_hidden": 32, "chunk_size": SEGMENT}
@@ -307,3 +311,15 @@ def test_rows_at_positions_a_segment_apart_share_the_pieces_and_others_come_out_
     for name, value in state.items():
         if value.dtype.kind == "f":
             assert np.isfinite(value[0]).all() and np.isnan(value[1]).all(), name
+
+
+def test_titans_mac_prefill_sample_measures_a_prefill_equal_to_stepping(small_exports):
+    """samples/titans_mac_prefill.py's measurement on the small titans-mac export: the prefill graph's logits
+    are the stepped logits, for prompts that cross segment boundaries."""
+    spec = importlib.util.spec_from_file_location("titans_mac_prefill", ROOT / "samples" / "titans_mac_prefill.py")
+    sample = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sample)
+    report = sample.measure(small_exports["titans-mac"], [37, 70], repeats=1, threads=1)
+    assert [row["tokens"] for row in report["results"]] == [37, 70]
+    assert all(row["max_abs_logit_diff"] < 1e-4 and row["prefill_s"] > 0 and row["step_s"] > 0 for row in report["results"])
+    assert report["engine"]["target"] == "ort"

@@ -33,12 +33,11 @@ from edgemem.export.graphs import export_graph, graph_io, growing_dims, input_na
 from edgemem.export.lower import lower
 from edgemem.export.segments import loop_over_segments, position_input, prefill_segment
 from edgemem.files import check_output_dir, save_onnx, sha256, staged_directory, write_atomic
-from edgemem.manifest import MANIFEST, STATE_INIT, TARGETS, Manifest, StateSpec
+from edgemem.manifest import MANIFEST, STATE_INIT, TARGETS, TOKENIZER_DIR, Manifest, StateSpec
 
 log = logging.getLogger(__name__)
 
 OPSET = 20
-TOKENIZER_DIR = "tokenizer"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 _ONNX_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.float64: "float64", torch.int64: "int64"}
 

@@ -41,7 +41,7 @@ from onnxruntime.quantization import (
 
 from edgemem.errors import ConfigError, EdgememError
 from edgemem.files import check_output_dir, save_onnx, sha256, staged_directory, write_atomic
-from edgemem.manifest import MANIFEST, STATE_INIT, Manifest
+from edgemem.manifest import MANIFEST, STATE_INIT, TOKENIZER_DIR, Manifest
 from edgemem.manifest import load as load_manifest
 from edgemem.quant.graph import (
     PROJECTION_OPS,
@@ -218,6 +218,8 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
         raise EdgememError(f"{directory} is already quantized ({manifest.quantization['method']}); "
                            "calibrate the fp32 export")
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    if method == "static":
+        recipe.check_vocabulary(manifest.arch, manifest.vocab_size)
     runnable = [t for t in RUNNABLE if t in manifest.targets]
     if not runnable:
         raise EdgememError(f"{directory} has no target onnxruntime can run (it has {', '.join(manifest.targets)}); "
@@ -265,9 +267,11 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
                     if written.is_file():
                         files[f"{target}/{written.name}"] = sha256(written)
             cache.unlink(missing_ok=True)
-        if STATE_INIT in manifest.files:
-            shutil.copyfile(directory / STATE_INIT, tmp / STATE_INIT)
-            files[STATE_INIT] = sha256(tmp / STATE_INIT)
+        for name in manifest.files:  # what travels beside the graphs unchanged: the initial state, the tokenizer
+            if name == STATE_INIT or name.startswith(f"{TOKENIZER_DIR}/"):
+                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(directory / name, tmp / name)
+                files[name] = sha256(tmp / name)
         quantized = Manifest(
             arch=manifest.arch, config=dict(manifest.config), opset=manifest.opset, targets=targets,
             state=manifest.state, graphs=manifest.graphs, files=files, inputs=manifest.inputs, outputs=manifest.outputs,

@@ -73,6 +73,7 @@ def drift_report(reference: str | Path, quantized: str | Path, recipe: str | Rec
         raise EdgememError(f"{quantized} was not quantized from {reference} (its manifest records another source export)")
     if [s.input for s in q.manifest.state] != [s.input for s in fp.manifest.state]:
         raise EdgememError(f"{quantized} and {reference} have different state tensors: not the same model")
+    recipe.check_vocabulary(fp.manifest.arch, fp.manifest.vocab_size)
     task = recipe.make_task()
     horizons = sorted(recipe.horizons)
     sample = task.stream(recipe.drift_streams, horizons[-1], recipe.drift_seed)

@@ -31,7 +31,7 @@ import numpy as np
 
 from edgemem.config import positive_int, read_toml
 from edgemem.errors import ConfigError
-from edgemem.tasks import Task, get_task
+from edgemem.tasks import VOCAB, Task, get_task
 
 DEFAULT = "default"
 _SECTIONS = {
@@ -64,6 +64,13 @@ class Recipe:
     def make_task(self) -> Task:
         """The `edgemem.tasks` task the recipe rolls out."""
         return get_task(self.task, **self.params)
+
+    def check_vocabulary(self, arch: str, vocab_size: int) -> None:
+        """The recipe's tasks feed byte ids: a model with fewer tokens cannot take them."""
+        if vocab_size < VOCAB:
+            raise RecipeError(f"recipe {self.name!r} feeds byte ids 0-{VOCAB - 1} (edgemem.tasks) but {arch} has a "
+                              f"vocabulary of {vocab_size}: calibration data and drift reports need a model of at least "
+                              f"{VOCAB} tokens (dynamic and int4 need no data: calibrate --no-drift)")
 
     def to_dict(self) -> dict[str, Any]:
         """The recipe as recorded in a quantized export's manifest."""

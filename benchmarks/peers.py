@@ -1,14 +1,17 @@
 """edgemem's runtime next to its peers on one CPU, in one run, on the same randomly initialised model.
 
-    python benchmarks/peers.py [--config qwen3.5-0.8b|tiny] [--positions 1024,16384] [--quick]
-                               [--engines edgemem,genai,llama.cpp,transformers] [--precisions fp32,int4]
+    python benchmarks/peers.py [--config qwen3.5-0.8b|tiny] [--positions 1024,10240,16384] [--quick]
+                               [--engines edgemem,edgemem-growing,genai,llama.cpp,transformers] [--precisions fp32,int4]
 
 The model is Qwen3.5's smallest published text configuration (0.8B; numbers in CONFIGS, sources in
 benchmarks/README.md) with random weights, made offline (seed 0) and saved with `save_pretrained` into
 the cache folder. From that one directory:
 
-- edgemem: `edgemem export --hf` (ort target) and `edgemem calibrate --method int4`; `edgemem.runtime`.
-- onnxruntime-genai: the same exported graphs (`genai_config.json` beside them).
+- edgemem: `edgemem export --hf --max-length L` (ort target; a preallocated KV cache of L, the stream's length
+  rounded up to a power of two, written in place) and `edgemem calibrate --method int4`; `edgemem.runtime`.
+- edgemem-growing: the same runtime on the export without --max-length, whose KV cache grows each step: the
+  graph onnxruntime-genai runs, so this row and genai's compare two runtimes on one graph.
+- onnxruntime-genai: those growing-cache graphs (`genai_config.json` beside them).
 - llama.cpp through llama-cpp-python: the directory converted by llama.cpp's own `convert_hf_to_gguf.py`
   (`--llama-cpp-src`, a llama.cpp source tree matching the installed llama-cpp-python; f32), then
   `llama_model_quantize` to Q4_0 (4-bit, blocks of 32) for int4.
@@ -16,12 +19,14 @@ the cache folder. From that one directory:
 
 Each engine × precision runs in its own subprocess (so its peak RSS is its own) and is fed the same
 random token ids. A stream is brought from position 0 to each position (ascending) by a real chunked
-prefill (512-token chunks; no cache is injected), which gives prefill tokens/s; at each position
-batch-1 decode is timed over `--steps` tokens (median). The weight-bandwidth floor is the bytes of
-weights a decode step reads (the step graph's initializers except those only gathered from, i.e. the
-embedding table unless it is also the tied output head) divided by the measured copy bandwidth (numpy
-copy of a 512 MiB buffer, read + write bytes / s, best of 5). An engine that is not installed, or that
-cannot run a precision, is listed with the reason.
+prefill (512-token chunks), which gives prefill tokens/s; transformers alone reaches the positions after
+the first by appending random rows to its attention caches (its eager 16K prefill would take longer than
+everything else together; a decode step costs the same whatever the values). At each position batch-1
+decode is timed over `--steps` tokens (median). The weight-bandwidth floor is the bytes of weights a decode
+step reads (the step graph's initializers except those only gathered from, i.e. the embedding table unless
+it is also the tied output head) divided by the measured copy bandwidth (numpy copy of a 512 MiB buffer,
+read + write bytes / s, best of 5). An engine that is not installed, or that cannot run a precision, is
+listed with the reason.
 
 Writes `<out>/peers[-quick][-<config>].json`, `.png` and `.md` (the table).
 """
@@ -441,7 +446,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     positions = report["positions"]
-    fig, axes = plt.subplots(1, len(report["precisions"]) + 1, figsize=(5 * (len(report["precisions"]) + 1), 4))
+    fig, axes = plt.subplots(1, len(report["precisions"]) + 1, figsize=(5 * (len(report["precisions"]) + 1), 4.8))
     for ax, precision in zip(axes, report["precisions"]):
         ran = [(e, rows[precision]) for e, rows in report["engines"].items() if "decode" in rows.get(precision, {})]
         width = 0.8 / max(len(ran), 1)
@@ -453,13 +458,13 @@ def plot(report: dict[str, Any], path: Path) -> None:
             ax.axhline(floor["tok_s"], color="k", ls="--", lw=1, label="bandwidth floor")
         ax.set(xticks=np.arange(len(positions)) + 0.4 - width / 2, xticklabels=[f"{p:,}" for p in positions],
                xlabel="position (tokens)", ylabel="batch-1 decode tokens/s", title=f"decode, {precision}")
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)
     ax = axes[-1]
     names = [(e, p) for e, rows in report["engines"].items() for p, row in rows.items() if "prefill" in row]
     ax.barh([f"{e} {p}" for e, p in names],
             [next(iter(report["engines"][e][p]["prefill"].values()))["tok_s"] for e, p in names])
     ax.set(xlabel=f"prefill tokens/s (0→{positions[0]})", title="prefill")
-    fig.suptitle(f"{report['model']['name']} (random weights), {report['machine']['threads']} thread(s), "
+    fig.suptitle(f"{report['model']['name']}, {report['machine']['threads']} thread(s), "
                  f"{report['machine']['cpu']}", fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -473,7 +478,7 @@ def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="qwen3.5-0.8b")
     parser.add_argument("--positions", type=lambda s: [int(p) for p in s.split(",")], default=None,
-                        help="decode positions, comma-separated (default 1024,16384; --quick: 256,1024)")
+                        help="decode positions, comma-separated (default 1024,10240,16384; --quick: 256,1024)")
     parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {', '.join(ENGINES)}")
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help="fp32, int4 or both")
     parser.add_argument("--steps", type=int, default=None, help="decode steps timed per position (default 32; --quick: 8)")
@@ -487,7 +492,7 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.positions = args.positions or ([256, 1024] if args.quick else [1024, 16384])
+    args.positions = args.positions or ([256, 1024] if args.quick else [1024, 10240, 16384])
     args.steps = args.steps or (8 if args.quick else 32)
     if min(args.positions) < 1 or args.steps < 1 or args.threads < 1:
         parser.error("positions, --steps and --threads must be positive")

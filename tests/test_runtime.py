@@ -141,6 +141,8 @@ def test_prefill_then_steps_equals_whole_prefill(engines, arch):
     assert stream.position == whole.position == 40
     for name, value in whole.state_dict().items():
         assert _close(stream.state_dict()[name], value, 1e-4), name
+    last = engine.new_stream().prefill(ids, chunk_size=7, all_logits=False)  # the last row of the last chunk
+    assert last.shape == (engine.vocab_size,) and _close(last, expected[-1])
 
 
 @pytest.mark.parametrize("arch", ["titans-mag", "softmax"])

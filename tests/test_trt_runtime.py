@@ -391,6 +391,8 @@ def test_stream_matches_the_onnxruntime_engine(stand_in, tmp_path):
     prompt = bytes(range(40, 52))  # 12 tokens: prefill runs in blocks of the profile's 5
     ours, theirs = engine.new_stream(), reference.new_stream()
     assert _close(ours.prefill(prompt), theirs.prefill(prompt))
+    last = engine.new_stream().prefill(prompt, all_logits=False)  # only the last row comes back from the device
+    assert last.shape == (engine.vocab_size,) and _close(last, theirs.logits)
     for token in (7, 8, 9):
         assert _close(ours.step(token), theirs.step(token))
     assert ours.position == theirs.position == 15

@@ -354,8 +354,9 @@ class Stream:
         """Run the step graph from the current side to the other; the logits land in `_logits_view`."""
         raise NotImplementedError
 
-    def _prefill_chunk(self, ids: np.ndarray) -> np.ndarray:
-        """Run the prefill graph on `ids` from the current side to the other; logits [T, V]."""
+    def _prefill_chunk(self, ids: np.ndarray, last_only: bool) -> np.ndarray:
+        """Run the prefill graph on `ids` from the current side to the other; logits [T, V], or with `last_only`
+        the last row [1, V] (a chunk's logits are T·V floats: 0.5 GB at T 512, V 248K, too many to copy unread)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ state
@@ -456,8 +457,9 @@ class Stream:
                 chunk = min(chunk, engine._max_tokens)
             self._sync()
             for start in range(0, ids.size, chunk):
-                part = self._prefill_chunk(ids[start : start + chunk])
-                self._advance(part.shape[0], part[-1])
+                piece = ids[start : start + chunk]
+                part = self._prefill_chunk(piece, last_only=not all_logits)
+                self._advance(piece.size, part[-1])
                 if all_logits:
                     rows.append(part)
             return np.concatenate(rows) if all_logits else self._logits_view[0, 0].copy()

@@ -388,13 +388,14 @@ class OrtStream(Stream):
         engine._run("step", binding)
         self._grown.update(zip((s.input for s in engine._growing), engine._caches(binding)))
 
-    def _prefill_chunk(self, ids: np.ndarray) -> np.ndarray:
+    def _prefill_chunk(self, ids: np.ndarray, last_only: bool) -> np.ndarray:
         engine = self._engine
         tokens, view = _host([1, ids.size], np.int64)
         view[0] = ids
         binding = engine._bind(engine._sessions["prefill"], tokens, None, self._bufs[self._side],
                                self._bufs[1 - self._side], self._grown)
         engine._run("prefill", binding)
-        logits = np.array(binding.get_outputs()[0].numpy()[0], copy=True)  # [T, V]
+        logits = binding.get_outputs()[0].numpy()[0]  # [T, V], a view on onnxruntime's output
+        logits = np.array(logits[-1:] if last_only else logits, copy=True)
         self._grown.update(zip((s.input for s in engine._growing), engine._caches(binding)))
         return logits

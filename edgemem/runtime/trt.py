@@ -362,20 +362,21 @@ class TrtStream(Stream):
         engine._run("step", engine._step_shapes, self._buffers.addresses[self._side])
         device.download(self._logits_view, self._buffers.logits)
 
-    def _prefill_chunk(self, ids: np.ndarray) -> np.ndarray:
+    def _prefill_chunk(self, ids: np.ndarray, last_only: bool) -> np.ndarray:
         """One run of the prefill engine (`ids` fits its profile: see `Stream.prefill`)."""
         engine, device = self._engine, self._engine._device
-        logits = np.empty((1, ids.size, engine.vocab_size), engine.logits_dtype)
+        nbytes = ids.size * engine.vocab_size * np.dtype(engine.logits_dtype).itemsize  # the engine's [1, T, V]
+        logits = np.empty((1, 1 if last_only else ids.size, engine.vocab_size), engine.logits_dtype)  # copied back
         tokens = ids.astype(engine._token_dtype).reshape(1, -1)
         pointers: list[int] = []
         try:
             pointers.append(device.alloc(tokens.nbytes))
-            pointers.append(device.alloc(logits.nbytes))
+            pointers.append(device.alloc(nbytes))
             device.upload(pointers[0], tokens)
             addresses = {**self._buffers.addresses[self._side], engine._tokens_name: pointers[0],
                          engine._logits_name: pointers[1]}
             engine._run("prefill", io_shapes(engine.manifest, 1, ids.size), addresses)
-            device.download(logits, pointers[1])
+            device.download(logits, pointers[1] + nbytes - logits.nbytes)  # the last rows
         finally:
             device.free(pointers)
         return logits[0]

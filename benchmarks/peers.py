@@ -10,7 +10,8 @@ the cache folder. From that one directory:
 - edgemem: `edgemem export --hf --max-length L` (ort target; a preallocated KV cache of L, the stream's length
   rounded up to a power of two, written in place) and `edgemem calibrate --method int4`; `edgemem.runtime`.
 - edgemem-growing: the same runtime on the export without --max-length, whose KV cache grows each step: the
-  graph onnxruntime-genai runs, so this row and genai's compare two runtimes on one graph.
+  export onnxruntime-genai runs, so this row and genai's compare two runtimes on one export (genai decodes
+  with its prefill graph, edgemem with its step graph).
 - onnxruntime-genai: those growing-cache graphs (`genai_config.json` beside them).
 - llama.cpp through llama-cpp-python: the directory converted by llama.cpp's own `convert_hf_to_gguf.py`
   (`--llama-cpp-src`, a llama.cpp source tree matching the installed llama-cpp-python; f32), then
@@ -52,7 +53,7 @@ sys.path.insert(0, str(ROOT))  # this checkout's edgemem, whatever else is insta
 ENGINES = ("edgemem", "edgemem-growing", "genai", "llama.cpp", "transformers")
 GRAPHS = {  # what each engine runs
     "edgemem": "edgemem export --max-length (preallocated KV cache written in place)",
-    "edgemem-growing": "edgemem export (growing KV cache: the graph genai runs)",
+    "edgemem-growing": "edgemem export (growing KV cache: the export genai runs)",
     "genai": "edgemem export (growing KV cache), genai_config.json",
     "llama.cpp": "convert_hf_to_gguf.py (f32) / llama_model_quantize (Q4_0)",
     "transformers": "Qwen3_5ForCausalLM, DynamicCache",
@@ -364,7 +365,8 @@ class TransformersRunner(Runner):
         self._run([token])
 
 
-RUNNERS = {"edgemem": EdgememRunner, "edgemem-growing": EdgememRunner, "genai": GenaiRunner, "llama.cpp": LlamaRunner, "transformers": TransformersRunner}
+RUNNERS = {"edgemem": EdgememRunner, "edgemem-growing": EdgememRunner, "genai": GenaiRunner, "llama.cpp": LlamaRunner,
+           "transformers": TransformersRunner}
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -184,7 +184,7 @@ def test_edgemem_run_encodes_and_decodes_text_with_the_exported_tokenizer(export
 @pytest.mark.parametrize("method", ["dynamic", "int4"])
 def test_a_quantized_export_keeps_the_tokenizer_and_runs_text(exported, tmp_path, method):
     """calibrate carries the tokenizer beside the graphs (hashed), so `edgemem run --prompt` works on its output."""
-    _, src, out, _ = exported
+    _, _, out, _ = exported
     quantized = tmp_path / method
     calibrate(out, method, out=quantized)
     files = json.loads((quantized / "edgemem.json").read_text())["files"]

@@ -63,6 +63,7 @@ def test_transformers_fill_brings_every_attention_cache_to_the_position_and_deco
     peers = _peers()
     runner = peers.TransformersRunner(peers.make_model(tmp_path, "tiny"), threads=1, max_len=64)
     runner.prefill([5, 9, 12, 7, 3, 2, 8, 4])
+
     def linear_states():
         return [t.clone() for layer in runner.cache.layers for t in getattr(layer, "recurrent_states", {}).values()]
 
@@ -81,4 +82,3 @@ def test_the_preallocated_cache_covers_the_whole_stream():
     assert peers.stream_length([1024, 16384], 32) == 16384 + 64 + 16
     assert peers.cache_length([1024, 16384], 32) == 32768
     assert peers.cache_length([32, 96], 3) == 128 and peers.cache_length([16], 1) == 64
-

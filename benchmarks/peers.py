@@ -138,8 +138,11 @@ def make_model(cache: Path, name: str) -> Path:
     return hf
 
 
-def make_exports(cache: Path, hf: Path, max_length: int) -> dict[str, dict[str, Path]]:
-    """{"growing" | "preallocated": {precision: export directory}}; the preallocated cache holds `max_length`."""
+def make_exports(cache: Path, hf: Path, max_length: int, preallocated: bool,
+                 precisions: list[str]) -> dict[str, dict[str, Path]]:
+    """{"growing" | "preallocated": {precision: export directory}}; the preallocated cache holds `max_length`.
+    The growing export is always made (the floor counts its weights); the preallocated one only for the edgemem
+    row, and int4 only when asked for."""
     from edgemem.export import export
     from edgemem.models.hf import from_hf, tokenizer_files
     from edgemem.models.lm import set_kv_cache
@@ -147,6 +150,8 @@ def make_exports(cache: Path, hf: Path, max_length: int) -> dict[str, dict[str, 
 
     out = {"growing": {"fp32": cache / "edgemem-fp32", "int4": cache / "edgemem-int4"},
            "preallocated": {"fp32": cache / f"edgemem-fp32-cache{max_length}", "int4": cache / f"edgemem-int4-cache{max_length}"}}
+    if not preallocated:
+        del out["preallocated"]
     for kind, dirs in out.items():
         if not (dirs["fp32"] / "edgemem.json").is_file():
             log(f"edgemem export (ort target, {kind} KV cache)")
@@ -155,7 +160,7 @@ def make_exports(cache: Path, hf: Path, max_length: int) -> dict[str, dict[str, 
                 set_kv_cache(model, max_length)
             export(model, dirs["fp32"], targets=["ort"], extra_config={"source": str(hf)}, tokenizer=tokenizer_files(hf),
                    force=True)
-        if not (dirs["int4"] / "edgemem.json").is_file():
+        if "int4" in precisions and not (dirs["int4"] / "edgemem.json").is_file():
             log(f"edgemem calibrate --method int4 ({kind} KV cache)")
             calibrate(dirs["fp32"], "int4", out=dirs["int4"], force=True)
     return out
@@ -516,7 +521,8 @@ def main() -> None:
     cache = args.cache or Path.home() / ".cache" / "edgemem-bench" / args.config
     cache.mkdir(parents=True, exist_ok=True)
     hf = make_model(cache, args.config)
-    exports = make_exports(cache, hf, cache_length(args.positions, args.steps))
+    exports = make_exports(cache, hf, cache_length(args.positions, args.steps), "edgemem" in args.engines,
+                           args.precisions)
     ggufs, no_llama = make_gguf(cache, hf, args.llama_cpp_src) if "llama.cpp" in args.engines else ({}, "")
     bandwidth = copy_bandwidth(64 if args.config == "tiny" else 512)
     floor = {}
@@ -537,7 +543,7 @@ def main() -> None:
             elif engine == "transformers" and precision == "int4":
                 engines[engine][precision] = {"skipped": "transformers has no int4 CPU path in this environment"}
             else:
-                path = {"edgemem": exports["preallocated"], "edgemem-growing": exports["growing"], "genai": exports["growing"],
+                path = {"edgemem": exports.get("preallocated"), "edgemem-growing": exports["growing"], "genai": exports["growing"],
                         "llama.cpp": ggufs, "transformers": {"fp32": hf}}[engine][precision]
                 engines[engine][precision] = {"graph": GRAPHS[engine], **run_worker(engine, precision, path, args)}
                 engines[engine][precision]["model_bytes"] = sum(

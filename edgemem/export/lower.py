@@ -6,6 +6,7 @@
            of a linear cache → `com.microsoft::GroupQueryAttention` (seqlens_k = position + T − 1
            per row): bound to one buffer as past and present, it writes the new rows in place and
            reads each row's filled part only. Its CPU kernel takes T > 1 with a past for batch 1 only.
+           A batch-1 step folds the query heads of each KV head into tokens (one read of the cache).
 - onnx27:  `LinearAttention` → `ai.onnx::LinearAttention`, the model moved to opset 27.
 - trt:     every edgemem node gets `plugin_namespace` (the edgemem domain) and `plugin_version`
            (its version, as the string TensorRT's parser reads) and the edgemem functions are
@@ -21,7 +22,7 @@ from onnx import TensorProto, helper, inliner, version_converter
 
 from edgemem.errors import EdgememError
 from edgemem.manifest import TARGETS
-from edgemem.opset import DOMAIN, VERSION
+from edgemem.opset import DOMAIN, VERSION, Graph
 from edgemem.ops import onnx_functions
 from edgemem.ops.cache_attention import OP_TYPE as CACHE_ATTENTION
 from edgemem.ops.linear_attention import ATTRIBUTES as LINEAR_ATTRIBUTES
@@ -53,28 +54,65 @@ def _standard_linear_attention(node: onnx.NodeProto, domain: str) -> None:
     node.domain = domain
 
 
-def _group_query_attention(node: onnx.NodeProto) -> list[onnx.NodeProto]:
-    """`CacheAttention` of a linear cache as onnxruntime's GroupQueryAttention (float32, like the cache)."""
+def _group_query_attention(node: onnx.NodeProto, names: set[str]) -> list[onnx.NodeProto]:
+    """`CacheAttention` of a linear cache as onnxruntime's GroupQueryAttention (float32, like the
+    cache); `names` holds every value name of the model and takes the new ones.
+
+    A batch-1 step folds its query heads when a KV head serves G > 1 of them: onnxruntime's CPU
+    kernel scores each query head on its own, so it would read each KV head G times. Folded, the G
+    query heads of a KV head are G query tokens of one head (num_heads = kv_num_heads, sequence G):
+    one G-row GEMM per KV head, one read of the cache. The kernel writes those G tokens' keys and
+    values (the new ones, repeated) at slots p … p+G−1 and lets token i see slots up to p+i; an
+    additive bias hides the slots past p, and the next tokens overwrite p+1 … p+G−1. Batches, blocks
+    of tokens and the last G−1 slots of the cache take the plain form.
+    """
     query, key, value, past_key, past_value, position, _ = node.input
     output, present_key, present_value = node.output
-    name = node.name or output
-    n = {k: f"{name}/{k}" for k in ("one", "t", "total", "last", "seqlens", "max64", "max", "q", "k", "v", "y")}
-    return [
-        helper.make_node("Constant", [], [n["one"]], value=helper.make_tensor("one", TensorProto.INT64, [1], [1])),
-        helper.make_node("Shape", [query], [n["t"]], start=1, end=2),
-        helper.make_node("Add", [position, n["t"]], [n["total"]]),  # [B]: tokens per row after this run
-        helper.make_node("Sub", [n["total"], n["one"]], [n["last"]]),
-        helper.make_node("Cast", [n["last"]], [n["seqlens"]], to=TensorProto.INT32),
-        helper.make_node("ReduceMax", [n["total"]], [n["max64"]], keepdims=0),
-        helper.make_node("Cast", [n["max64"]], [n["max"]], to=TensorProto.INT32),
-        *(helper.make_node("Cast", [src], [n[k]], to=TensorProto.FLOAT) for src, k in ((query, "q"), (key, "k"), (value, "v"))),
-        helper.make_node(
-            "GroupQueryAttention", [n["q"], n["k"], n["v"], past_key, past_value, n["seqlens"], n["max"]],
-            [n["y"], present_key, present_value], name=name, domain="com.microsoft",
-            num_heads=_attr(node, "num_heads"), kv_num_heads=_attr(node, "kv_num_heads"), scale=_attr(node, "scale"),
-        ),
-        helper.make_node("CastLike", [n["y"], query], [output]),
-    ]
+    heads, kv_heads, scale = _attr(node, "num_heads"), _attr(node, "kv_num_heads"), _attr(node, "scale")
+    group = heads // kv_heads
+    g = Graph({}, names)
+
+    def attend(sub: Graph, q: str, k: str, v: str, last: str, total: str, num_heads: int, out: list, *bias: str) -> list[str]:
+        seqlens, total = sub.Cast(last, to=TensorProto.INT32), sub.Cast(total, to=TensorProto.INT32)
+        extra = ("", "", "", *bias) if bias else ()
+        return sub.GroupQueryAttention(q, k, v, past_key, past_value, seqlens, total, *extra, out=out, domain="com.microsoft",
+                                       num_heads=num_heads, kv_num_heads=kv_heads, scale=scale)
+
+    total = g.Add(position, g.Shape(query, start=1, end=2))  # [B]: tokens per row after this run
+    last, longest = g.Sub(total, g.const([1])), g.ReduceMax(total, keepdims=0)
+    q, k, v = (g.Cast(x, to=TensorProto.FLOAT) for x in (query, key, value))
+    outs = [f"{node.name or output}/y", present_key, present_value]
+    if group == 1:
+        y = attend(g, q, k, v, last, longest, heads, outs)[0]
+    else:
+        end = g.Add(longest, g.const(group - 1))  # p + G
+        one_token = g.Equal(g.Mul(g.Shape(query, start=0, end=1), g.Shape(query, start=1, end=2)), g.const([1]))
+        fits = g.LessOrEqual(g.Unsqueeze(end, g.const([0])), g.Shape(past_key, start=2, end=3))
+
+        def fold(sub: Graph) -> list[str]:
+            # [1, 1, H_kv*G*D] → [1, G, H_kv*D]: token i, head j is query head j*G + i
+            folded = sub.Reshape(sub.Transpose(sub.Reshape(q, sub.const([1, 1, kv_heads, group, -1])), perm=[0, 1, 3, 2, 4]),
+                                 sub.const([1, group, -1]))
+            kf, vf = (sub.Tile(x, sub.const([1, group, 1])) for x in (k, v))
+            late = sub.Greater(sub.Range(sub.const(0), end, sub.const(1)), position)
+            bias = sub.Expand(sub.Reshape(sub.Where(late, sub.const(float("-inf")), sub.const(0.0)), sub.const([1, 1, 1, -1])),
+                              sub.const([1, 1, group, 1]))  # [1, 1, G, p+G]
+            y, pk, pv = attend(sub, folded, kf, vf, sub.Add(last, sub.const(group - 1)), end, kv_heads, [None] * 3, bias)
+            y = sub.Reshape(sub.Transpose(sub.Reshape(y, sub.const([1, group, kv_heads, -1])), perm=[0, 2, 1, 3]),
+                            sub.const([1, 1, -1]))
+            return [y, pk, pv]
+
+        def plain(sub: Graph) -> list[str]:
+            return attend(sub, q, k, v, last, longest, heads, [None] * 3)
+
+        y = g.branch(g.Squeeze(g.And(one_token, fits)), fold, plain, outs)[0]
+    g.CastLike(y, query, out=output)
+    return g.nodes
+
+
+def _value_names(graph: onnx.GraphProto) -> set[str]:
+    names = {v.name for v in (*graph.input, *graph.output)} | {t.name for t in graph.initializer}
+    return names | {x for n in graph.node for x in (*n.input, *n.output, n.name)}
 
 
 def _prune(model: onnx.ModelProto) -> None:
@@ -108,10 +146,13 @@ def lower(model: onnx.ModelProto, target: str) -> onnx.ModelProto:
         for node in nodes:
             if node.op_type == LINEAR_ATTENTION:
                 _standard_linear_attention(node, "com.microsoft")
+        names = _value_names(out.graph)
         graph = []
         for node in out.graph.node:
             in_place = node.domain == DOMAIN and node.op_type == CACHE_ATTENTION and _attr(node, "sinks") < 0
-            graph.extend(_group_query_attention(node) if in_place else [node])
+            if in_place:
+                names.difference_update(node.output)
+            graph.extend(_group_query_attention(node, names) if in_place else [node])
         del out.graph.node[:]
         out.graph.node.extend(graph)
         if any(n.domain == "com.microsoft" for n in out.graph.node):

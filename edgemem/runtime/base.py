@@ -26,7 +26,9 @@ preallocated KV cache, manifest `kv_cache`).
 Preallocated KV caches. They are fixed-size state like any other; a backend may keep them in one
 buffer that the graph updates in place (manifest `kv_cache.in_place`). Past `max_length` a stream
 is refused with `CacheFullError` before anything runs, unless the export keeps a sliding window
-with attention sinks. Checkpoints hold only their filled part (`edgemem.runtime.state`).
+with attention sinks. Checkpoints hold only their filled part (`edgemem.runtime.state`); slots past
+a stream's position are unspecified (the `ort` target's batch-1 step writes copies of its token
+there, which the next tokens overwrite: `edgemem.export.lower`).
 
 Threads. Every stream has a lock: step, prefill, save, fork, reset and state_dict hold it, so a
 stream used from several threads runs one operation at a time and loses no step. `step_batch` holds

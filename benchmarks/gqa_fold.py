@@ -79,6 +79,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
+    if args.steps < 3:
+        parser.error("--steps must be at least 3 (the first two steps are warm-up)")
     if max(args.positions) + args.steps > LENGTH:
         parser.error(f"positions + steps must stay within the {LENGTH}-slot cache")
 

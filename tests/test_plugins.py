@@ -170,6 +170,43 @@ def test_reference_linear_attention_steps_in_place(ref, rule):
     _close(state, want_state)
 
 
+CHUNKED_SHAPES = {  # b, t, hq, hkv, dk, dv: several chunks, a partial last one, GQA, d_k != d_v, padded tiles
+    "gqa": (2, 150, 4, 2, 16, 24),
+    "mha-odd": (1, 130, 2, 2, 33, 70),
+    "one-chunk": (1, 64, 1, 1, 8, 8),
+    "short": (2, 5, 2, 1, 5, 7),
+}
+
+
+@pytest.mark.parametrize("shape", list(CHUNKED_SHAPES))
+@pytest.mark.parametrize("rule", UPDATE_RULES)
+def test_reference_chunked_form_equals_the_op(ref, rule, shape):
+    """The chunked (UT/WY) form the CUDA prefill runs, pass for pass on its workspace layout, against
+    edgemem.ops in float64; in segments of one chunk too (the state passing through present_state)."""
+    b, t, hq, hkv, dk, dv = CHUNKED_SHAPES[shape]
+    (q, k, v, s0, decay, beta), node = _la_inputs(rule, b=b, t=t, hq=hq, hkv=hkv, dk=dk, dv=dv, per_key=False,
+                                                  beta_heads=shape != "short", seed=3)
+    want, want_state = linear_attention(q, k, v, s0, decay, beta, update_rule=rule, q_num_heads=hq, kv_num_heads=hkv)
+    args = (_f32(q), _f32(k), _f32(v), _f32(s0), node["decay"], node["beta"])
+    kw = dict(update_rule=rule, scale=1 / math.sqrt(dk), q_num_heads=hq, kv_num_heads=hkv, path="chunked")
+    dkp, dvp = (32 if dk <= 32 else 64 if dk <= 64 else 128), -(-dv // 64) * 64
+    one_chunk = b * hkv * (64 * (1 + 2 * dkp + dvp) + dkp * dvp) * 4
+    for budget in (None, one_chunk):
+        out, state = ref.linear_attention(*args, workspace=budget, **kw)
+        _close(out, want, 1e-5)
+        _close(state, want_state, 1e-5)
+
+
+def test_reference_chunked_form_refuses_what_it_does_not_cover(ref):
+    """Per-key decay and d_k > 128 keep the sequential form; a budget below one chunk fits nothing."""
+    for per_key, dk, budget in ((True, 16, None), (False, 160, None), (False, 16, 1000)):
+        (q, k, v, s0, _, _), node = _la_inputs("gated", b=1, t=70, hq=1, hkv=1, dk=dk, dv=8, per_key=per_key,
+                                               beta_heads=True)
+        with pytest.raises(NativeError, match="unsupported"):
+            ref.linear_attention(_f32(q), _f32(k), _f32(v), _f32(s0), node["decay"], node["beta"], update_rule="gated",
+                                 scale=0.5, q_num_heads=1, kv_num_heads=1, path="chunked", workspace=budget)
+
+
 def test_reference_rejects_contract_violations(ref):
     (q, k, v, s0, _, _), node = _la_inputs("linear", b=1, t=2, hq=3, hkv=2, dk=4, dv=4, per_key=False, beta_heads=True)
     with pytest.raises(NativeError, match="bad argument"):  # 3 query heads over 2 kv heads
@@ -306,7 +343,8 @@ def test_reference_neural_memory_steps_in_place(ref):
 PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(sm_\d+)'")
 PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 PTXAS_USED = re.compile(r"Used (\d+) registers")
-KERNELS = ("linearAttentionKernel", "windowAttentionKernel", "bandedAttentionKernel", "neuralMemoryKernel")
+KERNELS = ("linearAttentionKernel", "chunkPrepare", "chunkState", "chunkOutput", "windowAttentionKernel",
+           "bandedAttentionKernel", "neuralMemoryKernel")
 
 
 def ptxas_report(build: Path) -> list[dict]:

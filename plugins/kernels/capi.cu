@@ -7,15 +7,25 @@ using namespace edgemem;
 
 namespace
 {
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;
 cudaStream_t asStream(void* s) { return static_cast<cudaStream_t>(s); }
 } // namespace
 
 EM_CUDA_API int em_cuda_abi_version() { return kAbiVersion; }
 
-EM_CUDA_API int em_cuda_linear_attention(la::Params const* p, LinearAttentionIO const* io, int dtype, int, int, void* stream)
+EM_CUDA_API int em_cuda_linear_attention(la::Params const* p, LinearAttentionIO const* io, int dtype, int path,
+    void* workspace, size_t workspace_bytes, void* stream)
 {
-    return cuda::linearAttention(*p, *io, DType(dtype), asStream(stream));
+    if (path < int(cuda::LaPath::kAuto) || path > int(cuda::LaPath::kChunked))
+        return kBadArgument;
+    return cuda::linearAttention(*p, *io, DType(dtype), workspace, workspace_bytes, asStream(stream), cuda::LaPath(path));
+}
+
+EM_CUDA_API size_t em_cuda_linear_attention_workspace(la::Params const* p, int path)
+{
+    if (path < int(cuda::LaPath::kAuto) || path > int(cuda::LaPath::kChunked))
+        return 0;
+    return cuda::linearAttentionWorkspace(*p, cuda::LaPath(path));
 }
 
 EM_CUDA_API int em_cuda_window_attention(attn::WindowParams const* p, int32_t const* dilation, WindowAttentionIO const* io,

@@ -17,9 +17,33 @@ namespace edgemem
 namespace cuda
 {
 
-// LinearAttention, T >= 1 tokens (T = 1 is the decode step; T > 1 runs the tokens in
-// sequence with the state held in registers). io dtype: query/key/value/decay/beta/output.
-int linearAttention(la::Params const& p, LinearAttentionIO const& io, DType dtype, cudaStream_t stream);
+// LinearAttention, T >= 1 tokens. Two forms: sequential (the tokens one after another with the
+// state in registers: decode steps, short prompts) and chunked (linear_attention_chunk.cu: tensor
+// cores, needs a workspace, per-head decay, d_k <= 128, sm_80 or later). kAuto takes the chunked
+// form where it applies and chunkedPays says so; kChunked returns kUnsupported where it does not
+// apply. io dtype: query/key/value/decay/beta/output.
+enum class LaPath : int
+{
+    kAuto = 0,
+    kSequential = 1,
+    kChunked = 2,
+};
+// kAuto's choice, from measurement (benchmarks/README.md): the chunked form from kChunkedFrom
+// tokens on, while batch x kv heads is at most kChunkedMaxHeads (beyond, the sequential kernel's
+// blocks alone fill the GPU and it keeps up).
+constexpr int kChunkedFrom = 128;
+constexpr int64_t kChunkedMaxHeads = 64;
+inline bool chunkedPays(la::Params const& p)
+{
+    return p.seq >= kChunkedFrom && int64_t(p.batch) * p.kv_heads <= kChunkedMaxHeads;
+}
+// Workspace bytes a call on `path` uses for p (0: none); fewer bytes, down to one chunk's worth,
+// run the chunked form in shorter segments.
+size_t linearAttentionWorkspace(la::Params const& p, LaPath path = LaPath::kAuto);
+int linearAttention(la::Params const& p, LinearAttentionIO const& io, DType dtype, void* workspace,
+    size_t workspace_bytes, cudaStream_t stream, LaPath path = LaPath::kAuto);
+int linearAttentionChunked(la::Params const& p, LinearAttentionIO const& io, DType dtype, void* workspace,
+    size_t workspace_bytes, cudaStream_t stream);
 
 // WindowAttention: T tokens continuing a ring buffer. dilation: host array of p.heads ints.
 int windowAttention(attn::WindowParams const& p, int32_t const* dilation, WindowAttentionIO const& io, DType dtype,
@@ -44,8 +68,10 @@ int neuralMemory(nm::Params const& p, NeuralMemoryIO const& io, DType dtype, cud
 #endif
 
 EM_CUDA_API int em_cuda_abi_version();
-EM_CUDA_API int em_cuda_linear_attention(
-    edgemem::la::Params const* p, edgemem::LinearAttentionIO const* io, int dtype, int, int, void* stream);
+// path: an edgemem::cuda::LaPath; workspace: device memory, 256-byte aligned (may be null).
+EM_CUDA_API int em_cuda_linear_attention(edgemem::la::Params const* p, edgemem::LinearAttentionIO const* io, int dtype,
+    int path, void* workspace, size_t workspace_bytes, void* stream);
+EM_CUDA_API size_t em_cuda_linear_attention_workspace(edgemem::la::Params const* p, int path);
 EM_CUDA_API int em_cuda_window_attention(edgemem::attn::WindowParams const* p, int32_t const* dilation,
     edgemem::WindowAttentionIO const* io, int dtype, int ring_dtype, int persistent_dtype, void* stream);
 EM_CUDA_API int em_cuda_banded_attention(edgemem::attn::BandedParams const* p, int32_t const* dilation,

@@ -1,4 +1,5 @@
-// LinearAttention kernels: decode step (T = 1) and sequential prefill (T > 1), one kernel.
+// LinearAttention, sequential form: decode step (T = 1) and short prefills, one kernel (the
+// chunked prefill is linear_attention_chunk.cu).
 //
 // Work split: a block per (batch, kv head, tile of value columns). A warp owns LC * C
 // consecutive value columns of one kv head's state S [d_k, d_v], and its lanes form an
@@ -230,7 +231,8 @@ int dispatch(la::Params const& p, LinearAttentionIO const& io, cudaStream_t stre
 
 } // namespace
 
-int linearAttention(la::Params const& p, LinearAttentionIO const& io, DType dtype, cudaStream_t stream)
+int linearAttention(la::Params const& p, LinearAttentionIO const& io, DType dtype, void* workspace,
+    size_t workspace_bytes, cudaStream_t stream, LaPath path)
 {
     if (int const st = la::check(p))
         return st;
@@ -246,6 +248,12 @@ int linearAttention(la::Params const& p, LinearAttentionIO const& io, DType dtyp
                 return kCudaError;
         }
         return kOk;
+    }
+    if (path == LaPath::kChunked || (path == LaPath::kAuto && chunkedPays(p)))
+    {
+        int const st = linearAttentionChunked(p, io, dtype, workspace, workspace_bytes, stream);
+        if (st != kUnsupported || path == LaPath::kChunked)
+            return st;
     }
     switch (dtype)
     {

@@ -11,7 +11,7 @@ takes torch tensors in the ONNX node's layout and returns new output tensors, or
 from __future__ import annotations
 
 import ctypes
-from ctypes import POINTER, c_float, c_int32, c_void_p
+from ctypes import POINTER, c_float, c_int32, c_int64, c_size_t, c_void_p
 
 import torch
 
@@ -19,6 +19,7 @@ UPDATE_RULES = {"linear": 0, "gated": 1, "delta": 2, "gated_delta": 3}
 ACTIVATIONS = {"silu": 0, "gelu": 1, "relu": 2, "identity": 3}
 DTYPES = {torch.float32: 0, torch.float16: 1}
 STATUS = {1: "bad argument", 2: "unsupported", 3: "CUDA error"}
+LA_PATHS = {"auto": 0, "sequential": 1, "chunked": 2}  # edgemem::cuda::LaPath
 
 
 def _struct(name, fields):
@@ -77,6 +78,14 @@ class Native:
             fn = getattr(self.lib, self.prefix + name)
             fn.argtypes = args + ([c_int32, c_int32, c_int32, c_void_p] if self.cuda else [])
             fn.restype = c_int32
+        if self.cuda:
+            self.lib.em_cuda_linear_attention.argtypes = [p(LAParams), p(LAIO), c_int32, c_int32, c_void_p, c_size_t,
+                                                          c_void_p]
+            self.lib.em_cuda_linear_attention_workspace.argtypes = [p(LAParams), c_int32]
+            self.lib.em_cuda_linear_attention_workspace.restype = c_size_t
+        else:
+            self.lib.em_ref_linear_attention_chunked.argtypes = [p(LAParams), p(LAIO), c_int64]
+            self.lib.em_ref_linear_attention_chunked.restype = c_int32
 
     def _call(self, name: str, *args, dtypes=(0, 0, 0)) -> None:
         fn = getattr(self.lib, self.prefix + name)
@@ -93,21 +102,52 @@ class Native:
 
     # -----------------------------------------------------------------------------------------
     def linear_attention(self, query, key, value, past_state, decay, beta, *, update_rule, scale,
-                         q_num_heads, kv_num_heads, output=None, present_state=None):
-        """The `edgemem::LinearAttention` node: all six inputs present, packed layouts."""
+                         q_num_heads, kv_num_heads, output=None, present_state=None, path="auto", workspace=None):
+        """The `edgemem::LinearAttention` node: all six inputs present, packed layouts.
+
+        CUDA: `path` picks the form (auto, sequential, chunked); `workspace` is a uint8 device tensor for
+        the chunked form (default: as large as `linear_attention_workspace` says; a smaller one runs
+        it in shorter segments). CPU reference: `path="chunked"` runs the chunked form there, in
+        segments sized to `workspace` bytes (an int) if given."""
+        params, (b, t, dv) = self._la_params(query, value, decay, beta, update_rule, scale, q_num_heads, kv_num_heads)
+        if output is None:
+            output = query.new_empty(b, t, q_num_heads * dv)
+        if present_state is None:
+            present_state = torch.empty_like(past_state)
+        io = LAIO(*(_ptr(x) for x in (query, key, value, past_state, decay, beta, output, present_state)))
+        dtype = self._check_dtype(query)
+        if self.cuda:
+            if workspace is None:
+                nbytes = self.lib.em_cuda_linear_attention_workspace(ctypes.byref(params), LA_PATHS[path])
+                workspace = torch.empty(nbytes, dtype=torch.uint8, device=query.device) if nbytes else None
+            ws, nbytes = (_ptr(workspace), workspace.numel()) if workspace is not None else (None, 0)
+            status = self.lib.em_cuda_linear_attention(ctypes.byref(params), ctypes.byref(io), dtype, LA_PATHS[path],
+                                                       ws, nbytes, c_void_p(torch.cuda.current_stream().cuda_stream))
+            if status:
+                raise NativeError(f"em_cuda_linear_attention: {STATUS.get(status, status)}")
+        elif path == "chunked":
+            status = self.lib.em_ref_linear_attention_chunked(ctypes.byref(params), ctypes.byref(io), workspace or 0)
+            if status:
+                raise NativeError(f"em_ref_linear_attention_chunked: {STATUS.get(status, status)}")
+        else:
+            self._call("linear_attention", ctypes.byref(params), ctypes.byref(io))
+        return output, present_state
+
+    def linear_attention_workspace(self, query, value, decay, beta, *, update_rule, scale, q_num_heads,
+                                   kv_num_heads, path="auto") -> int:
+        """Bytes of workspace a CUDA call on `path` uses for these shapes (0: none)."""
+        params, _ = self._la_params(query, value, decay, beta, update_rule, scale, q_num_heads, kv_num_heads)
+        return self.lib.em_cuda_linear_attention_workspace(ctypes.byref(params), LA_PATHS[path])
+
+    @staticmethod
+    def _la_params(query, value, decay, beta, update_rule, scale, q_num_heads, kv_num_heads):
         b, t, _ = query.shape
         dk = query.shape[2] // q_num_heads
         dv = value.shape[2] // kv_num_heads
         params = LAParams(b, t, q_num_heads, kv_num_heads, dk, dv, UPDATE_RULES[update_rule], scale,
                           int(decay.shape[2] == kv_num_heads * dk and dk > 1),
                           int(beta.shape[2] == kv_num_heads))
-        if output is None:
-            output = query.new_empty(b, t, q_num_heads * dv)
-        if present_state is None:
-            present_state = torch.empty_like(past_state)
-        io = LAIO(*(_ptr(x) for x in (query, key, value, past_state, decay, beta, output, present_state)))
-        self._call("linear_attention", ctypes.byref(params), ctypes.byref(io), dtypes=(self._check_dtype(query), 0, 0))
-        return output, present_state
+        return params, (b, t, dv)
 
     def window_attention(self, query, key, value, past_key, past_value, position, persistent_key,
                          persistent_value, *, num_heads, window, dilation, scale, output=None,

@@ -17,6 +17,10 @@
 
 EM_REF_API int em_ref_abi_version();
 EM_REF_API int em_ref_linear_attention(edgemem::la::Params const* params, edgemem::LinearAttentionIO const* io);
+// The chunked form the CUDA prefill runs, in segments sized to `budget` workspace bytes (0: the
+// default); kUnsupported for per-key decay, d_k > 128 or a budget below one chunk.
+EM_REF_API int em_ref_linear_attention_chunked(
+    edgemem::la::Params const* params, edgemem::LinearAttentionIO const* io, int64_t budget);
 EM_REF_API int em_ref_window_attention(
     edgemem::attn::WindowParams const* params, int32_t const* dilation, edgemem::WindowAttentionIO const* io);
 EM_REF_API int em_ref_banded_attention(

@@ -10,10 +10,13 @@ Every case runs the kernels through their C ABI on torch CUDA tensors and compar
     them (rounded to float16 for the float16 cases);
   - the CPU reference library (float32 cases): the same math headers compiled for the host.
 Modes: "prefill" (T tokens, separate state buffers), "in-place" (state-in and state-out one
-buffer), "steps" (T single-token calls on one in-place state, compared with the one-call truth).
+buffer), "steps" (T single-token calls on one in-place state, compared with the one-call truth);
+LinearAttention also "chunked" (its tensor-core form forced) and "segments" (that form with a
+workspace of one chunk, so the state passes from segment to segment).
 Timing: each decode kernel (T = 1, in place) against the memory floor of the design,
 t >= bytes / bandwidth, with bandwidth both the device's peak (memory clock x bus width) and a
-measured device-to-device copy.
+measured device-to-device copy; LinearAttention prefill in both forms beside
+flash-linear-attention's chunk_gated_delta_rule.
 
 `--cpu-self-test` runs the same harness with the CPU reference standing in for the kernels
 (float32, no timing): a check of this script on a machine without a GPU.
@@ -135,12 +138,20 @@ LA_CASES = [  # name, b, t, hq, hkv, dk, dv, per_key_decay, beta_per_head
     ("b0 t1", 1, 1, 3, 3, 16, 16, True, True),
 ]
 LA_QUICK = [LA_CASES[1], LA_CASES[4]]
+# prompts long enough for the chunked form: several chunks, a partial last one, GQA, d_k != d_v
+LA_LONG = [  # name, b, t, hq, hkv, dk, dv, per_key_decay, beta_per_head
+    ("long gqa 128", 2, 333, 8, 2, 128, 128, False, True),
+    ("long 64 dv 96", 1, 700, 4, 4, 64, 96, False, False),
+    ("long dk 20 dv 130", 1, 130, 2, 1, 20, 130, False, True),
+]
+LA_LONG_QUICK = [("long quick", 1, 150, 4, 2, 64, 80, False, True)]
 
 
 def check_linear_attention(h: Harness, quick: bool) -> None:
     from edgemem.ops.linear_attention import UPDATE_RULES, linear_attention
 
-    for name, b, t, hq, hkv, dk, dv, per_key, beta_heads in LA_QUICK if quick else LA_CASES:
+    cases = (LA_QUICK + LA_LONG_QUICK) if quick else (LA_CASES + LA_LONG)
+    for name, b, t, hq, hkv, dk, dv, per_key, beta_heads in cases:
         for rule in UPDATE_RULES:
             for dtype in h.dtypes:
                 g = torch.Generator().manual_seed(zlib.crc32(f"{name} {rule}".encode()))
@@ -167,6 +178,18 @@ def check_linear_attention(h: Harness, quick: bool) -> None:
                     ref = h.ref.linear_attention(*[_cpu(x) for x in args], **kw)
                 got = h.dev.linear_attention(*args, **kw)
                 h.record("LinearAttention", f"{name} {rule}", dtype, "prefill", got, want, ref)
+                if not per_key and dk <= 128:
+                    # the chunked form alone, then in segments of one chunk (the state passing through)
+                    got = h.dev.linear_attention(*args, path="chunked", **kw)
+                    h.record("LinearAttention", f"{name} {rule}", dtype, "chunked", got, want, ref)
+                    budget = _one_chunk_budget(b, hkv, dk, dv)
+                    if t > 64:
+                        ws = budget if h.device.type == "cpu" else torch.empty(budget, dtype=torch.uint8,
+                                                                                device=h.device)
+                        got = h.dev.linear_attention(*args, path="chunked", workspace=ws, **kw)
+                        h.record("LinearAttention", f"{name} {rule}", dtype, "segments", got, want, ref)
+                if t > 64:
+                    continue  # the step modes below are the decode kernel's, checked on the short cases
                 # in place: present_state is past_state
                 state = args[3].clone()
                 got = h.dev.linear_attention(*args[:3], state, *args[4:], present_state=state, **kw)
@@ -177,6 +200,13 @@ def check_linear_attention(h: Harness, quick: bool) -> None:
                                                *[x[:, i:i + 1].contiguous() for x in args[4:]],
                                                present_state=state, **kw)[0] for i in range(t)]
                 h.record("LinearAttention", f"{name} {rule}", dtype, "steps", (torch.cat(outs, 1), state), want)
+
+
+def _one_chunk_budget(b: int, hkv: int, dk: int, dv: int) -> int:
+    """Workspace bytes of one 64-token chunk (edgemem/linear_attention.h, chunkLayout)."""
+    dkp = 32 if dk <= 32 else 64 if dk <= 64 else 128
+    dvp = -(-dv // 64) * 64
+    return b * hkv * (64 * (1 + 2 * dkp + dvp) + dkp * dvp) * 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -476,15 +506,18 @@ def time_decode(h: Harness, peak: float) -> list[Timing]:
     return out
 
 
-def time_prefill(h: Harness) -> list[tuple[str, str, float, float | None]]:
-    """LinearAttention prefill (T tokens in one call, gated delta rule): the kernel's µs per call, and
-    flash-linear-attention's chunked form (chunk_gated_delta_rule) where installed."""
+def time_prefill(h: Harness) -> list[tuple[str, str, float | None, float | None, float | None]]:
+    """LinearAttention prefill (T tokens in one call, gated delta rule): the sequential and the chunked
+    kernels' µs per call (CUDA-graph device time), and flash-linear-attention's chunked form
+    (chunk_gated_delta_rule) where installed."""
     dev, rows = h.device, []
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
     except Exception:
         fla_chunk = None
-    for b, heads, d, t in ((1, 4, 64, 64), (1, 16, 128, 512), (1, 16, 128, 4096)):
+    shapes = [(1, 16, 128, t) for t in (16, 32, 64, 128)] + [(1, 4, 64, 64), (1, 16, 128, 512), (1, 16, 128, 4096),
+                                                              (8, 16, 128, 512), (1, 32, 64, 4096)]
+    for b, heads, d, t in shapes:
         for dtype in (torch.float32, torch.float16):
             q = torch.randn(b, t, heads * d, device=dev, dtype=dtype)
             k = torch.nn.functional.normalize(torch.randn(b, t, heads, d, device=dev), dim=-1).flatten(2).to(dtype)
@@ -495,17 +528,24 @@ def time_prefill(h: Harness) -> list[tuple[str, str, float, float | None]]:
             o = torch.empty_like(v)
             kw = dict(update_rule="gated_delta", scale=d**-0.5, q_num_heads=heads, kv_num_heads=heads, output=o,
                       present_state=s1)
-            ours = _graph_us(lambda: h.dev.linear_attention(q, k, v, s0, g, beta, **kw), iters=5, replays=4)
+            nbytes = h.dev.linear_attention_workspace(q, v, g, beta, path="chunked", **{k_: kw[k_] for k_ in (
+                "update_rule", "scale", "q_num_heads", "kv_num_heads")})
+            ws = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+            def timed(fn):
+                return _graph_us(fn, iters=5, replays=4) or _time_us(fn, iters=10, warmup=3)
+
+            seq = timed(lambda: h.dev.linear_attention(q, k, v, s0, g, beta, path="sequential", **kw))
+            chunked = timed(lambda: h.dev.linear_attention(q, k, v, s0, g, beta, path="chunked", workspace=ws, **kw))
             theirs = None
             if fla_chunk is not None:
                 fq, fk, fv = (x.view(b, t, heads, d) for x in (q, k, v))
                 try:
                     fn = lambda: fla_chunk(fq, fk, fv, g, beta, scale=d**-0.5, initial_state=s0,  # noqa: E731
                                            output_final_state=True)
-                    theirs = _graph_us(fn, iters=5, replays=4) or _time_us(fn, iters=10, warmup=3)
+                    theirs = timed(fn)
                 except Exception as e:
                     h.notes.append(f"fla chunk_gated_delta_rule failed at T={t}: {type(e).__name__}: {e}")
-            rows.append((f"{heads} heads {d}x{d}, T={t}", _dt(dtype), ours, theirs))
+            rows.append((f"b{b} {heads} heads {d}x{d}, T={t}", _dt(dtype), seq, chunked, theirs))
     return rows
 
 
@@ -549,12 +589,17 @@ def report(h: Harness, timings: list[Timing], prefill: list, device_name: str, e
                          f"{t.device_us / floor_us:.1f}× | {fla} |")
     if prefill:
         lines += ["", "## LinearAttention prefill (one call of T tokens, gated delta rule, CUDA-graph device time)", "",
-                  "The kernel runs the tokens in sequence with the state in registers; fla: chunk_gated_delta_rule.", "",
-                  "| case | dtype | µs | µs/token | fla chunked µs |", "|---|---|---|---|---|"]
-        for case, dt, ours, theirs in prefill:
+                  "sequential: the tokens in order with the state in registers; chunked: the tensor-core form "
+                  "(auto takes it from 128 tokens at batch x kv heads <= 64); fla: chunk_gated_delta_rule on the same inputs; "
+                  "speed vs fla = fla µs / chunked µs.", "",
+                  "| case | dtype | sequential µs | chunked µs | chunked µs/token | fla µs | speed vs fla |",
+                  "|---|---|---|---|---|---|---|"]
+        f = lambda x: f"{x:.1f}" if x is not None else "-"  # noqa: E731
+        for case, dt, seq, chunked, theirs in prefill:
             t = int(case.rsplit("T=", 1)[1])
-            mine = f"{ours:.1f} | {ours / t:.3f}" if ours is not None else "- | -"
-            lines.append(f"| {case} | {dt} | {mine} | {f'{theirs:.1f}' if theirs is not None else '-'} |")
+            per = f"{chunked / t:.3f}" if chunked is not None else "-"
+            ratio = f"{theirs / chunked:.2f}×" if chunked and theirs else "-"
+            lines.append(f"| {case} | {dt} | {f(seq)} | {f(chunked)} | {per} | {f(theirs)} | {ratio} |")
     for n in h.notes:
         lines.append(f"- note: {n}")
     return "\n".join(lines) + "\n"

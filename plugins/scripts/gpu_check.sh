@@ -8,8 +8,9 @@
 # TensorRT is not needed. Steps:
 #   1. builds plugins/ for this GPU's architecture (CUDA_ARCH=87 etc. to override);
 #   2. gpu_check.py: every op, float32 and float16 I/O, odd shapes, in-place state, step-by-step
-#      vs prefill, against edgemem.ops (float64) and the CPU reference; decode timing against
-#      the memory-bandwidth floor;
+#      vs prefill, LinearAttention's chunked form, against edgemem.ops (float64) and the CPU
+#      reference; decode timing against the memory-bandwidth floor; prefill timing; both beside
+#      flash-linear-attention where it is installed;
 #   3. compute-sanitizer memcheck and racecheck over the quick case set (skipped with a note if
 #      compute-sanitizer is not installed);
 # and writes BUILD_DIR/gpu_check_report.md. Exit status 0 only if every step passed.

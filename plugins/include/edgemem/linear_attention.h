@@ -131,5 +131,79 @@ EM_UNROLL
     return scale * allsum(o);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Chunked form (prefill on tensor cores). Per kv head, tokens in chunks of C = kChunk; inside a
+// chunk, with G_i the cumulative log decay from the chunk start (per head; G = 0 ungated),
+// S_0 the state at the chunk start and beta = 1, A = 0 for the non-delta rules:
+//   A_ij = beta_i exp(G_i - G_j) k_i.k_j   (j < i)          T = (I + A)^-1
+//   W    = T diag(beta exp(G)) K          U = T diag(beta) V - W S_0     (WY form of the delta rule)
+//   o_i  = scale (exp(G_i) q_i^T S_0 + sum_{j <= i} exp(G_i - G_j) (q_i.k_j) u_j)
+//   S_C  = exp(G_last) S_0 + (diag(exp(G_last - G)) K)^T U
+// Three passes per segment of tokens: prepare (every chunk at once: G, T, W, U0 = T diag(beta) V,
+// K~ = diag(exp(G_last - G)) K), state (chunks in order per value tile: U = U0 - W S, the state
+// at each chunk start), output (every chunk at once). The passes share a float32 workspace laid
+// out by ChunkLayout; a sequence longer than one segment runs segment after segment, the state
+// passing through present_state. Per-key decay keeps the sequential form.
+constexpr int kChunk = 64;
+constexpr int kChunkMaxDk = 128;
+constexpr int64_t kChunkBudget = int64_t(64) << 20; // workspace bytes a segment is sized to
+
+EM_HD bool chunkable(Params const& p) { return !p.decay_per_key && p.dk <= kChunkMaxDk; }
+
+// Float offsets of the workspace arrays for segments of `tokens` tokens (a multiple of C):
+//   gcum [B, Hkv, tokens], w and kt [B, Hkv, tokens, DK], u [B, Hkv, tokens, DV],
+//   s [B, Hkv, tokens / C, DK, DV]. DK, DV: d_k and d_v padded with zeros to the kernels' tiles.
+struct ChunkLayout
+{
+    int32_t dk;     // DK
+    int32_t dv;     // DV
+    int32_t tokens; // per segment
+    int64_t gcum, w, kt, u, s, floats;
+
+    EM_HD int64_t row(Params const& p, int b, int h, int t) const { return (int64_t(b) * p.kv_heads + h) * tokens + t; }
+    EM_HD int64_t stateAt(Params const& p, int b, int h, int chunk) const
+    {
+        return s + ((int64_t(b) * p.kv_heads + h) * (tokens / kChunk) + chunk) * dk * dv;
+    }
+};
+
+// The layout for segments as long as `budget` bytes allow (tokens = 0: not one chunk fits).
+inline ChunkLayout chunkLayout(Params const& p, int64_t budget = kChunkBudget)
+{
+    ChunkLayout l{};
+    l.dk = p.dk <= 32 ? 32 : p.dk <= 64 ? 64 : 128;
+    l.dv = (p.dv + 63) / 64 * 64;
+    int64_t const heads = int64_t(p.batch) * p.kv_heads;
+    int64_t const per_chunk = heads * (int64_t(kChunk) * (1 + 2 * l.dk + l.dv) + int64_t(l.dk) * l.dv) * 4;
+    int64_t const needed = (int64_t(p.seq) + kChunk - 1) / kChunk;
+    int64_t chunks = per_chunk > 0 ? budget / per_chunk : 0;
+    chunks = chunks > needed ? needed : chunks;
+    l.tokens = int32_t(chunks * kChunk);
+    l.gcum = 0;
+    l.w = l.gcum + heads * l.tokens;
+    l.kt = l.w + heads * l.tokens * l.dk;
+    l.u = l.kt + heads * l.tokens * l.dk;
+    l.s = l.u + heads * l.tokens * l.dv;
+    l.floats = l.s + heads * chunks * l.dk * l.dv; // every array starts at a multiple of 32 floats
+    return l;
+}
+
+// Column c of T = (I + A)^-1 for a strictly lower A (n x n, row stride lda) by forward
+// substitution: T_ic = [i == c] - sum_{c <= m < i} A_im T_mc. Reads column c of T only, so one
+// owner per column (a thread, a loop) fills T in parallel.
+EM_HD void unitLowerInverseColumn(float const* a, int lda, float* t, int ldt, int c, int n)
+{
+    for (int i = 0; i < c; ++i)
+        t[i * ldt + c] = 0.0f;
+    t[c * ldt + c] = 1.0f;
+    for (int i = c + 1; i < n; ++i)
+    {
+        float acc = 0.0f;
+        for (int m = c; m < i; ++m)
+            acc += a[i * lda + m] * t[m * ldt + c];
+        t[i * ldt + c] = -acc;
+    }
+}
+
 } // namespace la
 } // namespace edgemem

@@ -120,7 +120,7 @@ std::string BandedAttentionPlugin::checkShapes(PluginTensorDesc const* in, int32
 }
 
 int32_t BandedAttentionPlugin::launch(
-    PluginTensorDesc const* inputDesc, void const* const* inputs, void* const* outputs, cudaStream_t stream)
+    PluginTensorDesc const* inputDesc, void const* const* inputs, void* const* outputs, void*, cudaStream_t stream)
 {
     Dims const& q = inputDesc[kQuery].dims;
     attn::BandedParams p{};

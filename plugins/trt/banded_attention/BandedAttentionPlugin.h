@@ -29,7 +29,7 @@ private:
     std::string outputShapes(nvinfer1::DimsExprs const* in, nvinfer1::DimsExprs* out, nvinfer1::IExprBuilder& eb) const;
     bool supports(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut) const;
     int32_t launch(nvinfer1::PluginTensorDesc const* in, void const* const* inputs, void* const* outputs,
-        cudaStream_t stream);
+        void*, cudaStream_t stream);
 
     int32_t mHeads;
     int32_t mWindow;

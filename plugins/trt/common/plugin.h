@@ -168,7 +168,8 @@ std::string checkHeadsWindowDilation(int32_t heads, int32_t window, std::vector<
 //   void outputTypes(DataType* out, DataType const* in) const;
 //   std::string outputShapes(DimsExprs const* in, DimsExprs* out, IExprBuilder&) const;  // "" or what is wrong
 //   bool supports(int32_t pos, DynamicPluginTensorDesc const* inOut) const;  // pos in range, linear format
-//   int32_t launch(PluginTensorDesc const* in, void const* const* inputs, void* const* outputs, cudaStream_t);
+//   int32_t launch(PluginTensorDesc const* in, void const* const* inputs, void* const* outputs, void* workspace,
+//                  cudaStream_t);  // workspace: getWorkspaceSize bytes (0 unless the op overrides it)
 // The entry points check the tensor counts, catch every exception and log what went wrong.
 template <class P>
 class PluginImpl : public PluginBase
@@ -225,13 +226,13 @@ public:
         return isLinear(inOut[pos].desc) && self().supports(pos, inOut);
     }
     int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const*,
-        void const* const* inputs, void* const* outputs, void*, cudaStream_t stream) noexcept override
+        void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override
     {
         try
         {
             std::string const why = checkShapes(inputDesc, P::kInputs);
             if (why.empty())
-                return static_cast<P*>(this)->launch(inputDesc, inputs, outputs, stream);
+                return static_cast<P*>(this)->launch(inputDesc, inputs, outputs, workspace, stream);
             error(why);
         }
         catch (std::exception const& e)

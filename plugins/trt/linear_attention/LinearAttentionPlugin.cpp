@@ -2,6 +2,7 @@
 
 #include "launch.h"
 
+#include <algorithm>
 #include <cmath>
 
 using namespace nvinfer1;
@@ -133,21 +134,39 @@ std::string LinearAttentionPlugin::checkShapes(PluginTensorDesc const* in, int32
     return {};
 }
 
-int32_t LinearAttentionPlugin::launch(
-    PluginTensorDesc const* inputDesc, void const* const* inputs, void* const* outputs, cudaStream_t stream)
+la::Params LinearAttentionPlugin::params(Dims const& q, Dims const& v, Dims const& decay, Dims const& beta) const
 {
-    Dims const& q = inputDesc[kQuery].dims;
     la::Params p{};
     p.batch = int32_t(q.d[0]);
     p.seq = int32_t(q.d[1]);
     p.q_heads = mQHeads;
     p.kv_heads = mKvHeads;
     p.dk = int32_t(q.d[2] / mQHeads);
-    p.dv = int32_t(inputDesc[kValue].dims.d[2] / mKvHeads);
+    p.dv = int32_t(v.d[2] / mKvHeads);
     p.rule = mRule;
     p.scale = mScale != 0.0f ? mScale : 1.0f / std::sqrt(float(p.dk));
-    p.decay_per_key = inputDesc[kDecay].dims.d[2] == int64_t(mKvHeads) * p.dk && p.dk > 1;
-    p.beta_per_head = inputDesc[kBeta].dims.d[2] == mKvHeads;
+    p.decay_per_key = decay.d[2] == int64_t(mKvHeads) * p.dk && p.dk > 1;
+    p.beta_per_head = beta.d[2] == mKvHeads;
+    return p;
+}
+
+// The chunked prefill's workspace: its fixed budget when some call of the profile takes that form
+// (the longest sequence at the smallest batch; a longer sequence runs in segments), else none.
+size_t LinearAttentionPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* in, int32_t nbInputs,
+    DynamicPluginTensorDesc const*, int32_t) const noexcept
+{
+    if (nbInputs != kInputs)
+        return 0;
+    la::Params p = params(in[kQuery].max, in[kValue].max, in[kDecay].max, in[kBeta].max);
+    p.batch = int32_t(std::max<int64_t>(1, in[kQuery].min.d[0]));
+    return cuda::linearAttentionWorkspace(p) > 0 ? size_t(la::kChunkBudget) : 0;
+}
+
+int32_t LinearAttentionPlugin::launch(
+    PluginTensorDesc const* inputDesc, void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream)
+{
+    la::Params const p = params(inputDesc[kQuery].dims, inputDesc[kValue].dims, inputDesc[kDecay].dims,
+        inputDesc[kBeta].dims);
     LinearAttentionIO io{};
     io.query = inputs[kQuery];
     io.key = inputs[kKey];
@@ -157,7 +176,8 @@ int32_t LinearAttentionPlugin::launch(
     io.beta = inputs[kBeta];
     io.output = outputs[0];
     io.present_state = static_cast<float*>(outputs[1]);
-    return status(cuda::linearAttention(p, io, DType(dtypeOf(inputDesc[kQuery].type)), stream));
+    return status(cuda::linearAttention(p, io, DType(dtypeOf(inputDesc[kQuery].type)), workspace,
+        workspace ? size_t(la::kChunkBudget) : 0, stream));
 }
 
 } // namespace trt

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "../common/plugin.h"
+#include "edgemem/linear_attention.h"
 
 namespace edgemem
 {
@@ -16,6 +17,9 @@ public:
     static constexpr int32_t kOutputs = 2;
     static std::vector<FieldSpec> fieldSpecs();
 
+    size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
+        nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) const noexcept override;
+
 protected:
     void writeAttributes(Attributes& out) const override;
     std::string checkShapes(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs) const override;
@@ -29,7 +33,10 @@ private:
     std::string outputShapes(nvinfer1::DimsExprs const* in, nvinfer1::DimsExprs* out, nvinfer1::IExprBuilder& eb) const;
     bool supports(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut) const;
     int32_t launch(nvinfer1::PluginTensorDesc const* in, void const* const* inputs, void* const* outputs,
-        cudaStream_t stream);
+        void* workspace, cudaStream_t stream);
+    // The launcher's sizes from the dims of query, value, decay and beta.
+    la::Params params(nvinfer1::Dims const& q, nvinfer1::Dims const& v, nvinfer1::Dims const& decay,
+        nvinfer1::Dims const& beta) const;
 
     int32_t mRule; // index into linear, gated, delta, gated_delta
     std::string mRuleName;

@@ -157,7 +157,7 @@ std::string NeuralMemoryPlugin::checkShapes(PluginTensorDesc const* in, int32_t)
 }
 
 int32_t NeuralMemoryPlugin::launch(
-    PluginTensorDesc const* inputDesc, void const* const* inputs, void* const* outputs, cudaStream_t stream)
+    PluginTensorDesc const* inputDesc, void const* const* inputs, void* const* outputs, void*, cudaStream_t stream)
 {
     Dims const& q = inputDesc[kQuery].dims;
     nm::Params p{};

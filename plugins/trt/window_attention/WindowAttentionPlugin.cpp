@@ -141,7 +141,7 @@ std::string WindowAttentionPlugin::checkShapes(PluginTensorDesc const* in, int32
 }
 
 int32_t WindowAttentionPlugin::launch(
-    PluginTensorDesc const* inputDesc, void const* const* inputs, void* const* outputs, cudaStream_t stream)
+    PluginTensorDesc const* inputDesc, void const* const* inputs, void* const* outputs, void*, cudaStream_t stream)
 {
     Dims const& q = inputDesc[kQuery].dims;
     attn::WindowParams p{};

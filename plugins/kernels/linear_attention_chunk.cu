@@ -1,0 +1,636 @@
+// LinearAttention prefill in the chunked (UT/WY) form of edgemem/linear_attention.h, on tensor
+// cores: every product below is a 16x16x8 TF32 warp matrix operation on float32 tiles staged in
+// shared memory, accumulated in float32. Float16 inputs are exact in TF32, so one product per
+// tile suffices; float32 inputs are split x = hi + lo into two TF32 numbers and multiplied as
+// hi.hi + hi.lo + lo.hi (the dropped lo.lo term is below float32 rounding).
+//
+// Three kernels per segment, 256 threads (8 warps) each; a warp computes a row of 16 x 16 tiles
+// with one A fragment per k step (rowTiles), so its tiles' products run side by side:
+//   prepare  a block per (chunk, kv head, batch): G, A, T = (I + A)^-1 (16 x 16 diagonal blocks
+//            by substitution, the blocks below by products), W, U0 and K~ into the workspace;
+//   state    a block per (32 value columns, kv head, batch) walks the chunks in order with its
+//            state tile in accumulator fragments: U = U0 - W S, S <- exp(G_last) S + K~^T U; it
+//            stores the state at every chunk start. The next chunk's W, K~ and U0 are copied in
+//            (cp.async) while the current one is multiplied where shared memory holds two stages;
+//   output   a block per (chunk, query head, batch x value tile): (Q K^T masked) U + (Q e^G) S.
+#include "device.cuh"
+#include "launch.h"
+
+#include <mma.h>
+
+#include <type_traits>
+
+namespace edgemem
+{
+namespace cuda
+{
+namespace
+{
+
+namespace wm = nvcuda::wmma;
+
+constexpr int kThreads = 256;
+// 8 warps: in the parallel passes warp w takes row block w / 2 and half of its column tiles
+constexpr int C = la::kChunk;
+
+// Smem floats rounded up to whole 128-byte lines (keeps every array 32-byte aligned).
+__host__ __device__ constexpr int lines(int floats) { return (floats + 31) / 32 * 32; }
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 // TF32 tensor cores; the kernels are empty below
+
+using Acc = wm::fragment<wm::accumulator, 16, 16, 8, float>;
+using RowA = wm::fragment<wm::matrix_a, 16, 16, 8, wm::precision::tf32, wm::row_major>;
+using ColA = wm::fragment<wm::matrix_a, 16, 16, 8, wm::precision::tf32, wm::col_major>;
+using RowB = wm::fragment<wm::matrix_b, 16, 16, 8, wm::precision::tf32, wm::row_major>;
+using ColB = wm::fragment<wm::matrix_b, 16, 16, 8, wm::precision::tf32, wm::col_major>;
+
+template <class F>
+__device__ __forceinline__ void split(F& hi, F& lo)
+{
+    EM_UNROLL
+    for (int i = 0; i < hi.num_elements; ++i)
+    {
+        float const x = hi.x[i];
+        hi.x[i] = wm::__float_to_tf32(x);
+        lo.x[i] = wm::__float_to_tf32(x - hi.x[i]);
+    }
+}
+
+template <class F>
+__device__ __forceinline__ void round(F& f)
+{
+    EM_UNROLL
+    for (int i = 0; i < f.num_elements; ++i)
+        f.x[i] = wm::__float_to_tf32(f.x[i]);
+}
+
+// One row block of tiles: acc[j] += sign * A . B_j over k < kend (a multiple of 8, at most K),
+// A the 16 x K block at `a` (ak floats further per 8 k), B_j the K x 16 block at b + j * bj (bk
+// floats further per 8 k). A's fragment is loaded once per k step for all NT tiles, whose
+// products are independent. P = 1: one TF32 product, P = 3: hi.hi + hi.lo + lo.hi.
+template <int P, int K, int NT, class FA, class FB>
+__device__ __forceinline__ void rowTiles(Acc (&acc)[NT], float const* a, int lda, int ak, float const* b, int ldb,
+    int bk, int bj, int kend = K, float sign = 1.0f)
+{
+#pragma unroll 2
+    for (int k0 = 0; k0 < K; k0 += 8)
+    {
+        if (k0 >= kend)
+            break;
+        FA ah, al;
+        wm::load_matrix_sync(ah, a + (k0 / 8) * ak, lda);
+        EM_UNROLL
+        for (int i = 0; i < ah.num_elements; ++i)
+            ah.x[i] *= sign;
+        if constexpr (P == 1)
+            round(ah);
+        else
+            split(ah, al);
+        EM_UNROLL
+        for (int j = 0; j < NT; ++j)
+        {
+            FB bh, bl;
+            wm::load_matrix_sync(bh, b + (k0 / 8) * bk + j * bj, ldb);
+            if constexpr (P == 1)
+            {
+                round(bh);
+                wm::mma_sync(acc[j], ah, bh, acc[j]);
+            }
+            else
+            {
+                split(bh, bl);
+                wm::mma_sync(acc[j], al, bh, acc[j]);
+                wm::mma_sync(acc[j], ah, bl, acc[j]);
+                wm::mma_sync(acc[j], ah, bh, acc[j]);
+            }
+        }
+    }
+}
+
+template <int NT>
+__device__ __forceinline__ void zero(Acc (&acc)[NT])
+{
+    EM_UNROLL
+    for (int j = 0; j < NT; ++j)
+        wm::fill_fragment(acc[j], 0.0f);
+}
+
+// acc tiles to row-major memory: tile j at p + j * step.
+template <int NT>
+__device__ __forceinline__ void storeTiles(float* p, int ld, int step, Acc const (&acc)[NT])
+{
+    EM_UNROLL
+    for (int j = 0; j < NT; ++j)
+        wm::store_matrix_sync(p + j * step, acc[j], ld, wm::mem_row_major);
+}
+
+// (I + A)^-1 of a strictly lower C x C matrix A, blockwise over 16 x 16 blocks: the diagonal
+// blocks by forward substitution (a thread per column), then block row I from the ones above it,
+// T_IJ = -T_II sum_{J <= M < I} A_IM T_MJ. Blocks above the diagonal are zeroed.
+template <int P>
+__device__ __forceinline__ void unitLowerInverse(float const* a, int lda, float* t, int ldt)
+{
+    int const tid = threadIdx.x, warp = tid / kWarp;
+    if (tid < C)
+    {
+        int const blk = tid / 16;
+        la::unitLowerInverseColumn(a + blk * 16 * lda + blk * 16, lda, t + blk * 16 * ldt + blk * 16, ldt, tid % 16, 16);
+    }
+    for (int i = tid; i < C * C; i += kThreads)
+    {
+        int const r = i / C, c = i % C;
+        if (c / 16 > r / 16)
+            t[r * ldt + c] = 0.0f;
+    }
+    __syncthreads();
+    for (int bi = 1; bi < C / 16; ++bi)
+    {
+        if (warp < bi)
+        {
+            int const bj = warp;
+            Acc x[1];
+            zero(x);
+            // sum over M = bj .. bi-1 of A_{bi,M} T_{M,bj}: k runs over rows 16 bj .. 16 bi of T
+            rowTiles<P, C, 1, RowA, RowB>(x, a + bi * 16 * lda + bj * 16, lda, 8, t + bj * 16 * ldt + bj * 16, ldt,
+                8 * ldt, 0, (bi - bj) * 16);
+            float* tij = t + bi * 16 * ldt + bj * 16;
+            wm::store_matrix_sync(tij, x[0], ldt, wm::mem_row_major);
+            __syncwarp();
+            Acc y[1];
+            zero(y);
+            rowTiles<P, 16, 1, RowA, RowB>(y, t + bi * 16 * ldt + bi * 16, ldt, 8, tij, ldt, 8 * ldt, 0, 16, -1.0f);
+            __syncwarp();
+            wm::store_matrix_sync(tij, y[0], ldt, wm::mem_row_major);
+        }
+        __syncthreads();
+    }
+}
+
+__device__ __forceinline__ void copy16(float* smem, float const* gmem)
+{
+    unsigned const s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void copyCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void copyWait()
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+#endif
+
+template <int DK>
+__host__ __device__ constexpr int prepareFloats()
+{
+    return lines(C * (DK + 4)) + 2 * lines(C * (C + 4)) + lines(C * (64 + 4)) + 3 * C;
+}
+
+template <typename T, int DK, int P>
+__global__ void __launch_bounds__(kThreads, 2) chunkPrepare(
+    la::Params const p, LinearAttentionIO const io, la::ChunkLayout const l, int const s0, int const len, float* ws)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    constexpr int LK = DK + 4, LC = C + 4, BV = 64, LV = BV + 4;
+    extern __shared__ __align__(128) float sm[];
+    float* sK = sm;                        // [C][LK]
+    float* sA = sK + lines(C * LK);        // [C][LC]
+    float* sT = sA + lines(C * LC);        // [C][LC]
+    float* sV = sT + lines(C * LC);        // [C][LV]
+    float* sG = sV + lines(C * LV);        // [C]
+    float* sBeta = sG + C;                 // [C]
+    float* sE = sBeta + C;                 // [C] beta exp(G)
+    int const tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
+    int const mi = warp / 2, half = warp % 2;
+    int const c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    int const r0 = c * C;
+    int const t0 = s0 + r0;
+    int const n = min(C, len - r0);
+    bool const gated = la::isGated(p.rule);
+    bool const delta = la::isDelta(p.rule);
+    int64_t const row0 = l.row(p, b, h, r0);
+
+    for (int i = tid; i < C * DK; i += kThreads)
+    {
+        int const r = i / DK, d = i % DK;
+        sK[r * LK + d] = r < n && d < p.dk ? load<T>(io.key, la::keyOffset(p, b, t0 + r, h, d)) : 0.0f;
+    }
+    if (warp == 0)
+    {
+        // G: inclusive scan of the log decays, tokens lane and lane + 32
+        float g0 = gated && lane < n ? load<T>(io.decay, la::decayOffset(p, b, t0 + lane, h, 0)) : 0.0f;
+        float g1 = gated && lane + kWarp < n ? load<T>(io.decay, la::decayOffset(p, b, t0 + lane + kWarp, h, 0)) : 0.0f;
+        EM_UNROLL
+        for (int o = 1; o < kWarp; o <<= 1)
+        {
+            float const x0 = __shfl_up_sync(kFullMask, g0, o);
+            float const x1 = __shfl_up_sync(kFullMask, g1, o);
+            if (lane >= o)
+            {
+                g0 += x0;
+                g1 += x1;
+            }
+        }
+        g1 += __shfl_sync(kFullMask, g0, kWarp - 1);
+        sG[lane] = g0;
+        sG[lane + kWarp] = g1;
+        ws[l.gcum + row0 + lane] = g0;
+        ws[l.gcum + row0 + lane + kWarp] = g1;
+        for (int i = lane; i < C; i += kWarp) // i is lane or lane + 32: sG[i] is this lane's
+        {
+            float const beta = i < n ? (delta ? load<T>(io.beta, la::betaOffset(p, b, t0 + i, h)) : 1.0f) : 0.0f;
+            sBeta[i] = beta;
+            sE[i] = beta * em_exp(sG[i]);
+        }
+    }
+    __syncthreads();
+    float const last = sG[C - 1];
+    for (int i = tid; i < C * DK; i += kThreads)
+    {
+        int const r = i / DK, d = i % DK;
+        ws[l.kt + (row0 + r) * DK + d] = em_exp(last - sG[r]) * sK[r * LK + d];
+    }
+    if (delta)
+    {
+        Acc acc[2]; // A = K K^T: row block mi, column blocks half and half + 2
+        zero(acc);
+        rowTiles<P, DK, 2, RowA, ColB>(acc, sK + mi * 16 * LK, LK, 8, sK + half * 16 * LK, LK, 8, 32 * LK);
+        storeTiles(sA + mi * 16 * LC + half * 16, LC, 32, acc);
+        __syncthreads();
+        for (int i = tid; i < C * C; i += kThreads)
+        {
+            int const r = i / C, j = i % C;
+            sA[r * LC + j] = j < r ? sBeta[r] * em_exp(sG[r] - sG[j]) * sA[r * LC + j] : 0.0f;
+        }
+        __syncthreads();
+        unitLowerInverse<P>(sA, LC, sT, LC);
+        for (int i = tid; i < C * DK; i += kThreads)
+        {
+            int const r = i / DK, d = i % DK;
+            sK[r * LK + d] *= sE[r];
+        }
+        __syncthreads();
+        constexpr int NW = DK / 32; // W = T diag(beta e^G) K: row block mi, half of the DK / 16 column blocks
+        Acc w[NW];
+        zero(w);
+        rowTiles<P, C, NW, RowA, RowB>(w, sT + mi * 16 * LC, LC, 8, sK + half * NW * 16, LK, 8 * LK, 16, (mi + 1) * 16);
+        storeTiles(ws + l.w + (row0 + mi * 16) * DK + half * NW * 16, DK, 16, w);
+    }
+    for (int v0 = 0; v0 < l.dv; v0 += BV) // U0 = T diag(beta) V; V itself for the non-delta rules
+    {
+        __syncthreads();
+        for (int i = tid; i < C * BV; i += kThreads)
+        {
+            int const r = i / BV, j = i % BV;
+            float const x = r < n && v0 + j < p.dv ? load<T>(io.value, la::valueOffset(p, b, t0 + r, h, v0 + j)) : 0.0f;
+            if (delta)
+                sV[r * LV + j] = sBeta[r] * x;
+            else
+                ws[l.u + (row0 + r) * l.dv + v0 + j] = x;
+        }
+        if (!delta)
+            continue;
+        __syncthreads();
+        Acc u[2];
+        zero(u);
+        rowTiles<P, C, 2, RowA, RowB>(u, sT + mi * 16 * LC, LC, 8, sV + half * 32, LV, 8 * LV, 16, (mi + 1) * 16);
+        storeTiles(ws + l.u + (row0 + mi * 16) * l.dv + v0 + half * 32, l.dv, 16, u);
+    }
+#endif
+}
+
+constexpr int kStateColumns = 32; // value columns per state block
+
+template <int DK>
+__host__ __device__ constexpr int stageFloats()
+{
+    return 2 * lines(C * (DK + 4)) + lines(C * (kStateColumns + 4)) + 32;
+}
+
+template <int DK, int STAGES>
+__host__ __device__ constexpr int stateFloats()
+{
+    return lines(DK * (kStateColumns + 4)) + STAGES * stageFloats<DK>();
+}
+
+template <int DK, int P, int STAGES>
+__global__ void __launch_bounds__(kThreads, 1) chunkState(
+    la::Params const p, LinearAttentionIO const io, la::ChunkLayout const l, int const len, float const* past, float* ws)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    constexpr int BV = kStateColumns, LK = DK + 4, LS = BV + 4;
+    // state tiles (DK / 16) x 2 over 8 warps: DK = 128, warp w holds row block w, both columns;
+    // else row block w / 2, column w % 2 (DK = 32: warps 4..7 hold none)
+    constexpr int NS = DK == 128 ? 2 : 1;
+    extern __shared__ __align__(128) float sm[];
+    float* sS = sm;                      // [DK][LS]
+    float* sStage = sS + lines(DK * LS); // STAGES x {W [C][LK], K~ [C][LK], U [C][LS], G tail [4]}
+    int const tid = threadIdx.x, warp = tid / kWarp;
+    int const v0 = blockIdx.x * BV, h = blockIdx.y, b = blockIdx.z;
+    int const chunks = (len + C - 1) / C;
+    bool const delta = la::isDelta(p.rule);
+    int const ri = DK == 128 ? warp : warp / 2;
+    int const ci = DK == 128 ? 0 : warp % 2;
+    bool const holds = ri < DK / 16;
+
+    for (int i = tid; i < DK * BV; i += kThreads)
+    {
+        int const d = i / BV, j = i % BV;
+        sS[d * LS + j] = d < p.dk && v0 + j < p.dv ? past[la::stateOffset(p, b, h, d, v0 + j)] : 0.0f;
+    }
+    __syncthreads();
+    Acc s[NS];
+    if (holds)
+    {
+        EM_UNROLL
+        for (int f = 0; f < NS; ++f)
+            wm::load_matrix_sync(s[f], sS + ri * 16 * LS + (ci + f) * 16, LS, wm::mem_row_major);
+    }
+
+    auto fetch = [&](int c, float* st) {
+        int64_t const row0 = l.row(p, b, h, c * C);
+        for (int i = tid; i < C * DK / 4; i += kThreads)
+        {
+            int const r = i / (DK / 4), q = i % (DK / 4) * 4;
+            if (delta)
+                copy16(st + r * LK + q, ws + l.w + (row0 + r) * DK + q);
+            copy16(st + lines(C * LK) + r * LK + q, ws + l.kt + (row0 + r) * DK + q);
+        }
+        float* su = st + 2 * lines(C * LK);
+        for (int i = tid; i < C * BV / 4; i += kThreads)
+        {
+            int const r = i / (BV / 4), q = i % (BV / 4) * 4;
+            copy16(su + r * LS + q, ws + l.u + (row0 + r) * l.dv + v0 + q);
+        }
+        if (tid == 0)
+            copy16(su + lines(C * LS), ws + l.gcum + row0 + C - 4);
+        copyCommit();
+    };
+
+    if constexpr (STAGES == 2)
+        fetch(0, sStage);
+    for (int c = 0; c < chunks; ++c)
+    {
+        float* st = sStage + (STAGES == 2 ? (c & 1) * stageFloats<DK>() : 0);
+        __syncthreads(); // the buffer the next fetch fills and sS are free
+        if constexpr (STAGES == 2)
+        {
+            if (c + 1 < chunks)
+            {
+                fetch(c + 1, sStage + ((c + 1) & 1) * stageFloats<DK>());
+                copyWait<1>();
+            }
+            else
+                copyWait<0>();
+        }
+        else
+        {
+            fetch(c, st);
+            copyWait<0>();
+        }
+        if (holds)
+        {
+            float* gS = ws + l.stateAt(p, b, h, c);
+            storeTiles(sS + ri * 16 * LS + ci * 16, LS, 16, s);
+            storeTiles(gS + ri * 16 * l.dv + v0 + ci * 16, l.dv, 16, s);
+        }
+        __syncthreads();
+        float const* sW = st;
+        float const* sKt = st + lines(C * LK);
+        float* sU = st + 2 * lines(C * LK);
+        if (delta)
+        {
+            // U = U0 - W S: (C / 16) x 2 tiles, one a warp
+            int const mi = warp / 2, ni = warp % 2;
+            Acc u[1];
+            wm::load_matrix_sync(u[0], sU + mi * 16 * LS + ni * 16, LS, wm::mem_row_major);
+            rowTiles<P, DK, 1, RowA, RowB>(u, sW + mi * 16 * LK, LK, 8, sS + ni * 16, LS, 8 * LS, 0, DK, -1.0f);
+            wm::store_matrix_sync(sU + mi * 16 * LS + ni * 16, u[0], LS, wm::mem_row_major);
+            wm::store_matrix_sync(ws + l.u + (l.row(p, b, h, c * C) + mi * 16) * l.dv + v0 + ni * 16, u[0], l.dv,
+                wm::mem_row_major);
+            __syncthreads();
+        }
+        if (holds)
+        {
+            float const decay = em_exp(sU[lines(C * LS) + 3]);
+            EM_UNROLL
+            for (int f = 0; f < NS; ++f)
+                EM_UNROLL
+                for (int i = 0; i < s[f].num_elements; ++i)
+                    s[f].x[i] *= decay;
+            // S <- exp(G_last) S + K~^T U
+            rowTiles<P, C, NS, ColA, RowB>(s, sKt + ri * 16, LK, 8 * LK, sU + ci * 16, LS, 8 * LS, 16);
+        }
+    }
+    __syncthreads();
+    if (holds)
+        storeTiles(sS + ri * 16 * LS + ci * 16, LS, 16, s);
+    __syncthreads();
+    for (int i = tid; i < DK * BV; i += kThreads)
+    {
+        int const d = i / BV, j = i % BV;
+        if (d < p.dk && v0 + j < p.dv)
+            io.present_state[la::stateOffset(p, b, h, d, v0 + j)] = sS[d * LS + j];
+    }
+#endif
+}
+
+template <int DK, int BV>
+__host__ __device__ constexpr int outputFloats()
+{
+    return lines(C * (DK + 4)) + lines(C * (DK + 4) > DK * (BV + 4) ? C * (DK + 4) : DK * (BV + 4))
+        + lines(C * (C + 4)) + lines(C * (BV + 4)) + 2 * C;
+}
+
+template <typename T, int DK, int P, int BV>
+__global__ void __launch_bounds__(kThreads, 2) chunkOutput(
+    la::Params const p, LinearAttentionIO const io, la::ChunkLayout const l, int const s0, int const len, float const* ws)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    constexpr int LK = DK + 4, LC = C + 4, LV = BV + 4, NO = BV / 32;
+    extern __shared__ __align__(128) float sm[];
+    float* sQ = sm;                                                        // [C][LK]
+    float* sKS = sQ + lines(C * LK);                                       // K [C][LK], then S [DK][LV]
+    float* sA = sKS + lines(C * LK > DK * LV ? C * LK : DK * LV);          // [C][LC]
+    float* sU = sA + lines(C * LC);                                        // [C][LV], then the output
+    float* sG = sU + lines(C * LV);                                        // [C]
+    float* sE = sG + C;                                                    // [C] exp(G)
+    int const tid = threadIdx.x, warp = tid / kWarp;
+    int const mi = warp / 2, half = warp % 2;
+    int const c = blockIdx.x, hq = blockIdx.y;
+    int const tiles = l.dv / BV;
+    int const b = blockIdx.z / tiles, v0 = blockIdx.z % tiles * BV;
+    int const h = hq / (p.q_heads / p.kv_heads);
+    int const r0 = c * C;
+    int const t0 = s0 + r0;
+    int const n = min(C, len - r0);
+    int64_t const row0 = l.row(p, b, h, r0);
+
+    for (int i = tid; i < C * DK; i += kThreads)
+    {
+        int const r = i / DK, d = i % DK;
+        bool const in = r < n && d < p.dk;
+        sQ[r * LK + d] = in ? load<T>(io.query, la::queryOffset(p, b, t0 + r, hq, d)) : 0.0f;
+        sKS[r * LK + d] = in ? load<T>(io.key, la::keyOffset(p, b, t0 + r, h, d)) : 0.0f;
+    }
+    for (int i = tid; i < C; i += kThreads)
+    {
+        float const g = ws[l.gcum + row0 + i];
+        sG[i] = g;
+        sE[i] = em_exp(g);
+    }
+    __syncthreads();
+    {
+        Acc acc[2]; // Q K^T: row block mi, column blocks half and half + 2
+        zero(acc);
+        rowTiles<P, DK, 2, RowA, ColB>(acc, sQ + mi * 16 * LK, LK, 8, sKS + half * 16 * LK, LK, 8, 32 * LK);
+        storeTiles(sA + mi * 16 * LC + half * 16, LC, 32, acc);
+    }
+    __syncthreads();
+    for (int i = tid; i < C * C; i += kThreads)
+    {
+        int const r = i / C, j = i % C;
+        sA[r * LC + j] = j <= r ? em_exp(sG[r] - sG[j]) * sA[r * LC + j] : 0.0f;
+    }
+    for (int i = tid; i < C * DK; i += kThreads)
+    {
+        int const r = i / DK, d = i % DK;
+        sQ[r * LK + d] *= sE[r];
+    }
+    float const* gS = ws + l.stateAt(p, b, h, c);
+    for (int i = tid; i < DK * BV; i += kThreads)
+    {
+        int const d = i / BV, j = i % BV;
+        sKS[d * LV + j] = gS[d * l.dv + v0 + j];
+    }
+    for (int i = tid; i < C * BV; i += kThreads)
+    {
+        int const r = i / BV, j = i % BV;
+        sU[r * LV + j] = ws[l.u + (row0 + r) * l.dv + v0 + j];
+    }
+    __syncthreads();
+    Acc o[NO]; // row block mi, the column blocks of half `half`
+    zero(o);
+    rowTiles<P, DK, NO, RowA, RowB>(o, sQ + mi * 16 * LK, LK, 8, sKS + half * BV / 2, LV, 8 * LV, 16);
+    rowTiles<P, C, NO, RowA, RowB>(o, sA + mi * 16 * LC, LC, 8, sU + half * BV / 2, LV, 8 * LV, 16, (mi + 1) * 16);
+    __syncthreads();
+    EM_UNROLL
+    for (int f = 0; f < NO; ++f)
+        EM_UNROLL
+        for (int i = 0; i < o[f].num_elements; ++i)
+            o[f].x[i] *= p.scale;
+    storeTiles(sU + mi * 16 * LV + half * BV / 2, LV, 16, o);
+    __syncthreads();
+    for (int i = tid; i < C * BV; i += kThreads)
+    {
+        int const r = i / BV, j = i % BV;
+        if (r < n && v0 + j < p.dv)
+            store<T>(io.output, la::outputOffset(p, b, t0 + r, hq, v0 + j), sU[r * LV + j]);
+    }
+#endif
+}
+
+// Opt-in shared memory per block of the current device, and whether it runs the chunked form.
+struct Device
+{
+    int smem = 0;
+    bool tensorCores = false;
+};
+
+Device currentDevice()
+{
+    Device d;
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess
+        || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess
+        || cudaDeviceGetAttribute(&d.smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+        return Device{};
+    d.tensorCores = major >= 8;
+    return d;
+}
+
+template <class K>
+bool allow(K kernel, size_t bytes)
+{
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)) == cudaSuccess;
+}
+
+template <typename T, int DK>
+int runChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout const& l, float* ws, Device const& dev,
+    cudaStream_t stream)
+{
+    constexpr int P = std::is_same<T, float>::value ? 3 : 1;
+    constexpr size_t prep = prepareFloats<DK>() * sizeof(float);
+    bool const two = stateFloats<DK, 2>() * sizeof(float) <= size_t(dev.smem);
+    size_t const state = (two ? stateFloats<DK, 2>() : stateFloats<DK, 1>()) * sizeof(float);
+    bool const wide = outputFloats<DK, 64>() * sizeof(float) <= size_t(dev.smem);
+    int const bv = wide ? 64 : 32;
+    size_t const out = (wide ? outputFloats<DK, 64>() : outputFloats<DK, 32>()) * sizeof(float);
+    auto prepare = chunkPrepare<T, DK, P>;
+    auto walk = two ? chunkState<DK, P, 2> : chunkState<DK, P, 1>;
+    auto output = wide ? chunkOutput<T, DK, P, 64> : chunkOutput<T, DK, P, 32>;
+    if (prep > size_t(dev.smem) || state > size_t(dev.smem) || out > size_t(dev.smem))
+        return kUnsupported;
+    if (!allow(prepare, prep) || !allow(walk, state) || !allow(output, out))
+        return kCudaError;
+    for (int s0 = 0; s0 < p.seq; s0 += l.tokens)
+    {
+        int const len = p.seq - s0 < l.tokens ? p.seq - s0 : l.tokens;
+        unsigned const chunks = unsigned((len + C - 1) / C);
+        float const* past = s0 == 0 ? io.past_state : io.present_state;
+        prepare<<<dim3(chunks, unsigned(p.kv_heads), unsigned(p.batch)), kThreads, prep, stream>>>(p, io, l, s0, len, ws);
+        walk<<<dim3(unsigned(l.dv / kStateColumns), unsigned(p.kv_heads), unsigned(p.batch)), kThreads, state, stream>>>(
+            p, io, l, len, past, ws);
+        output<<<dim3(chunks, unsigned(p.q_heads), unsigned(p.batch) * unsigned(l.dv / bv)), kThreads, out, stream>>>(
+            p, io, l, s0, len, ws);
+        if (int const st = launchStatus())
+            return st;
+    }
+    return kOk;
+}
+
+template <typename T>
+int dispatchChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout const& l, float* ws,
+    Device const& dev, cudaStream_t stream)
+{
+    switch (l.dk)
+    {
+    case 32: return runChunked<T, 32>(p, io, l, ws, dev, stream);
+    case 64: return runChunked<T, 64>(p, io, l, ws, dev, stream);
+    case 128: return runChunked<T, 128>(p, io, l, ws, dev, stream);
+    }
+    return kUnsupported;
+}
+
+} // namespace
+
+size_t linearAttentionWorkspace(la::Params const& p, LaPath path)
+{
+    if (la::check(p) != kOk || !la::chunkable(p) || p.batch == 0 || p.seq == 0 || path == LaPath::kSequential
+        || (path == LaPath::kAuto && !chunkedPays(p)))
+        return 0;
+    return size_t(la::chunkLayout(p).floats) * sizeof(float);
+}
+
+int linearAttentionChunked(la::Params const& p, LinearAttentionIO const& io, DType dtype, void* workspace,
+    size_t workspace_bytes, cudaStream_t stream)
+{
+    if (!la::chunkable(p) || workspace == nullptr || reinterpret_cast<uintptr_t>(workspace) % 256 != 0)
+        return kUnsupported;
+    if (p.batch > 65535 || p.kv_heads > 65535 || p.q_heads > 65535)
+        return kUnsupported;
+    la::ChunkLayout const l = la::chunkLayout(p, int64_t(workspace_bytes));
+    Device const dev = currentDevice();
+    if (l.tokens == 0 || !dev.tensorCores)
+        return kUnsupported;
+    float* ws = static_cast<float*>(workspace);
+    switch (dtype)
+    {
+    case kFloat32: return dispatchChunked<float>(p, io, l, ws, dev, stream);
+    case kFloat16: return dispatchChunked<__half>(p, io, l, ws, dev, stream);
+    }
+    return kUnsupported;
+}
+
+} // namespace cuda
+} // namespace edgemem

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -11,15 +13,17 @@ import click
 
 from edgemem import __version__
 from edgemem.config import finite, parse_overrides, seed
-from edgemem.errors import EdgememError
+from edgemem.errors import EdgememError, cli_names
 
 
 class _Group(click.Group):
-    """Turns EdgememError into one line on stderr and exit code 2, never a traceback."""
+    """Turns EdgememError into one line on stderr and exit code 2, never a traceback; messages name
+    the command's options, not the Python arguments behind them."""
 
     def invoke(self, ctx: click.Context):
         try:
-            return super().invoke(ctx)
+            with cli_names():
+                return super().invoke(ctx)
         except EdgememError as e:
             click.secho(f"error: {e}", fg="red", err=True)
             sys.exit(2)
@@ -66,10 +70,9 @@ def archs(as_json: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from edgemem.models import archs as names
-    from edgemem.models import describe
+    from edgemem.presets import sizes
 
-    rows = [describe(name) for name in names()]
+    rows = sizes()
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -203,62 +206,139 @@ def _csv_ints(text: str, option: str) -> list[int]:
     return values
 
 
+def _ids(text: str, option: str) -> list[int]:
+    """Token ids separated by commas or whitespace."""
+    from edgemem.errors import ConfigError
+
+    ids = []
+    for item in text.replace(",", " ").split():
+        try:
+            ids.append(int(item))
+        except ValueError:
+            raise ConfigError(f"{option}: {item!r} is not a token id (a non-negative integer)") from None
+        if ids[-1] < 0:
+            raise ConfigError(f"{option}: {item} is not a token id (a non-negative integer)")
+    if not ids:
+        raise ConfigError(f"{option} holds no token ids; give them separated by commas or spaces")
+    return ids
+
+
+def _ids_file(path: str) -> list[int]:
+    from edgemem.errors import ConfigError
+
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--ids-file {path}: {getattr(e, 'strerror', None) or 'not a text file'}") from None
+    return _ids(text, f"--ids-file {path}")
+
+
+def _shared(a, b) -> bool:
+    """Whether two streams write to the same place (one terminal, one pipe, one file)."""
+    try:
+        x, y = os.fstat(a.fileno()), os.fstat(b.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        return False
+    return (x.st_dev, x.st_ino) == (y.st_dev, y.st_ino)
+
+
+def _rate(n: int, seconds: float) -> str:
+    rate = n / max(seconds, 1e-9)
+    return f"{rate:.1f}" if rate < 10 else f"{rate:.0f}"
+
+
 @main.command("run")
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--prompt", default="", help="Text to start from (UTF-8). Empty: continue the --load-state stream.")
+@click.option("--ids", "ids_text", metavar="1,2,3", help="Start from these token ids instead of text.")
+@click.option("--ids-file", type=click.Path(dir_okay=False), help="Start from the token ids in this file "
+              "(separated by commas or whitespace).")
+@click.option("--print-ids", is_flag=True, help="Print the generated token ids instead of text (always, for an export "
+              "without a tokenizer).")
 @click.option("--max-new-tokens", default=200, show_default=True, type=click.IntRange(min=0),
               help="Tokens (bytes for a byte-level model) to generate.")
 @click.option("--load-state", type=click.Path(dir_okay=False), help="Continue a stream saved with --save-state.")
 @click.option("--save-state", type=click.Path(dir_okay=False), help="Save the stream here afterwards (also on Ctrl-C).")
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0), callback=_checked(finite),
               help="0 is greedy.")
-@click.option("--top-k", type=click.IntRange(min=1), help="Sample from the k most likely bytes.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), help="Sample from the smallest set of bytes with this much probability.")
+@click.option("--top-k", type=click.IntRange(min=1), help="Sample from the k most likely tokens (needs --temperature > 0).")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True),
+              help="Sample from the smallest set of tokens with this much probability (needs --temperature > 0).")
 @click.option("--seed", type=int, callback=_SEED, help="Seed of the sampler (default: fresh randomness).")
 @click.option("--threads", type=click.IntRange(min=1), help="onnxruntime intra-op threads.")
 @click.option("--target", help="Lowered graphs to run (default: ort if exported, else generic).")
 @click.option("--backend", type=click.Choice(["ort", "ort-cuda", "trt"]), default="ort", show_default=True,
-              help="trt: the engines of `edgemem build` in DIRECTORY/engines, plugins from $EDGEMEM_TRT_PLUGINS.")
-def run_command(directory, prompt, max_new_tokens, load_state, save_state, temperature, top_k, top_p, seed, threads,
-                target, backend) -> None:
-    """Stream generated text to stdout: through the export's tokenizer, or bytes (statistics go to stderr)."""
+              help="trt: the engines of `edgemem build` in DIRECTORY/engines.")
+@click.option("--plugins", type=click.Path(dir_okay=False),
+              help="--backend trt: the plugin library the engines were built with (default: $EDGEMEM_TRT_PLUGINS).")
+def run_command(directory, prompt, ids_text, ids_file, print_ids, max_new_tokens, load_state, save_state, temperature,
+                top_k, top_p, seed, threads, target, backend, plugins) -> None:
+    """Stream generated text (or token ids) to stdout; statistics go to stderr."""
     import time
 
+    from edgemem.errors import ConfigError
     from edgemem.files import check_output_file
     from edgemem.runtime import Engine
     from edgemem.runtime.text import ByteCodec, load_codec
 
+    if temperature == 0 and (top_k is not None or top_p is not None):
+        given = [name for name, value in (("--top-k", top_k), ("--top-p", top_p)) if value is not None]
+        raise ConfigError(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} --temperature > 0 "
+                          "(temperature 0, the default, is greedy)")
+    if sum(bool(x) for x in (prompt, ids_text is not None, ids_file)) > 1:
+        raise ConfigError("give one prompt: --prompt TEXT, --ids 1,2,3 or --ids-file PATH")
+    ids = _ids(ids_text, "--ids") if ids_text is not None else _ids_file(ids_file) if ids_file else None
     if save_state:
         check_output_file(save_state, "--save-state")
-    engine = Engine.load(directory, backend=backend, target=target, threads=threads)
-    codec = load_codec(directory, engine.manifest)  # the export's tokenizer, else bytes (vocab 256)
+    engine = Engine.load(directory, backend=backend, target=target, threads=threads, plugins=plugins)
+    codec = load_codec(directory, engine.manifest, required=False)
+    if codec is None and prompt:
+        raise ConfigError(f"{engine.manifest.arch} has a vocabulary of {engine.vocab_size} and its export carries no "
+                          "tokenizer to encode --prompt: give token ids (--ids 1,2,3 or --ids-file PATH); the output "
+                          "is token ids (--print-ids)")
+    if ids is not None:
+        bad = next((i for i in ids if i >= engine.vocab_size), None)
+        if bad is not None:
+            raise ConfigError(f"{'--ids' if ids_text is not None else '--ids-file'}: token id {bad} is outside the "
+                              f"vocabulary of {engine.manifest.arch} (0 to {engine.vocab_size - 1})")
+    prompt_ids = ids if ids is not None else codec.encode(prompt) if prompt else []
+    print_ids = print_ids or codec is None
     stream = engine.load_stream(load_state) if load_state else engine.new_stream()
     out = sys.stdout.buffer  # bytes, not text: a byte-level model's output need not be UTF-8
-    tokens, begin, start = 0, stream.position, time.perf_counter()
+    begin, last = stream.position, b"\n"
+    start = time.perf_counter()
     try:
-        if isinstance(codec, ByteCodec):
-            prompt_ids = prompt.encode("utf-8", "surrogateescape")  # raw bytes from the command line survive
-        else:
-            prompt_ids = codec.encode(prompt)
-        generated = stream.generate_iter(prompt_ids, max_new_tokens, temperature, top_k, top_p, seed)
-        if isinstance(codec, ByteCodec):
+        if prompt_ids:
+            stream.prefill(prompt_ids, all_logits=False)
+        decode = time.perf_counter()
+        generated = stream.generate_iter([], max_new_tokens, temperature, top_k, top_p, seed)
+        if print_ids:
+            pieces = (f"{' ' if n else ''}{token}".encode() for n, token in enumerate(generated))
+        elif isinstance(codec, ByteCodec):
             pieces = (bytes((token,)) for token in generated)
         else:
             pieces = (text.encode() for text in codec.stream(generated))
         for piece in pieces:
             out.write(piece)
             out.flush()
-        tokens = stream.position - begin - len(prompt_ids)
+            last = piece[-1:] or last
     except KeyboardInterrupt:
         if save_state:
             stream.save(save_state)  # every token written so far is in the stream's state
         click.echo(f"\ninterrupted at position {stream.position}" + (f"; saved {save_state}" if save_state else ""), err=True)
         sys.exit(130)
-    seconds = time.perf_counter() - start
+    end = time.perf_counter()
+    tokens = stream.position - begin - len(prompt_ids)
     if save_state:
         stream.save(save_state)
-    unit = "bytes" if isinstance(codec, ByteCodec) else "tokens"
-    click.echo(f"{chr(10) if out.isatty() else ''}[{tokens} {unit} in {seconds:.2f} s, {tokens / max(seconds, 1e-9):.0f}/s; "
+    if last != b"\n" and (print_ids or out.isatty()):  # ids are lines; a terminal gets its line ended
+        out.write(b"\n")
+        out.flush()
+        last = b"\n"
+    unit = "bytes" if isinstance(codec, ByteCodec) and not print_ids else "tokens"
+    prefill = f"prefill {len(prompt_ids)} {unit} in {decode - start:.2f} s; " if prompt_ids else ""
+    apart = "\n" if last != b"\n" and (sys.stderr.isatty() or _shared(out, sys.stderr)) else ""
+    click.echo(f"{apart}[{prefill}{tokens} {unit} in {end - decode:.2f} s, {_rate(tokens, end - decode)} {unit}/s; "
                f"position {stream.position}, state {_size(stream.state_bytes)}"
                + (f"; saved {save_state}]" if save_state else "]"), err=True)
 

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from edgemem.errors import EdgememError
+from edgemem.errors import EdgememError, named
 
 EXPORT_MARKER = "edgemem.json"  # edgemem.manifest.MANIFEST: the file that makes a directory edgemem's own
 
@@ -168,7 +168,7 @@ def check_output_dir(out: str | Path, *, force: bool, inputs: Iterable[str | Pat
         raise OutputError(f"{what} {given} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()):
         if not force:
-            raise OutputError(f"{what} {given} is not empty; pass --force (force=True) to replace an earlier export")
+            raise OutputError(f"{what} {given} is not empty; pass {named('force=True', '--force')} to replace an earlier export")
         if not any(p.is_file() for p in out.glob(marker)):
             raise OutputError(f"{what} {given} holds files edgemem did not write (no {marker}); --force only "
                               "replaces what edgemem wrote: remove it yourself or choose another directory")

@@ -32,7 +32,7 @@ def test_wheel_ships_every_module_preset_and_recipe(wheel):
     sources = {p.relative_to(ROOT).as_posix() for p in (ROOT / "edgemem").rglob("*") if p.suffix in (".py", ".toml")
                and "__pycache__" not in p.parts}
     assert sources <= names, sorted(sources - names)
-    assert {"edgemem/presets/titans-mag.toml", "edgemem/quant/calib/default.toml"} <= names
+    assert {"edgemem/presets/titans-mag.toml", "edgemem/presets/sizes.json", "edgemem/quant/calib/default.toml"} <= names
     metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
     text = zipfile.ZipFile(wheel).read(metadata).decode()
     assert "Name: edgemem-toolkit" in text
@@ -61,6 +61,7 @@ def test_default_install_has_no_torch_and_runs_an_export(wheel, tmp_path):
     edgemem = bin_dir / "edgemem"
     out = _run(edgemem, "run", model_dir, "--prompt", "Hello", "--max-new-tokens", "8", env=env).stdout
     assert out
+    assert "gated-deltanet" in _run(edgemem, "archs", env=env).stdout  # the presets' sizes, without torch
     code = (
         "import sys; from edgemem.runtime import Engine\n"
         f"engine = Engine.load({str(model_dir)!r}, threads=1)\n"

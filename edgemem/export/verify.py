@@ -92,10 +92,12 @@ def verify(
     manifest = load(directory)
     if manifest.quantization:
         source = manifest.quantization.get("source", {}).get("directory", "the float export")
+        method = manifest.quantization.get("method")
+        kind = "INT4" if method == "int4" else "INT8"
         raise EdgememError(
-            f"{directory} is an INT8 export ({manifest.quantization.get('method')} quantization): verify compares "
-            f"float exports with PyTorch at float tolerances. Verify {source} instead, and judge the INT8 export by "
-            "its drift report (`edgemem calibrate SOURCE --report drift.json`)")
+            f"{directory} is an {kind} export ({method} quantization): verify compares float exports with PyTorch "
+            f"at float tolerances. Verify {source} instead, and judge the {kind} export by its drift report "
+            f"(`edgemem calibrate SOURCE --method {method} --report drift.json`)")
     unfit = unfit_reasons(manifest)
     if unfit:  # the CLI shows warnings: the user learns why there is no genai_config.json
         log.warning("%s does not fit onnxruntime-genai: %s", directory, "; ".join(unfit))

@@ -11,7 +11,8 @@ from edgemem.models.checkpoint import load_checkpoint, save_checkpoint
 from edgemem.models.hf import from_hf
 from edgemem.models.linearize import linearize
 from edgemem.models.lm import LM, MIXERS, LMConfig
-from edgemem.models.recipes import archs, load_config
+from edgemem.models.recipes import load_config
+from edgemem.presets import names as archs
 
 
 def build(arch: str, *, seed: int | None = None, **overrides: Any) -> LM:

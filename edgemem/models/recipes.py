@@ -5,25 +5,15 @@ validated overrides."""
 from __future__ import annotations
 
 import inspect
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from edgemem import presets
 from edgemem.config import check_settings, read_toml
 from edgemem.errors import ConfigError
 from edgemem.models.lm import MIXERS, LMConfig
 
 _MODEL_KEYS = ("d_model", "n_layers", "mlp_hidden", "vocab_size", "norm_eps")
-
-
-def _recipe_files() -> dict[str, Any]:
-    folder = resources.files("edgemem.presets")
-    return {f.name[: -len(".toml")]: f for f in folder.iterdir() if f.name.endswith(".toml")}
-
-
-def archs() -> list[str]:
-    """Names of the shipped presets, sorted."""
-    return sorted(_recipe_files())
 
 
 def _options(cls: type) -> dict[str, inspect.Parameter]:
@@ -56,7 +46,7 @@ def load_config(arch: str, **overrides: Any) -> LMConfig:
     """The preset `arch` with `overrides` applied (model keys and the mixer's own options).
 
     `arch` is a preset name or the path of a recipe file (`*.toml`, same format; its stem names it)."""
-    files = _recipe_files()
+    files = presets.files()
     if arch.endswith(".toml"):
         path = Path(arch)
         if not path.is_file():

@@ -39,7 +39,7 @@ from onnxruntime.quantization import (
     quantize_static,
 )
 
-from edgemem.errors import ConfigError, EdgememError
+from edgemem.errors import ConfigError, EdgememError, named
 from edgemem.files import check_output_dir, save_onnx, sha256, staged_directory, write_atomic
 from edgemem.manifest import MANIFEST, STATE_INIT, TOKENIZER_DIR, Manifest
 from edgemem.manifest import load as load_manifest
@@ -225,8 +225,12 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
         raise EdgememError(f"{directory} has no target onnxruntime can run (it has {', '.join(manifest.targets)}); "
                            "calibration needs ort or generic")
     targets = runnable + (["trt"] if method == "static" and "trt" in manifest.targets else [])
-    if method != "static" and "trt" in manifest.targets:
-        log.warning("%s leaves the trt target out (TensorRT needs explicit Q/DQ: use --method static)", method)
+    if method == "int4" and "trt" in manifest.targets:
+        log.warning("int4 leaves the trt target out (MatMulNBits is an onnxruntime operator): TensorRT runs the "
+                    "float export, or INT8 with %s", named('method="static"', "--method static"))
+    elif method != "static" and "trt" in manifest.targets:
+        log.warning("%s leaves the trt target out (TensorRT needs explicit Q/DQ: use %s)", method,
+                    named('method="static"', "--method static"))
     kinds = [k for k in GRAPHS if manifest.graphs.get(k)]
     out = Path(out) if out is not None else default_out(directory, method)
     out = check_output_dir(out, force=force, inputs=[directory])

@@ -52,7 +52,7 @@ import numpy as np
 
 from edgemem.config import finite, positive_int
 from edgemem.config import seed as check_seed
-from edgemem.errors import CacheFullError, ConfigError
+from edgemem.errors import CacheFullError, ConfigError, named
 from edgemem.manifest import Manifest
 from edgemem.manifest import load as load_manifest
 from edgemem.runtime.errors import BackendError, BatchError, StateFileError, TokenError
@@ -110,7 +110,7 @@ class Engine:
         if backend not in BACKENDS:
             raise BackendError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
         if backend != "trt" and (engines is not None or plugins is not None):
-            raise ConfigError("engines= and plugins= are for backend 'trt'")
+            raise ConfigError(named("engines= and plugins= are for backend 'trt'", "--plugins is for --backend trt"))
         positive_int(chunk_size, "chunk_size")
         directory = Path(directory)
         manifest = load_manifest(directory, check_files=check_files)

@@ -28,6 +28,7 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from edgemem.errors import named
 from edgemem.files import sha256, write_atomic
 from edgemem.manifest import Manifest
 from edgemem.runtime.errors import BackendError
@@ -54,7 +55,7 @@ def plugin_library(plugins: str | os.PathLike | None, built: Mapping[str, str] |
     origin = (f"; the engines were built with {built['file']}" if built is not None
               else "; build it from plugins/ for this TensorRT major (plugins/README.md)")
     if not name:
-        raise BackendError(f"no plugin library: pass plugins=PATH (`edgemem build --plugins PATH`) or set "
+        raise BackendError(f"no plugin library: pass {named('plugins=PATH', '--plugins PATH')} or set "
                            f"{PLUGINS_ENV}=PATH, PATH being libedgemem_trt_plugins.so{origin}")
     path = Path(name)
     if not path.is_file():

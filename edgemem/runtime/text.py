@@ -63,12 +63,15 @@ class TokenizerCodec(TextCodec):
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
-def load_codec(directory: str | Path, manifest: Manifest) -> TextCodec:
-    """The export's tokenizer if it has one, else bytes (a byte-level model, vocab 256)."""
+def load_codec(directory: str | Path, manifest: Manifest, *, required: bool = True) -> TextCodec | None:
+    """The export's tokenizer if it has one, else bytes (a byte-level model, vocab 256); neither: an
+    error, or None when not `required`."""
     name = manifest.config.get("tokenizer")
     if name:
         return TokenizerCodec(Path(directory) / name)
     if manifest.vocab_size != 256:
+        if not required:
+            return None
         raise EdgememError(f"{manifest.arch} has a vocabulary of {manifest.vocab_size} and its export carries no "
                            "tokenizer: pass token ids from Python (edgemem.runtime) instead of text")
     return ByteCodec()

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from edgemem.errors import ConfigError, EdgememError
+from edgemem.errors import ConfigError, EdgememError, named
 from edgemem.manifest import Manifest, StateSpec
 from edgemem.runtime import engines
 from edgemem.runtime.base import BatchSlot, Engine, Stream
@@ -233,7 +233,8 @@ class TrtEngine(Engine):
         if target not in (None, "trt"):
             raise BackendError(f"backend 'trt' runs the engines built from the trt target, not {target!r}")
         if threads is not None:
-            raise ConfigError("threads is an onnxruntime setting; backend 'trt' runs on the GPU")
+            raise ConfigError(named("threads is an onnxruntime setting; backend 'trt' runs on the GPU",
+                                      "--threads is an onnxruntime setting; --backend trt runs on the GPU"))
         check_model(manifest, directory)
         folder, info = engines.read(directory, manifest, engines_dir)
         library = engines.plugin_library(plugins, info["plugins"])

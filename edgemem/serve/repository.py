@@ -30,7 +30,7 @@ import onnx
 from onnx import TensorProto, helper
 from safetensors.numpy import load_file
 
-from edgemem.errors import EdgememError
+from edgemem.errors import EdgememError, named
 from edgemem.files import staged_directory, write_atomic
 from edgemem.manifest import MANIFEST, STATE_INIT, Manifest, StateSpec, load
 
@@ -96,7 +96,7 @@ def write_repository(export_dir: str | Path, out: str | Path, *, name: str | Non
     if out.exists() and not out.is_dir():
         raise RepositoryError(f"{out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not force:
-        raise RepositoryError(f"{out} is not empty; pass --force (force=True) to replace it")
+        raise RepositoryError(f"{out} is not empty; pass {named('force=True', '--force')} to replace it")
     skipped = onnx_reasons(manifest)
     onnx_name = None if skipped else f"{name}-onnx"
     with staged_directory(out) as tmp:

@@ -41,7 +41,7 @@ from pathlib import Path
 from types import TracebackType
 
 import edgemem
-from edgemem.errors import EdgememError
+from edgemem.errors import EdgememError, named
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class TritonServer:
                 code = self._process.returncode
                 self.stop()
                 raise ServerError(f"tritonserver exited with code {code} while starting"
-                                  + (f"; see {self.log_file}" if self.log_file else "; pass log_file to see why"))
+                                  + (f"; see {self.log_file}" if self.log_file else f"; pass {named('log_file', '--log-file')} to see why"))
             if self._ready("/v2/health/ready") and all(self._ready(f"/v2/models/{m}/ready") for m in self.models):
                 log.info("tritonserver ready: grpc %s, http %s", self.grpc_url, self.http_url)
                 return self

@@ -10,11 +10,15 @@ Pure Python (json, hashlib): the runtime reads it without torch or onnx.
                 "kind": "recurrent_state", "init": "zeros" | "file"}, ...],
      "files": {"generic/step.onnx": "<sha256>", ...},
      "kv_cache": {"max_length": 4096, "overflow": "error" | "sink_window", "sinks": 4,
-                  "states": ["past_key_values.3.key", ...], "in_place": ["ort"]}}   (only with one)
+                  "states": ["past_key_values.3.key", ...], "in_place": ["ort"]},   (only with one)
+     "weights": {"ort": {"file": "ort/weights.data",
+                         "tensors": {"step": {"<initializer>": [offset, "float32", [512, 1024]], ...}, ...}}}}
 
 `kv_cache`: the softmax-attention layers' preallocated caches: `max_length` slots; past them an
 error, or a sliding window keeping the first `sinks` tokens; `in_place`: the targets whose graphs
 write these states in place (the runtime binds one buffer as their input and output).
+`weights`: per target, the one file its graphs' initializers live in and where each graph's are
+(edgemem.weights); exports written before it have none, their graphs hold their weights.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ class Manifest:
     quantization: dict[str, Any] | None = None  # how an INT8 export was made (edgemem.quant); None: not quantized
     kv_cache: dict[str, Any] | None = None  # preallocated KV caches (module docstring); None: none, or growing
     genai: dict[str, Any] | None = None  # fits onnxruntime-genai: {"fits", "config", "target"} or {"fits": false, "reasons"} (edgemem.export.genai)
+    weights: dict[str, Any] | None = None  # per target: the shared weight file and its index (module docstring)
 
     @property
     def vocab_size(self) -> int:
@@ -75,8 +80,9 @@ class Manifest:
         data = asdict(self)
         if data["quantization"] is None:
             del data["quantization"]  # float exports read as before by tools that predate quantization
-        if data["kv_cache"] is None:
-            del data["kv_cache"]
+        for optional in ("kv_cache", "weights"):
+            if data[optional] is None:
+                del data[optional]
         return json.dumps(data, indent=2) + "\n"
 
     def identity(self) -> str:
@@ -117,6 +123,16 @@ def load(directory: str | Path, *, check_files: bool = True) -> Manifest:
         if not ok:
             raise ManifestError(f"{path}: kv_cache is {kv!r}; expected max_length (a positive integer), overflow "
                                 "('error' or 'sink_window'), sinks, states (state inputs) and in_place (targets)")
+    stores = manifest.weights
+    if stores is not None and not (
+            isinstance(stores, dict) and all(
+                isinstance(w, dict) and w.get("file") in manifest.files and isinstance(w.get("tensors"), dict)
+                and all(isinstance(t, dict) and all(isinstance(e, list) and len(e) == 3 and type(e[0]) is int
+                                                    and e[0] >= 0 and isinstance(e[1], str) and isinstance(e[2], list)
+                                                    for e in t.values()) for t in w["tensors"].values())
+                for w in stores.values())):
+        raise ManifestError(f"{path}: weights is not a map of target to {{file (one of files), tensors: {{graph: "
+                            "{initializer: [offset, dtype, shape]}}}}}")
     if check_files:
         for name, digest in manifest.files.items():
             file = directory / name

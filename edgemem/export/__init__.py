@@ -5,7 +5,7 @@
                                      for Titans MAC, edgemem.export.segments; absent when the model's
                                      prefill is a data-dependent loop without segments: prompts are stepped)
     DIR/<target>/step.onnx           one token (absent for bidirectional models)
-    DIR/<target>/*.onnx.data         the weights of a graph past protobuf's 2 GiB limit (ONNX external data)
+    DIR/<target>/weights.data        the weights of the target's graphs, each tensor once (edgemem.weights)
     DIR/state_init.safetensors       initial values of the states that do not start at zero
     DIR/tokenizer/                   the model's tokenizer files, when given (config["tokenizer"]
                                      names the tokenizer.json the runtime reads)
@@ -28,6 +28,7 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from edgemem.errors import EdgememError
+from edgemem import weights
 from edgemem.export import genai
 from edgemem.export.graphs import export_graph, graph_io, growing_dims, input_name, output_name
 from edgemem.export.lower import lower
@@ -127,6 +128,7 @@ def export(
     graphs = {"prefill": segment is not None, "step": bool(getattr(model, "streaming", True))}
     with staged_directory(out_dir) as tmp:
         files: dict[str, str] = {}
+        written: dict[str, list[Path]] = {target: [] for target in targets}
         for kind in [k for k, present in graphs.items() if present]:
             log.info("exporting the %s graph", kind)
             proto = export_graph(model, kind, OPSET, state_dtype)
@@ -136,8 +138,15 @@ def export(
                 lowered = lower(proto, target)
                 if kind == "prefill" and segment:  # lowered first: the Loop body holds the lowered nodes
                     lowered = loop_over_segments(lowered, segment, position, ["input_ids", *graph_io(model)[0]])
-                for written in save_onnx(lowered, path):
-                    files[f"{target}/{written.name}"] = sha256(written)
+                save_onnx(lowered, path)
+                written[target].append(path)
+        stores = {}
+        for target, paths in written.items():
+            if (store := weights.share(tmp / target, paths)) is not None:
+                stores[target] = store
+                files[store["file"]] = sha256(tmp / store["file"])
+            for path in paths:
+                files[f"{target}/{path.name}"] = sha256(path)
         specs = state_specs(model, state_dtype)
         initial = {s.input: t.contiguous() for s, t in zip(specs, model.init_state(1, dtype=state_dtype).values()) if s.init == "file"}
         if initial:
@@ -155,7 +164,7 @@ def export(
             arch=str(getattr(model.config, "arch", "custom")), config=config, opset=OPSET, targets=list(targets),
             state=specs, graphs=graphs, files=files,
             inputs={"tokens": "input_ids", **{name: name for name in extras}}, outputs={output: output},
-            kv_cache=_kv_cache(model, targets),
+            kv_cache=_kv_cache(model, targets), weights=stores or None,
         )
         manifest.genai, genai_config = genai.entry(manifest)
         if genai_config is not None:

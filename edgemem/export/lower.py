@@ -135,12 +135,54 @@ def _set_opset(model: onnx.ModelProto, domain: str, version: int) -> None:
     model.opset_import.append(helper.make_opsetid(domain, version))
 
 
+def _tied_head_as_gemm(graph: onnx.GraphProto) -> None:
+    """MatMul(x, Transpose(W)) of a 2-D initializer W (a tied output head reading the embedding table) as
+    Gemm(x, W, transB=1) on x flattened to 2-D: onnxruntime folds a Transpose of an initializer into a
+    transposed copy in every session, a second table per graph. The Gemm keeps the MatMul's name."""
+    inits = {i.name: i for i in graph.initializer}
+    transposes = {n.output[0]: n for n in graph.node if n.op_type == "Transpose" and n.domain in ("", "ai.onnx")
+                  and len(getattr(inits.get(n.input[0]), "dims", ())) == 2}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name in transposes:
+                readers.setdefault(name, []).append(node if node.op_type == "MatMul" and i == 1 else None)
+    heads = {t for t, nodes in readers.items() if None not in nodes}
+    if not heads:
+        return
+    rewritten: list[onnx.NodeProto] = []
+    for node in graph.node:
+        if node.op_type == "Transpose" and node.output[0] in heads:
+            continue
+        if node.op_type != "MatMul" or node.input[1] not in heads:
+            rewritten.append(node)
+            continue
+        x, weight, y = node.input[0], transposes[node.input[1]].input[0], node.output[0]
+        rows, cols = inits[weight].dims
+        consts = {f"{y}/flat": [-1, cols], f"{y}/cols": [rows], f"{y}/start": [0], f"{y}/end": [-1]}
+        graph.initializer.extend(helper.make_tensor(k, TensorProto.INT64, [len(v)], v) for k, v in consts.items())
+        gemm = helper.make_node("Gemm", [f"{y}/x2", weight], [f"{y}/y2"], name=node.name, transB=1)
+        gemm.metadata_props.extend(node.metadata_props)
+        rewritten += [
+            helper.make_node("Shape", [x], [f"{y}/shape"]),
+            helper.make_node("Slice", [f"{y}/shape", f"{y}/start", f"{y}/end"], [f"{y}/lead"]),
+            helper.make_node("Reshape", [x, f"{y}/flat"], [f"{y}/x2"]),
+            gemm,
+            helper.make_node("Concat", [f"{y}/lead", f"{y}/cols"], [f"{y}/shape_out"], axis=0),
+            helper.make_node("Reshape", [f"{y}/y2", f"{y}/shape_out"], [y]),
+        ]
+    del graph.node[:]
+    graph.node.extend(rewritten)
+
+
 def lower(model: onnx.ModelProto, target: str) -> onnx.ModelProto:
-    """A copy of `model` lowered for `target` (one of TARGETS)."""
+    """A copy of `model` lowered for `target` (one of TARGETS); a tied output head reads its table
+    through Gemm(transB=1) on every target."""
     if target not in TARGETS:
         raise EdgememError(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
     out = onnx.ModelProto()
     out.CopyFrom(model)
+    _tied_head_as_gemm(out.graph)
     nodes = [n for n in out.graph.node if n.domain == DOMAIN]
     if target == "ort":
         for node in nodes:

@@ -40,6 +40,7 @@ from onnxruntime.quantization import (
 )
 
 from edgemem.errors import ConfigError, EdgememError, named
+from edgemem import weights
 from edgemem.files import check_output_dir, save_onnx, sha256, staged_directory, write_atomic
 from edgemem.manifest import MANIFEST, STATE_INIT, TOKENIZER_DIR, Manifest
 from edgemem.manifest import load as load_manifest
@@ -243,6 +244,7 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
     with staged_directory(out) as tmp:
         files: dict[str, str] = {}
         counts: dict[str, int] = {}
+        written: dict[str, list[Path]] = {target: [] for target in targets}
         for kind in kinds:
             cache = tmp / f".{kind}.calibration.json"  # ranges of the first target, reused by the others
             for i, target in enumerate(targets):
@@ -261,16 +263,19 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
                               block_size)
                     if method == "static":
                         source.unlink()
-                else:
-                    for suffix in ("", ".data"):  # a graph with external data (edgemem.files.save_onnx) brings it
-                        if (source := sources[(target, kind)].with_name(f"{kind}.onnx{suffix}")).is_file():
-                            shutil.copyfile(source, dest.with_name(dest.name + suffix))
+                else:  # unchanged, its weights brought in from the source's store
+                    save_onnx(onnx.load(str(sources[(target, kind)])), dest)
                 _check(dest, state_names, len(nodes))
                 counts[f"{target}/{kind}.onnx"] = len(nodes)
-                for written in (dest, dest.with_name(dest.name + ".data")):
-                    if written.is_file():
-                        files[f"{target}/{written.name}"] = sha256(written)
+                written[target].append(dest)
             cache.unlink(missing_ok=True)
+        stores = {}
+        for target, paths in written.items():  # one weight store per target, as export writes it
+            if (store := weights.share(tmp / target, paths)) is not None:
+                stores[target] = store
+                files[store["file"]] = sha256(tmp / store["file"])
+            for path in paths:
+                files[f"{target}/{path.name}"] = sha256(path)
         for name in manifest.files:  # what travels beside the graphs unchanged: the initial state, the tokenizer
             if name == STATE_INIT or name.startswith(f"{TOKENIZER_DIR}/"):
                 (tmp / name).parent.mkdir(parents=True, exist_ok=True)
@@ -279,7 +284,7 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
         quantized = Manifest(
             arch=manifest.arch, config=dict(manifest.config), opset=manifest.opset, targets=targets,
             state=manifest.state, graphs=manifest.graphs, files=files, inputs=manifest.inputs, outputs=manifest.outputs,
-            kv_cache=manifest.kv_cache,
+            kv_cache=manifest.kv_cache, weights=stores or None,
             quantization=_record(directory, manifest, method, recipe, found, selected, counts, block_size),
         )
         if method == "int4":  # weight-only MatMulNBits is onnxruntime-genai's own format: it runs the int4 export

@@ -78,6 +78,11 @@ def _module(node: onnx.NodeProto) -> str:
     return ""
 
 
+def _head(node: onnx.NodeProto) -> bool:
+    """A Gemm reading its weight transposed: the tied output head as edgemem.export.lower writes it."""
+    return node.op_type == "Gemm" and any(a.name == "transB" and a.i for a in node.attribute)
+
+
 def _transposed_weights(model: onnx.ModelProto) -> dict[str, str]:
     """{output: initializer} of 2-D Transposes of an initializer: a tied output head reads the embedding so when the
     exporter did not fold the transpose (it leaves large tensors alone)."""
@@ -88,7 +93,8 @@ def _transposed_weights(model: onnx.ModelProto) -> dict[str, str]:
 
 def projections(model: onnx.ModelProto, state_names: set[str], *, transposed: bool = False) -> list[Projection]:
     """Every MatMul/Gemm of the main graph, marked quantizable or not (see the module docstring). With
-    `transposed`, a weight read through a Transpose (see `fold_transposed_weights`) counts as a weight."""
+    `transposed`, a weight read transposed (a Transpose, or the tied head's Gemm; see `fold_transposed_weights`)
+    counts as a weight."""
     weights = {i.name for i in model.graph.initializer}
     weights |= {n.output[0] for n in model.graph.node if n.op_type == "Constant" and n.domain in _STANDARD_DOMAINS}
     if transposed:
@@ -99,6 +105,7 @@ def projections(model: onnx.ModelProto, state_names: set[str], *, transposed: bo
         if node.op_type not in PROJECTION_OPS or node.domain not in _STANDARD_DOMAINS:
             continue
         ok = len(node.input) >= 2 and node.input[1] in weights and node.input[0] not in weights
+        ok = ok and (transposed or not _head(node))
         ok = ok and not protected & {node.input[0], *node.output}
         found.append(Projection(node.name, node.op_type, _module(node), (*filter(None, node.input), *node.output), ok and bool(node.name)))
     return found
@@ -159,8 +166,8 @@ def isolate_inputs(model: onnx.ModelProto, nodes: list[str]) -> int:
 
 
 def fold_transposed_weights(model: onnx.ModelProto, nodes: list[str]) -> int:
-    """Give each MatMul of `nodes` that reads a transposed initializer its own transposed copy as an initializer
-    (what a weight-only quantizer needs); a Transpose no longer read is dropped. Modifies `model` (its weights must
+    """Give each MatMul of `nodes` that reads a transposed initializer, and each tied head's Gemm (as a MatMul), its
+    own transposed copy as an initializer (what a weight-only quantizer needs); a Transpose no longer read is dropped. Modifies `model` (its weights must
     be loaded); returns the number of weights folded."""
     from onnx import numpy_helper
 
@@ -169,7 +176,13 @@ def fold_transposed_weights(model: onnx.ModelProto, nodes: list[str]) -> int:
     chosen = set(nodes)
     folded = 0
     for node in model.graph.node:
-        if node.name in chosen and node.op_type == "MatMul" and node.input[1] in sources:
+        if node.name not in chosen:
+            continue
+        if _head(node) and node.input[1] in values:  # Gemm(x, W, transB=1) → MatMul(x, Wᵀ)
+            sources[node.input[1]] = node.input[1]
+            node.op_type = "MatMul"
+            del node.attribute[:]
+        if node.op_type == "MatMul" and node.input[1] in sources:
             name = f"{sources[node.input[1]]}.transposed"
             if name not in values:
                 array = numpy_helper.to_array(values[sources[node.input[1]]]).T.copy()

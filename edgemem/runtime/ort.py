@@ -34,10 +34,20 @@ another batch, reset, or deleted).
 
 Every binding, of the step or prefill graph, for a stream or a batch slot, comes from
 `OrtEngine._bind`.
+
+Weights (manifest `weights`): the target's `weights.data` is mapped once, read-only, and every
+initializer of every graph is handed to its session as an `OrtValue` viewing the mapping
+(`SessionOptions.add_initializer` uses the caller's buffer; `add_external_initializers` copies it),
+so the prefill and step sessions share one copy, which the page cache may also share between
+processes. Pre-packing (MLAS's packed copy of each MatMul/Gemm weight) stays on in the step session
+alone: decode reads the packed copy, and the prefill session reads the mapped weights in place.
+Once the sessions are made, the pages their set-up read are dropped from the mapping; what runs
+later faults back only what it reads (benchmarks/README.md measures both choices).
 """
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -125,6 +135,52 @@ class _Row:
         return self.value.data_ptr() + self.index * self.nbytes()
 
 
+class _Weights:
+    """A target's `weights.data` mapped once; each graph's initializers as OrtValues viewing it."""
+
+    DTYPES = frozenset({"float32", "float16", "float64", "int64", "int32", "int8", "uint8", "bool"})
+
+    def __init__(self, path: Path, mapped: np.memmap, tensors: Mapping[str, Mapping[str, list]]):
+        self.path, self._mapped = path, mapped
+        self._arrays: list[np.ndarray] = []  # the views the OrtValues point into, kept alive with them
+        self._values: dict[str, dict[str, ort.OrtValue]] = {}
+        shared: dict[tuple, ort.OrtValue] = {}
+        for kind, entries in tensors.items():
+            values = self._values.setdefault(kind, {})
+            for name, (offset, dtype, shape) in entries.items():
+                if dtype not in self.DTYPES:
+                    continue  # onnxruntime reads it from the file itself
+                key = (offset, dtype, tuple(shape))
+                if key not in shared:
+                    count = int(np.prod(shape, dtype=np.int64))
+                    if offset + count * np.dtype(dtype).itemsize > mapped.size:
+                        raise BackendError(f"{path} is shorter than edgemem.json says ({mapped.size} bytes; {name} "
+                                           "ends past it): the file is truncated; copy or export it again")
+                    array = np.frombuffer(mapped, dtype=dtype, count=count, offset=offset).reshape(shape)
+                    self._arrays.append(array)
+                    shared[key] = ort.OrtValue.ortvalue_from_numpy(array)
+                values[name] = shared[key]
+
+    @classmethod
+    def open(cls, directory: Path, store: Mapping[str, Any] | None) -> _Weights | None:
+        if store is None:
+            return None
+        path = directory / store["file"]
+        try:
+            mapped = np.memmap(path, dtype=np.uint8, mode="r")
+        except (OSError, ValueError) as e:
+            raise BackendError(f"cannot map {path}: {e}") from None
+        return cls(path, mapped, store["tensors"])
+
+    def graph(self, kind: str) -> dict[str, ort.OrtValue]:
+        return self._values.get(kind, {})
+
+    def release(self) -> None:
+        """Drop the mapped pages from this process (the file and its page cache stay; a later read faults in)."""
+        if hasattr(mmap, "MADV_DONTNEED") and self._mapped.size:
+            self._mapped._mmap.madvise(mmap.MADV_DONTNEED)
+
+
 class OrtEngine(Engine):
     """An export's graphs in onnxruntime sessions. Use `Engine.load(directory)` (backend "ort" or "ort-cuda")."""
 
@@ -134,6 +190,7 @@ class OrtEngine(Engine):
         self.backend, self.target, self.threads = backend, target, threads
         self._tokens_name, self._logits_name = manifest.inputs["tokens"], manifest.outputs["logits"]
         self._memory = _Memory("cuda" if backend == "ort-cuda" else "cpu")
+        self._weights = _Weights.open(directory, (manifest.weights or {}).get(target))
         kv = manifest.kv_cache or {}
         self._in_place = frozenset(kv.get("states", ()) if target in kv.get("in_place", ()) else ())
         # A growing cache asks for larger tensors at every chunk. onnxruntime's CPU arena keeps its
@@ -143,9 +200,11 @@ class OrtEngine(Engine):
         # over 20k steps of the softmax preset, RSS rose 4.3x its cache with the arena and 4.4x without,
         # and without it every tensor of a step is fresh pages (at 16k positions of a 0.75B hybrid,
         # 295k more page faults per step, 1.2 GB). The step graph always keeps the arena.
-        self._sessions = {kind: self._session(kind, self._options(arena=kind == "step" or not self.grows))
+        self._sessions = {kind: self._session(kind, self._options(kind, arena=kind == "step" or not self.grows))
                           for kind in ("step", "prefill") if manifest.graphs.get(kind)}
         self._step_session = self._sessions["step"]
+        if self._weights is not None:
+            self._weights.release()
         logits = next(o for o in self._step_session.get_outputs() if o.name == self._logits_name)
         self.logits_dtype = np.dtype(ORT_TYPES.get(logits.type, np.float32))
 
@@ -173,13 +232,18 @@ class OrtEngine(Engine):
             )
         return cls(directory, manifest, backend, target, threads, chunk_size)
 
-    def _options(self, arena: bool) -> ort.SessionOptions:
+    def _options(self, kind: str, arena: bool) -> ort.SessionOptions:
         options = ort.SessionOptions()
         options.intra_op_num_threads = self.threads or 0
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.log_severity_level = 3
         options.enable_cpu_mem_arena = arena
+        if self._weights is not None:
+            if kind != "step":
+                options.add_session_config_entry("session.disable_prepacking", "1")
+            for name, value in self._weights.graph(kind).items():
+                options.add_initializer(name, value)
         return options
 
     def _session(self, kind: str, options: ort.SessionOptions) -> ort.InferenceSession:

@@ -1,0 +1,120 @@
+"""Footprint of an export: bytes on disk and resident memory, each measured in a fresh process.
+
+    python benchmarks/footprint.py                       # the Qwen3.5-shaped import below, fp32 and int4
+    python benchmarks/footprint.py --json benchmarks/results/footprint.json
+
+The model: a Qwen3.5 text model (hidden 512, 8 layers of 3 gated-DeltaNet : 1 attention, vocab 32000,
+tied embeddings, about 45M parameters) with random weights, saved with `save_pretrained` and imported
+with `edgemem export --hf DIR --target ort --max-length 1024`, then `edgemem calibrate --method int4`.
+Per export: the files' bytes, the resident memory `Engine.load` adds, and the peak after a 256-token
+prefill and 64 steps, each as a multiple of the fp32 weight bytes (what llama.cpp holds once).
+Greedy tokens of the fp32 export are compared with transformers' `generate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+PROBE = r"""
+import json, sys
+import numpy as np
+from edgemem.runtime import Engine
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+base = status("VmRSS:")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # resets the peak (VmHWM) to the current resident set
+engine = Engine.load(sys.argv[1], threads=2)
+loaded = status("VmRSS:")
+stream = engine.new_stream()
+ids = np.random.default_rng(0).integers(0, engine.vocab_size, 256)
+logits = stream.prefill(ids, all_logits=False)
+tokens = []
+for _ in range(64):
+    token = int(np.argmax(logits))
+    tokens.append(token)
+    logits = stream.step(token)
+print(json.dumps({"load": loaded - base, "peak": status("VmHWM:") - base, "tokens": tokens}))
+"""
+
+
+def build_model(path: Path) -> int:
+    """The Qwen3.5-shaped model with random weights in `path`; returns its fp32 weight bytes."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    layers = (["linear_attention"] * 3 + ["full_attention"]) * 2
+    config = Qwen3_5TextConfig(
+        vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=len(layers), layer_types=layers,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_conv_kernel_dim=4, linear_key_head_dim=64,
+        linear_value_head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, tie_word_embeddings=True,
+        eos_token_id=None, pad_token_id=None, bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn(p.shape) * 0.1 + (1.0 if "linear_attn.norm" in name else 0.0))
+            elif not (name.endswith("A_log") or name.endswith("dt_bias")):
+                p.copy_(torch.randn(p.shape) * 0.02)
+    model.save_pretrained(path)
+    return sum(p.numel() * 4 for p in model.parameters())
+
+
+def reference_tokens(path: Path) -> list[int]:
+    """transformers' greedy continuation of the probe's prompt (fp32)."""
+    import numpy as np
+    import torch
+    from transformers import Qwen3_5ForCausalLM
+
+    model = Qwen3_5ForCausalLM.from_pretrained(path).eval()
+    ids = torch.tensor([np.random.default_rng(0).integers(0, 32000, 256)])
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=64, do_sample=False)
+    return out[0, 256:].tolist()
+
+
+def measure(export: Path) -> dict:
+    files = sum(f.stat().st_size for f in export.rglob("*") if f.is_file())
+    proc = subprocess.run([sys.executable, "-c", PROBE, str(export)], capture_output=True, text=True, check=True)
+    return {"files": files, **json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path, help="write the results here too")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        weights = build_model(tmp / "hf")
+        fp32, int4 = tmp / "fp32", tmp / "int4"
+        edgemem = [sys.executable, "-c", "from edgemem.cli import main; main()"]
+        subprocess.run([*edgemem, "export", "--hf", str(tmp / "hf"), "--target", "ort", "--max-length", "1024",
+                        "--out", str(fp32)], check=True, capture_output=True)
+        subprocess.run([*edgemem, "calibrate", str(fp32), "--method", "int4", "--no-drift", "--out", str(int4)],
+                       check=True, capture_output=True)
+        rows = {"fp32": measure(fp32), "int4": measure(int4)}
+        same = rows["fp32"]["tokens"] == reference_tokens(tmp / "hf")
+    print(f"fp32 weights: {weights / 1e6:.1f} MB; greedy tokens equal transformers' generate: {same}")
+    print(f"{'export':<8}{'files':>14}{'load':>14}{'peak':>14}   (× fp32 weight bytes)")
+    for name, r in rows.items():
+        cells = "".join(f"{r[k] / 1e6:>9.1f} MB {r[k] / weights:>4.2f}×" for k in ("files", "load", "peak"))
+        print(f"{name:<8}{cells}")
+    if args.json:
+        result = {"weights": weights, "greedy_equal": same,
+                  **{k: {m: v for m, v in r.items() if m != "tokens"} for k, r in rows.items()}}
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""One weight store per target: the graphs of a target folder read their weights from one file.
+
+    DIR/<target>/weights.data      every initializer of the folder's graphs, each distinct tensor once
+                                   (the prefill and step graphs hold the same weights, under the same or
+                                   other names), at offsets aligned to ALIGN bytes
+
+Each graph stays a valid ONNX file: its initializers are ONNX external data pointing into
+`weights.data`, so onnxruntime, onnxruntime-genai, TensorRT's parser and onnx.checker read it on
+their own. The index this returns goes into the manifest (`weights`), from which edgemem's runtime
+maps the file once and hands every session the same buffers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from edgemem.files import umask
+
+WEIGHTS = "weights.data"
+ALIGN = 4096  # a page: the runtime maps the file and views each tensor in place
+SMALLEST = 1024  # bytes; smaller initializers stay inside their graph
+
+
+def _raw(tensor: TensorProto) -> bytes:
+    return tensor.raw_data if tensor.HasField("raw_data") else numpy_helper.to_array(tensor).tobytes()
+
+
+def share(folder: Path, graphs: list[Path]) -> dict[str, Any] | None:
+    """Move the main-graph initializers of `graphs` (ONNX files in `folder`, external data beside them
+    allowed) into `folder/weights.data` and rewrite the graphs to read it; their old data files are
+    removed. Returns the index {"file", "tensors": {graph stem: {name: [offset, dtype, shape]}}}, or None
+    when no initializer is large enough to move."""
+    models = {path: onnx.load(str(path)) for path in graphs}
+    offsets: dict[tuple[str, int, tuple[int, ...]], int] = {}
+    index: dict[str, dict[str, list]] = {}
+    data = folder / WEIGHTS
+    tmp = data.with_name(data.name + ".partial")
+    size = 0
+    with tmp.open("wb") as out:
+        for path, model in models.items():
+            entries = index.setdefault(path.name.removesuffix(".onnx"), {})
+            for tensor in model.graph.initializer:
+                raw = _raw(tensor)
+                if len(raw) < SMALLEST:
+                    continue
+                key = (hashlib.sha256(raw).hexdigest(), tensor.data_type, tuple(tensor.dims))
+                if key not in offsets:
+                    start = -size % ALIGN + size
+                    out.write(b"\0" * (start - size))
+                    out.write(raw)
+                    offsets[key], size = start, start + len(raw)
+                tensor.ClearField("raw_data")
+                for field in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
+                    tensor.ClearField(field)
+                del tensor.external_data[:]
+                tensor.data_location = TensorProto.EXTERNAL
+                for k, v in (("location", WEIGHTS), ("offset", str(offsets[key])), ("length", str(len(raw)))):
+                    entry = tensor.external_data.add()
+                    entry.key, entry.value = k, v
+                dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type).name
+                entries[tensor.name] = [offsets[key], dtype, list(tensor.dims)]
+    if not offsets:
+        tmp.unlink()
+        return None
+    tmp.chmod(0o666 & ~umask())
+    tmp.replace(data)
+    for path, model in models.items():
+        path.with_name(path.name + ".data").unlink(missing_ok=True)  # edgemem.files.save_onnx's, now inside
+        onnx.save(model, str(path))
+    return {"file": f"{folder.name}/{WEIGHTS}", "tensors": index}

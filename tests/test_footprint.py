@@ -1,0 +1,119 @@
+"""One weight store per target, one copy of the weights in memory (edgemem.weights, runtime/ort.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+
+from edgemem.export import export
+from edgemem.manifest import MANIFEST
+from edgemem.models import build
+from edgemem.runtime import Engine
+from edgemem.runtime.errors import BackendError
+from edgemem.weights import WEIGHTS
+
+RSS = r"""
+import sys
+from edgemem.runtime import Engine
+
+def rss():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1]) * 1024
+
+before = rss()
+engine = Engine.load(sys.argv[1], threads=1, check_files=False)
+print(rss() - before)
+"""
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    model = build("gated-deltanet", seed=0, d_model=1024, n_layers=1)
+    out = tmp_path_factory.mktemp("footprint") / "export"
+    export(model, out, targets=("ort",))
+    weight_bytes = sum(p.numel() * 4 for p in model.parameters())
+    return out, weight_bytes
+
+
+def _strip_store(src, dst):
+    """The same export as one written before the store existed: the manifest without `weights`."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    manifest = json.loads((dst / MANIFEST).read_text())
+    del manifest["weights"]
+    (dst / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_each_target_keeps_its_weights_once_in_one_file_the_graphs_read(exported):
+    out, weight_bytes = exported
+    manifest = json.loads((out / MANIFEST).read_text())
+    for target in ("ort",):
+        store = out / target / WEIGHTS
+        assert manifest["weights"][target]["file"] == f"{target}/{WEIGHTS}"
+        assert f"{target}/{WEIGHTS}" in manifest["files"]
+        graphs = sum((out / target / f"{kind}.onnx").stat().st_size for kind in ("prefill", "step"))
+        assert store.stat().st_size < 1.05 * weight_bytes  # prefill and step share every tensor
+        assert graphs < 0.05 * weight_bytes
+        for kind in ("prefill", "step"):
+            onnx.checker.check_model(str(out / target / f"{kind}.onnx"))  # valid ONNX on its own, external data
+            model = onnx.load(str(out / target / f"{kind}.onnx"), load_external_data=False)
+            external = {t.name for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
+            assert external == set(manifest["weights"][target]["tensors"][kind])
+
+
+def test_both_sessions_read_one_mapping_of_the_store(exported):
+    """Every initializer of the prefill and the step graph is handed to onnxruntime as a view into the one
+    read-only mapping of weights.data, and a tensor the two graphs share is the same buffer in both."""
+    out, _ = exported
+    engine = Engine.load(out, threads=1)
+    store = engine._weights
+    start = store._mapped.ctypes.data
+    end = start + store._mapped.size
+    step, prefill = store.graph("step"), store.graph("prefill")
+    assert len(step) == len(prefill) > 0
+    for value in (*step.values(), *prefill.values()):
+        assert start <= value.data_ptr() < end
+    shared = {v.data_ptr() for v in step.values()} & {v.data_ptr() for v in prefill.values()}
+    assert len(shared) == len(step)  # the two graphs hold the same weights under their own names
+
+
+def test_loading_keeps_a_copy_fewer_than_each_session_reading_its_own(exported, tmp_path):
+    """Resident memory that Engine.load adds, in a fresh process, against the same export loaded the way
+    an export without the store is (each session reads the graph's weights itself and pre-packs its own
+    copy): the prefill session reads the mapped weights instead of a packed copy of its own."""
+    out, weight_bytes = exported
+    _strip_store(out, tmp_path / "plain")
+    shared, plain = (int(subprocess.run([sys.executable, "-c", RSS, str(d)], capture_output=True, text=True,
+                                        check=True).stdout) for d in (out, tmp_path / "plain"))
+    assert plain - shared > 0.8 * weight_bytes, (plain, shared, weight_bytes)
+
+
+def test_the_store_and_the_graphs_own_weights_compute_the_same(exported, tmp_path):
+    out, _ = exported
+    _strip_store(out, tmp_path / "plain")
+    ids = np.arange(40) % 256
+    logits = []
+    for d in (out, tmp_path / "plain"):
+        stream = Engine.load(d, threads=1, check_files=False).new_stream()
+        logits.append(np.concatenate([stream.prefill(ids[:30]), *(stream.step(int(i))[None] for i in ids[30:])]))
+    np.testing.assert_allclose(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_truncated_weight_file_is_refused_at_load_naming_it(exported, tmp_path):
+    out, _ = exported
+    import shutil
+
+    shutil.copytree(out, tmp_path / "cut")
+    store = tmp_path / "cut" / "ort" / WEIGHTS
+    with store.open("r+b") as f:
+        f.truncate(store.stat().st_size // 2)
+    with pytest.raises(Exception, match=f"ort/{WEIGHTS}") as checked:
+        Engine.load(tmp_path / "cut")
+    assert "sha256" in str(checked.value)
+    with pytest.raises(BackendError, match=f"{WEIGHTS} is shorter than edgemem.json says"):
+        Engine.load(tmp_path / "cut", check_files=False)

@@ -35,6 +35,7 @@ class _Group(click.Group):
 def main(verbose: bool) -> None:
     """Constant-memory sequence models from PyTorch to edge GPUs and CPUs."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("edgemem.progress").setLevel(logging.INFO)  # off a terminal, long work reports as log lines
 
 
 def _checked(check, **options):
@@ -116,11 +117,15 @@ def export_command(arch, hf_dir, out_dir, targets, seed, checkpoint, overrides, 
     from rich.console import Console
 
     from edgemem.errors import ConfigError
-    from edgemem.export import export
+    from edgemem.export import check_cache_length, export
     from edgemem.files import check_output_dir
-    from edgemem.models import build, load_checkpoint
+    from edgemem.models import checkpoint_tokenizer, load_checkpoint
 
     check_output_dir(out_dir, force=force, inputs=[p for p in (checkpoint, hf_dir) if p], what="--out")
+    if sinks is not None and max_length is None:
+        raise ConfigError("--sinks needs --max-length (the window is the preallocated cache)")
+    if max_length is not None:
+        check_cache_length(max_length, sinks)
     extra, tokenizer = {}, []
     if hf_dir:
         if arch or checkpoint or overrides:
@@ -137,13 +142,12 @@ def export_command(arch, hf_dir, out_dir, targets, seed, checkpoint, overrides, 
         if arch and arch != model.config.arch:
             raise ConfigError(f"{checkpoint} is a checkpoint of {model.config.arch!r}, not {arch!r}")
         extra["checkpoint"] = str(Path(checkpoint).resolve())
+        tokenizer = checkpoint_tokenizer(checkpoint)  # e.g. from `edgemem linearize --hf`
     elif arch:
-        model = build(arch, seed=seed, **parse_overrides(overrides))
+        model = _preset(arch, seed, overrides)
         extra["seed"] = seed
     else:
         raise ConfigError("give --arch (a preset), --checkpoint or --hf DIR")
-    if sinks is not None and max_length is None:
-        raise ConfigError("--sinks needs --max-length (the window is the preallocated cache)")
     if max_length is not None:
         from edgemem.models.lm import set_kv_cache
 
@@ -162,6 +166,21 @@ def export_command(arch, hf_dir, out_dir, targets, seed, checkpoint, overrides, 
                f"{len(manifest.state)} state tensors, {size}")
 
 
+def _preset(arch: str, seed: int, overrides: tuple[str, ...]):
+    """The preset with its --set values; says what a new width leaves as the preset had it, and the size."""
+    from edgemem.models import build
+
+    values = parse_overrides(overrides)
+    model = build(arch, seed=seed, **values)
+    if values:
+        config = model.config
+        kept = f"; mlp_hidden stays the preset's {config.mlp_hidden} (--set mlp_hidden=N to change it)" \
+            if "d_model" in values and "mlp_hidden" not in values and config.mlp_hidden else ""
+        click.echo(f"{config.arch} with {', '.join(overrides)}: {sum(p.numel() for p in model.parameters()):,} "
+                   f"parameters{kept}", err=True)
+    return model
+
+
 def _numel(shape) -> int:
     n = 1
     for d in shape:
@@ -173,25 +192,48 @@ def _numel(shape) -> int:
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--checkpoint", type=click.Path(dir_okay=False), help="Weights the export came from, if not recorded.")
 @click.option("--threads", type=click.IntRange(min=1), help="onnxruntime intra-op threads.")
-def verify_command(directory, checkpoint, threads) -> None:
+@click.option("-v", "--verbose", is_flag=True, help="Print every check, and every reason the export does not fit "
+              "onnxruntime-genai.")
+def verify_command(directory, checkpoint, threads, verbose) -> None:
     """Run each target here against the PyTorch model; exit 1 beyond tolerance."""
     from rich.console import Console
     from rich.table import Table
 
-    from edgemem.export.verify import verify
+    from edgemem.export.genai import unfit_reasons
+    from edgemem.export.verify import TOLERANCE, verify
+    from edgemem.manifest import load as load_manifest
 
     checks, skipped = verify(directory, checkpoint=checkpoint, threads=threads)
-    table = Table("target", "graph", "tensor", "max abs", "max rel", "")
-    for c in checks:
-        table.add_row(c.target, c.graph, c.tensor, f"{c.max_abs:.2e}", f"{c.max_rel:.2e}", "ok" if c.ok else "FAIL")
-    Console().print(table)
+    manifest = load_manifest(directory)
+    tolerance = TOLERANCE[manifest.config.get("dtype", "fp32")]
+    failed = [c for c in checks if not c.ok]
+    if verbose or failed:  # a failure is shown in full: its rows at least
+        table = Table("target", "graph", "tensor", "max abs", "max rel", "")
+        for c in checks if verbose else failed:
+            table.add_row(c.target, c.graph, c.tensor, f"{c.max_abs:.2e}", f"{c.max_rel:.2e}", "ok" if c.ok else "FAIL")
+        Console().print(table)
+    for target in dict.fromkeys(c.target for c in checks):
+        mine = [c for c in checks if c.target == target]
+        worst = max(mine, key=lambda c: c.max_rel)
+        bad = sum(not c.ok for c in mine)
+        click.echo(f"{target}: {len(mine)} checks, worst {worst.max_rel:.2e} relative ({worst.graph} {worst.tensor}): "
+                   + (f"{bad} FAIL" if bad else "ok"))
     for target, why in skipped.items():
         click.echo(f"{target}: skipped ({why})")
-    failed = [c for c in checks if not c.ok]
+    unfit = unfit_reasons(manifest)
+    if unfit:
+        if verbose:
+            click.echo("no genai_config.json: onnxruntime-genai cannot run this export:")
+            for why in unfit:
+                click.echo(f"  - {why}")
+        else:
+            click.echo(f"note: no genai_config.json (onnxruntime-genai cannot run this export; "
+                       f"{len(unfit)} reason{'s' if len(unfit) > 1 else ''}: verify -v)")
     if failed:
-        click.secho(f"{len(failed)} of {len(checks)} checks beyond tolerance", fg="red", err=True)
+        click.secho(f"{len(failed)} of {len(checks)} checks beyond tolerance ({tolerance:g} relative)", fg="red", err=True)
         sys.exit(1)
-    click.echo(f"all {len(checks)} checks within tolerance")
+    click.echo(f"all {len(checks)} checks within tolerance ({tolerance:g} relative)"
+               + ("" if verbose else "; verify -v lists them"))
 
 
 def _csv_ints(text: str, option: str) -> list[int]:
@@ -308,7 +350,12 @@ def run_command(directory, prompt, ids_text, ids_file, print_ids, max_new_tokens
     begin, last = stream.position, b"\n"
     start = time.perf_counter()
     try:
-        if prompt_ids:
+        if len(prompt_ids) > engine.chunk_size:  # more than one prefill run: not silent
+            from edgemem.progress import track
+
+            with track("prefill", len(prompt_ids)) as bar:
+                stream.prefill(prompt_ids, all_logits=False, progress=lambda n: bar.update(advance=n))
+        elif prompt_ids:
             stream.prefill(prompt_ids, all_logits=False)
         decode = time.perf_counter()
         generated = stream.generate_iter([], max_new_tokens, temperature, top_k, top_p, seed)
@@ -363,9 +410,9 @@ def bench_command(directory, positions, batches, steps, time_limit, threads, tar
 
     from rich import box
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
+    from edgemem.progress import track
     from edgemem.runtime import bench
 
     from edgemem.config import fits_memory
@@ -380,16 +427,13 @@ def bench_command(directory, positions, batches, steps, time_limit, threads, tar
             check_output_file(path, option)
     if plot_path and importlib.util.find_spec("matplotlib") is None:
         raise EdgememError("--plot needs matplotlib: pip install 'edgemem-toolkit[bench]'")
-    console = Console(stderr=True)
     total = len(set(positions)) * (1 + len(set(batches)) * (1 if no_eager else 2)) + (0 if no_eager else 1)
-    with Progress(TextColumn("{task.description:<44}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=console, transient=True) as progress:
-        task = progress.add_task("loading", total=total)
+    with track("bench", total) as bar:
         first = True
 
         def advance(description: str) -> None:
             nonlocal first
-            progress.update(task, description=description, advance=0 if first else 1)
+            bar.update(f"bench: {description}", advance=0 if first else 1)
             first = False
 
         if no_eager:
@@ -399,6 +443,7 @@ def bench_command(directory, positions, batches, steps, time_limit, threads, tar
 
         result = measure(directory, positions=positions, batches=batches, steps=steps, time_limit=time_limit,
                          threads=threads, target=target, chunk_size=chunk_size, progress=advance)
+        bar.update("bench", completed=total)
     env, model = result["environment"], result["model"]
     table = Table("position", "batch", "µs/token", "tokens/s", "eager µs/token", "× eager", "state/stream",
                   "softmax KV", "RSS", title=f"{model['arch']} ({model['target']}), {threads} thread(s)", box=box.SIMPLE_HEAD,
@@ -421,6 +466,44 @@ def bench_command(directory, positions, batches, steps, time_limit, threads, tar
     if plot_path:
         bench.plot(result, plot_path)
         click.echo(f"wrote {plot_path}", err=True)
+
+
+def _stdout_console():
+    """stdout's console: the terminal's width, else $COLUMNS, else 132."""
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit() else 132)
+
+
+def _print_fitted(headers: list[str], rows: list[list[str]], *, title: str, caption: str) -> None:
+    """A table that never cuts a cell: as given if it fits the width, else one column per row (the first
+    column's values as headers), else one block of `header: value` lines per row."""
+    from rich import box
+    from rich.measure import Measurement
+    from rich.table import Table
+
+    console = _stdout_console()
+
+    def table(head: list[str], body: list[list[str]]) -> Table:
+        t = Table(*head, box=box.SIMPLE_HEAD, title=title, caption=caption)
+        for column in t.columns:
+            column.no_wrap = True
+        for row in body:
+            t.add_row(*row)
+        return t
+
+    transposed = [[name, *(row[i] for row in rows)] for i, name in enumerate(headers) if i]
+    for head, body in ((headers, rows), ([headers[0], *(row[0] for row in rows)], transposed)):
+        candidate = table(head, body)
+        if Measurement.get(console, console.options.update_width(1 << 16), candidate).maximum <= console.width:
+            console.print(candidate)
+            return
+    console.print(title, caption, sep="\n", soft_wrap=False)
+    width = max(map(len, headers[1:]))
+    for row in rows:
+        console.print(f"{headers[0]} {row[0]}", highlight=False)
+        for name, value in zip(headers[1:], row[1:]):
+            console.print(f"  {name:<{width}}  {value}", highlight=False, soft_wrap=True)
 
 
 def _sm_list(ctx, param, value: str | None) -> tuple[int, ...]:
@@ -467,7 +550,8 @@ def build_command(directory, fp16, plugins, max_batch, max_sequence, out_dir, rt
                    "states; int4: 4-bit blockwise weights (MatMulNBits), no calibration data.")
 @click.option("--block-size", type=int, help="int4 only: input rows per quantization block (16, 32, 64, 128, 256; default 32).")
 @click.option("--recipe", default="default", show_default=True,
-              help="Calibration recipe: a name in calib/ (default, mqar, bytes; `calib/mqar` works too) or a TOML file.")
+              help="Calibration recipe: a shipped one by name (default, mqar, bytes; in edgemem/quant/calib/) or a "
+                   "TOML file (e.g. calib/long-horizon.toml).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False),
               help="Output export directory (default: DIRECTORY-int8-METHOD, DIRECTORY-int4).")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False), help="Save the drift report as JSON.")
@@ -479,12 +563,9 @@ def build_command(directory, fp16, plugins, max_batch, max_sequence, out_dir, rt
 def calibrate_command(directory, method, block_size, recipe, out_dir, report_path, plot_path, no_drift, threads,
                       force) -> None:
     """INT8/INT4 projections (state, gates, norms and edgemem ops stay float), then a drift report against fp32."""
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-
     from edgemem.files import check_output_file
     from edgemem.manifest import load as load_manifest
+    from edgemem.progress import track
     from edgemem.quant import block_size_for, calibrate, default_out, drift_report, load_recipe, plot_report
 
     block_size_for(method, block_size)  # a bad block size fails before any work
@@ -496,34 +577,34 @@ def calibrate_command(directory, method, block_size, recipe, out_dir, report_pat
         source = load_manifest(directory)
         recipe.check_vocabulary(source.arch, source.vocab_size)
     out = Path(out_dir) if out_dir else default_out(directory, method)
-    console = Console(stderr=True)
-    with console.status(f"calibrating ({method}, recipe {recipe.name})"):
-        manifest = calibrate(directory, method, recipe, out, force=force, threads=threads, block_size=block_size)
+    with track(f"calibrate ({method}, recipe {recipe.name})") as bar:
+        manifest = calibrate(directory, method, recipe, out, force=force, threads=threads, block_size=block_size,
+                             progress=lambda text: bar.update(f"calibrate: {text}"))
     counts = manifest.quantization["quantized_projections"]
     bits = "int4" if method == "int4" else "int8"
     click.echo(f"wrote {out}: {', '.join(manifest.targets)}; {sum(counts.values())} {bits} projections in "
                f"{len(counts)} graphs; state stays fp32")
     if no_drift:
         return
-    with console.status("drift report") as status:
-        report = drift_report(directory, out, recipe, threads=threads, progress=lambda text: status.update(f"drift: {text}"))
+    with track("drift report") as bar:
+        report = drift_report(directory, out, recipe, threads=threads, progress=lambda text: bar.update(f"drift: {text}"))
     kinds = list(next(iter(report["horizons"].values()))["state_rel_err"])
-    table = Table("horizon", "logits rel err", *(f"{k} rel err" for k in kinds), f"{report['metric_name']} {bits}",
-                  f"{report['metric_name']} fp32", box=box.SIMPLE_HEAD,
+    headers = ["horizon", "logits rel err", *(f"{k} rel err" for k in kinds), f"{report['metric_name']} {bits}",
+               f"{report['metric_name']} fp32"]
+
+    def number(value, spec: str = ".4f") -> str:  # the report holds None for a NaN/inf error or metric
+        return "non-finite" if value is None else format(value, spec)
+
+    rows = [[f"{int(horizon):,}", number(row["logits_rel_err"], ".2e"),
+             *(number(row["state_rel_err"][k], ".2e") for k in kinds),
+             number(row["metric"]), number(report["fp32_metric"][horizon])]
+            for horizon, row in report["horizons"].items()]
+    _print_fitted(headers, rows,
                   title=f"{manifest.arch} {bits if method == 'int4' else f'int8 {method}'} vs fp32: {report['task']['name']}, "
                         f"{report['task']['streams']} held-out stream(s)",
                   caption=f"µs/token (step): fp32 {report['us_per_token']['fp32']:.1f}, {bits} "
                           f"{report['us_per_token']['quantized']:.1f}; {report['target']} graphs "
                           f"{_size(report['size_bytes']['fp32'])} → {_size(report['size_bytes']['quantized'])}")
-
-    def number(value, spec: str = ".4f") -> str:  # the report holds None for a NaN/inf error or metric
-        return "non-finite" if value is None else format(value, spec)
-
-    for horizon, row in report["horizons"].items():
-        table.add_row(f"{int(horizon):,}", number(row["logits_rel_err"], ".2e"),
-                      *(number(row["state_rel_err"][k], ".2e") for k in kinds),
-                      number(row["metric"]), number(report["fp32_metric"][horizon]))
-    Console(width=None if sys.stdout.isatty() else 132).print(table)
     if report_path:
         Path(report_path).write_text(json.dumps(report, indent=2) + "\n")
         click.echo(f"wrote {report_path}", err=True)
@@ -555,7 +636,7 @@ def train_command(arch, init, task_name, steps, out, overrides, task_set, seed, 
     import torch
 
     from edgemem.errors import ConfigError
-    from edgemem.models import load_checkpoint
+    from edgemem.models import checkpoint_tokenizer, load_checkpoint
     from edgemem.train import Interrupted, evaluate, train
 
     if (arch is None) == (init is None):
@@ -563,12 +644,12 @@ def train_command(arch, init, task_name, steps, out, overrides, task_set, seed, 
     if init and overrides:
         raise ConfigError("--set changes a preset; a checkpoint given with --init is trained as it is")
     torch.set_num_threads(threads)
-    model = load_checkpoint(init) if init else arch
+    model = load_checkpoint(init) if init else _preset(arch, seed, overrides)
     out = out or f"{model.config.arch if init else arch}-{task_name}.safetensors"
     task_params = parse_overrides(task_set, "--task-set")
     try:
-        result = train(model, task_name, steps, out, seed=seed, overrides=parse_overrides(overrides),
-                       task_params=task_params, batch=batch, lr=lr, device=device)
+        result = train(model, task_name, steps, out, seed=seed, task_params=task_params, batch=batch, lr=lr, device=device,
+                       tokenizer=checkpoint_tokenizer(init) if init else ())
     except Interrupted as stop:
         click.echo(f"interrupted after {stop.steps} of {steps} steps" + (f"; saved {stop.out}" if stop.out else ""),
                    err=True)
@@ -593,7 +674,7 @@ def linearize_command(checkpoint, hf_dir, out, window, update_rule, gate_init) -
     the result with `edgemem train --init OUT`, export it with `edgemem export --checkpoint OUT`."""
     from edgemem.errors import ConfigError
     from edgemem.files import check_output_file
-    from edgemem.models import linearize, load_checkpoint, save_checkpoint
+    from edgemem.models import checkpoint_tokenizer, linearize, load_checkpoint, save_checkpoint, tokenizer_dir
 
     if (checkpoint is None) == (hf_dir is None):
         raise ConfigError("give --checkpoint FILE or --hf DIR (one of them)")
@@ -601,15 +682,16 @@ def linearize_command(checkpoint, hf_dir, out, window, update_rule, gate_init) -
     if checkpoint and out.resolve() == Path(checkpoint).resolve():
         raise ConfigError(f"--out {out} is the input checkpoint; write the linearized model to a new file")
     if hf_dir:
-        from edgemem.models.hf import from_hf
+        from edgemem.models.hf import from_hf, tokenizer_files
 
-        model = from_hf(hf_dir)
+        model, tokenizer = from_hf(hf_dir), tokenizer_files(hf_dir)
     else:
-        model = load_checkpoint(checkpoint)
+        model, tokenizer = load_checkpoint(checkpoint), checkpoint_tokenizer(checkpoint)
     new = linearize(model, window=window, update_rule=update_rule, gate_init=gate_init)
-    save_checkpoint(new, out)
+    save_checkpoint(new, out, tokenizer)
     kinds = [new.config.mixer_of(i)[0] for i in range(new.config.n_layers)]
-    click.echo(f"saved {out}: {new.config.arch}, {kinds.count('liza')} of {len(kinds)} layers now LiZA (window {window})")
+    click.echo(f"saved {out}: {new.config.arch}, {kinds.count('liza')} of {len(kinds)} layers now LiZA (window {window})"
+               + (f"; its tokenizer in {tokenizer_dir(out)}" if tokenizer else ""))
 
 
 @main.command("eval")

@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ from edgemem.errors import ConfigError, EdgememError
 from edgemem.files import check_output_file
 from edgemem.layers.titans import NeuralMemoryLayer
 from edgemem.models import LM, build, load_checkpoint, save_checkpoint
-from edgemem.tasks import Task, get_task, train_rng
+from edgemem.tasks import VOCAB, Task, get_task, train_rng
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +75,12 @@ def train(
     warmup: int | None = None,
     progress: bool = True,
     device: str = "cpu",
+    tokenizer: Sequence[str | Path] = (),
 ) -> TrainResult:
     """Train `build(arch, seed=seed, **overrides)`, or `arch` itself when it is an LM (a linearized
     model, say), on `task` for `steps` steps of `batch` sequences of `length` tokens (default: the
-    task's episode length) on `device` (a torch device: "cpu", "cuda"); save to `out` if given. The returned model is on the CPU."""
+    task's episode length) on `device` (a torch device: "cpu", "cuda"); save to `out` if given, with the
+    `tokenizer` files of the model it came from beside it. The returned model is on the CPU."""
     if steps < 1 or batch < 1:
         raise ConfigError(f"steps and batch must be positive; got steps={steps}, batch={batch}")
     if not lr > 0 or weight_decay < 0:
@@ -95,6 +97,7 @@ def train(
         raise ConfigError("overrides build a preset; a given model is trained as it is")
     model = arch if isinstance(arch, LM) else build(arch, seed=seed, **(overrides or {}))
     arch = model.config.arch
+    _check_vocabulary(model, task)
     if not model.streaming:
         raise ConfigError(f"{arch} is bidirectional (every position sees the whole sequence) and {task.name} is a "
                           "next-token task: it would see its targets; train a causal preset")
@@ -122,12 +125,12 @@ def train(
              sum(p.numel() for p in model.parameters()))
     result = TrainResult(model)
     start = time.perf_counter()
-    with _progress(progress, f"{arch} on {task.name}", steps) as advance, _deferred_interrupt() as interrupted:
+    with _progress(progress, f"training {arch} on {task.name}", steps) as advance, _deferred_interrupt() as interrupted:
         for step in range(steps):
             if interrupted.is_set():
                 model.to("cpu").eval()
                 if out is not None and step:
-                    save_checkpoint(model, out)
+                    save_checkpoint(model, out, tokenizer)
                 raise Interrupted(step, out if step else None)
             sample = task.batch(batch, length, rng)
             loss = _loss(model, torch.from_numpy(sample.tokens).to(device), torch.from_numpy(sample.targets).to(device))
@@ -148,9 +151,15 @@ def train(
     model.to("cpu").eval()
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        save_checkpoint(model, out)
+        save_checkpoint(model, out, tokenizer)
         log.info("saved %s after %.0f s", out, result.seconds)
     return result
+
+
+def _check_vocabulary(model: LM, task: Task) -> None:
+    if model.config.vocab_size < VOCAB:
+        raise ConfigError(f"{task.name} feeds byte ids 0-{VOCAB - 1} (edgemem.tasks) but {model.config.arch} has a "
+                          f"vocabulary of {model.config.vocab_size}: the tasks need a model of at least {VOCAB} tokens")
 
 
 @contextlib.contextmanager
@@ -176,17 +185,14 @@ def _deferred_interrupt() -> Iterator[threading.Event]:
 
 @contextlib.contextmanager
 def _progress(enabled: bool, description: str, total: int) -> Iterator[Callable[[float], None]]:
-    """A rich progress bar on stderr showing the loss (or nothing); yields `advance(loss)`."""
+    """Progress with the loss on stderr (edgemem.progress), or nothing; yields `advance(loss)`."""
     if not enabled:
         yield lambda loss: None
         return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from edgemem.progress import track
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
-                  TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task(description, total=total, loss="-")
-        yield lambda loss: bar.update(task, advance=1, loss=f"{loss:.4f}")
+    with track(description, total) as bar:
+        yield lambda loss: bar.update(advance=1, loss=f"{loss:.4f}")
 
 
 @torch.no_grad()
@@ -223,6 +229,7 @@ def evaluate(
     if batch < 1 or length < 1 or chunk < 1:
         raise ConfigError(f"batch, length and chunk must be positive; got {batch}, {length}, {chunk}")
     model = checkpoint_or_model if isinstance(checkpoint_or_model, LM) else load_checkpoint(checkpoint_or_model)
+    _check_vocabulary(model, task)
     model.eval()
     sample = task.stream(batch, length, seed)
     if model.streaming:

@@ -1,6 +1,8 @@
 """What a newcomer meets in the first hour: `run`'s output and statistics, token ids without a tokenizer,
 sampling options that would do nothing, messages naming the right method and the CLI's own options,
-and an `archs` that answers without torch."""
+an `archs` that answers without torch; progress lines off a terminal, short `verify` output, tables
+that never cut numbers, a tokenizer carried through `linearize`, the Triton client and `serve` saying
+what went wrong, `--set d_model` and `--max-length` without surprises, and a README true to the letter."""
 
 import json
 import logging
@@ -29,7 +31,7 @@ STATS = re.compile(r"\[prefill (\d+) (bytes|tokens) in ([\d.]+) s; (\d+) \2 in (
 def byte_export(tmp_path_factory):
     """A byte-level model (vocab 256): text in, bytes out."""
     out = tmp_path_factory.mktemp("first-hour") / "bytes"
-    export(build("linear", seed=0, **TINY), out, targets=["ort", "trt"])
+    export(build("linear", seed=0, **TINY), out, targets=["ort", "trt"], extra_config={"seed": 0})
     return out
 
 
@@ -183,3 +185,339 @@ def test_archs_answers_without_torch_and_its_table_is_measured():
     assert [r["arch"] for r in rows] == archs()
     for row in rows:  # sizes.json matches the presets as built today
         assert row == describe(row["arch"]), f"{row['arch']}: run edgemem.presets.write_sizes()"
+
+
+# ---------------------------------------------------------------- long work is not silent off a terminal
+def _progress_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "edgemem.progress"]
+
+
+@pytest.fixture
+def often(monkeypatch, caplog):
+    """Progress lines every 10 ms instead of every 10 s, captured."""
+    import edgemem.progress
+
+    monkeypatch.setattr(edgemem.progress, "INTERVAL", 0.01)
+    caplog.set_level(logging.INFO, logger="edgemem.progress")
+    return caplog
+
+
+def test_train_off_a_terminal_logs_progress_with_the_loss(often, tmp_path, monkeypatch):
+    import edgemem.train
+
+    loss = edgemem.train._loss
+
+    def slow(*args):
+        time.sleep(0.01)
+        return loss(*args)
+
+    monkeypatch.setattr(edgemem.train, "_loss", slow)
+    result = CliRunner().invoke(main, ["train", "--arch", "linear", "--set", "d_model=16", "--set", "mlp_hidden=16",
+                                       "--set", "n_layers=1", "--task", "copy", "--task-set", "tokens=4", "--steps", "30",
+                                       "--batch", "2", "--out", str(tmp_path / "t.safetensors")])
+    assert result.exit_code == 0, result.output
+    lines = _progress_lines(often)
+    assert lines[0].startswith("training linear on copy, 0/30 (0%)"), lines
+    assert re.match(r"training linear on copy, 30/30 \(100%\), loss [\d.]+, done in \d+ s$", lines[-1]), lines
+    between = [int(m.group(1)) for m in (re.search(r", (\d+)/30 \(\d+%\), loss [\d.]+, \d+ s", x) for x in lines[1:-1]) if m]
+    assert len(between) >= 3 and between == sorted(between) and 0 < between[0] and between[-1] <= 30, lines
+
+
+def test_bench_calibrate_and_a_long_prefill_log_progress_off_a_terminal(often, byte_export, ids_export, tmp_path):
+    runner = CliRunner()
+    done = runner.invoke(main, ["bench", str(byte_export), "--positions", "64", "--batch", "1", "--steps", "3",
+                                "--time-limit", "0.05", "--no-eager"])
+    assert done.exit_code == 0, done.output
+    lines = _progress_lines(often)
+    assert lines[0].startswith("bench, 0/2 (0%)") and re.match(r"bench, 2/2 \(100%\), done in", lines[-1]), lines
+    often.clear()
+    done = runner.invoke(main, ["calibrate", str(byte_export), "--method", "dynamic", "--no-drift", "--out", str(tmp_path / "q")])
+    assert done.exit_code == 0, done.output
+    lines = _progress_lines(often)
+    assert lines[0].startswith("calibrate (dynamic, recipe default)") and lines[-1].endswith(("done in 0 s", "done in 1 s"))
+    assert any("quantizing ort/" in x for x in lines), lines
+    often.clear()
+    ids = tmp_path / "ids.txt"
+    ids.write_text(" ".join(str(i % 300) for i in range(1500)))  # three prefill runs of 512 tokens
+    done = runner.invoke(main, ["run", str(ids_export), "--ids-file", str(ids), "--max-new-tokens", "2"])
+    assert done.exit_code == 0, done.output
+    lines = _progress_lines(often)
+    assert lines[0].startswith("prefill, 0/1,500 (0%)") and lines[-1].startswith("prefill, 1,500/1,500 (100%), done in")
+
+
+def test_progress_lines_reach_a_piped_stderr_without_escape_codes(byte_export):
+    done = _cli("bench", byte_export, "--positions", "64", "--batch", "1", "--steps", "3", "--time-limit", "0.05",
+                "--no-eager", capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[0].startswith("edgemem.progress: bench, 0/2 (0%)"), done.stderr
+    assert lines[-1].startswith("edgemem.progress: bench, 2/2 (100%), done in"), done.stderr
+    assert "\x1b" not in done.stderr and "position" in done.stdout
+
+
+# ---------------------------------------------------------------- short output by default, tables that never cut numbers
+def test_verify_prints_a_summary_and_v_the_full_table(byte_export):
+    from edgemem.export.verify import verify
+
+    checks, _ = verify(byte_export)
+    short = CliRunner().invoke(main, ["verify", str(byte_export)])
+    assert short.exit_code == 0, short.output
+    lines = short.stdout.splitlines()
+    worst = max(checks, key=lambda c: c.max_rel)
+    assert lines[0] == (f"ort: {len(checks)} checks, worst {worst.max_rel:.2e} relative ({worst.graph} {worst.tensor}): ok")
+    assert lines[1].startswith("trt: skipped (")
+    assert lines[2] == "note: no genai_config.json (onnxruntime-genai cannot run this export; 1 reason: verify -v)"
+    assert lines[3] == f"all {len(checks)} checks within tolerance (0.0001 relative); verify -v lists them"
+    assert len(lines) == 4 and max(map(len, lines)) < 120 and not short.stderr
+    full = CliRunner().invoke(main, ["verify", str(byte_export), "-v"])
+    assert full.exit_code == 0, full.output
+    rows = [line for line in full.stdout.splitlines() if line.strip("│ ").startswith("ort ")]
+    assert len(rows) == len(checks)
+    assert "  - layer 0 has recurrent_state but no conv_state: genai needs conv_state and recurrent_state together" in full.stdout
+
+
+def test_verify_shows_the_failing_rows_without_v(byte_export, monkeypatch):
+    import edgemem.export.verify
+
+    monkeypatch.setattr(edgemem.export.verify, "TOLERANCE", {"fp32": 1e-12})  # float noise now fails
+    result = CliRunner().invoke(main, ["verify", str(byte_export)])
+    assert result.exit_code == 1
+    assert "FAIL" in result.stdout and " ok " not in result.stdout  # the failing rows, not every row
+    assert re.search(r"ort: \d+ checks, worst \S+ relative \(.*\): \d+ FAIL", result.stdout), result.stdout
+    assert re.match(r"\d+ of \d+ checks beyond tolerance \(1e-12 relative\)\n$", result.stderr), result.stderr
+
+
+@pytest.mark.parametrize("columns", [80, 200])
+def test_calibrate_drift_table_keeps_every_number_whole(byte_export, tmp_path, columns):
+    report = tmp_path / "drift.json"
+    result = CliRunner().invoke(main, ["calibrate", str(byte_export), "--method", "dynamic", "--out", str(tmp_path / "q"),
+                                       "--report", str(report)], env={"COLUMNS": str(columns)})
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    lines = result.stdout.splitlines()[1:]
+    assert max(map(len, lines)) <= columns and "…" not in result.stdout, result.stdout
+    for horizon, row in data["horizons"].items():
+        assert f"{int(horizon):,}" in result.stdout
+        for value in (row["logits_rel_err"], *row["state_rel_err"].values()):
+            assert f"{value:.2e}" in result.stdout
+        assert f"{row['metric']:.4f}" in result.stdout and f"{data['fp32_metric'][horizon]:.4f}" in result.stdout
+    assert f"{data['metric_name']} int8" in result.stdout and "recurrent_state rel err" in result.stdout
+    wide = any("logits rel err" in line and "recurrent_state rel err" in line for line in lines)
+    assert wide == (columns == 200)  # 80 columns: one column per horizon instead
+
+
+@pytest.mark.parametrize("columns", [40, 80, 200])
+def test_a_wide_drift_table_turns_or_stacks_instead_of_cutting(columns, monkeypatch, capsys):
+    from edgemem.cli import _print_fitted
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    kinds = ["conv_state", "key", "value", "position", "memory.0", "memory.1", "momentum.0", "momentum.1",
+             "chunk_memory.0", "chunk_memory.1"]
+    headers = ["horizon", "logits rel err", *(f"{k} rel err" for k in kinds), "accuracy int8", "accuracy fp32"]
+    rows = [[f"{h:,}", f"{1.25e-2 * (i + 1):.2e}", *(f"{9.96e-3 + 1e-5 * j:.2e}" for j in range(len(kinds))),
+             "0.9876", "0.9880"] for i, h in enumerate((32, 512, 4096, 32768))]
+    _print_fitted(headers, rows, title="titans-mag int8 dynamic vs fp32", caption="µs/token")
+    out = capsys.readouterr().out
+    assert "…" not in out and max(map(len, out.splitlines())) <= columns, out
+    for row in rows:
+        for cell in row:
+            assert cell in out
+    for header in headers[1:]:
+        assert header in out
+
+
+# ---------------------------------------------------------------- no dead ends
+def _qwen_with_tokenizer(path):
+    """A tiny Qwen3.5 save_pretrained directory (one gated DeltaNet, one attention layer) with a word-level tokenizer."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=2, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    torch.manual_seed(0)
+    transformers.Qwen3_5ForCausalLM(config).save_pretrained(path)
+    words = ["<unk>", *(f"w{i}" for i in range(60))]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path / "tokenizer.json"))
+    return path
+
+
+def test_linearize_hf_then_export_checkpoint_keeps_the_tokenizer(tmp_path, monkeypatch):
+    import edgemem.export
+
+    src = _qwen_with_tokenizer(tmp_path / "qwen")
+    runner = CliRunner()
+    done = runner.invoke(main, ["linearize", "--hf", str(src), "--out", str(tmp_path / "liza.safetensors"), "--window", "4"])
+    assert done.exit_code == 0, done.output
+    assert f"its tokenizer in {tmp_path / 'liza.tokenizer'}" in done.stdout
+    assert (tmp_path / "liza.tokenizer" / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    carried = {}
+
+    def export(model, out, **kwargs):  # the export itself is tested elsewhere; here: what it is given
+        carried.update(kwargs)
+        raise edgemem.errors.EdgememError("stop here")
+
+    monkeypatch.setattr(edgemem.export, "export", export)
+    done = runner.invoke(main, ["export", "--checkpoint", str(tmp_path / "liza.safetensors"), "--out", str(tmp_path / "out")])
+    assert "stop here" in done.stderr
+    assert [p.read_bytes() for p in carried["tokenizer"]] == [(src / "tokenizer.json").read_bytes()]
+    (tmp_path / "liza.tokenizer" / "tokenizer.json").write_text("{}")
+    _one_line_error(runner.invoke(main, ["export", "--checkpoint", str(tmp_path / "liza.safetensors"), "--out",
+                                         str(tmp_path / "out")]),
+                    f"{tmp_path / 'liza.tokenizer' / 'tokenizer.json'} is changed", "keep liza.tokenizer/ next to")
+
+
+def test_train_refuses_a_model_smaller_than_the_task_vocabulary(tmp_path):
+    from edgemem.models import save_checkpoint
+
+    save_checkpoint(build("linear", seed=0, vocab_size=61, **TINY), tmp_path / "small.safetensors")
+    _one_line_error(CliRunner().invoke(main, ["train", "--init", str(tmp_path / "small.safetensors"), "--task", "copy",
+                                              "--steps", "1"]),
+                    "copy feeds byte ids 0-255", "linear has a vocabulary of 61")
+
+
+def test_stream_client_says_what_is_wrong_without_a_traceback():
+    pytest.importorskip("tritonclient.grpc")
+    import socket
+    from pathlib import Path
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sample = Path(__file__).resolve().parents[1] / "samples" / "triton-server" / "stream_client.py"
+    done = subprocess.run([sys.executable, str(sample), "--url", f"127.0.0.1:{port}"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith(f"error: 127.0.0.1:{port}: ") and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_serve_names_a_port_in_use(byte_export, tmp_path):
+    import socket
+
+    from edgemem.serve.repository import write_repository
+
+    write_repository(byte_export, tmp_path / "repo")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = CliRunner().invoke(main, ["serve", str(tmp_path / "repo"), "--grpc-port", str(port)])
+    _one_line_error(result, f"port {port} on 127.0.0.1 is not free", "give another --grpc-port")
+
+
+def test_serve_names_a_model_that_failed_to_load_and_shows_the_log(byte_export, tmp_path, caplog):
+    pytest.importorskip("pytriton", reason="tritonserver comes from the nvidia-pytriton wheel")
+    from edgemem.serve.repository import write_repository
+
+    repo = write_repository(byte_export, tmp_path / "repo")
+    (repo.path / repo.python_model / "export" / "ort" / "step.onnx").unlink()
+    with caplog.at_level(logging.WARNING, logger="edgemem.serve.server"):
+        result = CliRunner().invoke(main, ["serve", str(repo.path), "--timeout", "60"])
+    _one_line_error(result, "tritonserver exited with code 1 while starting: model 'linear' failed to load: ",
+                    "ort/step.onnx listed in edgemem.json is missing")
+    assert "exited with code 1 while starting; pass" not in result.stderr
+    (tail,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tritonserver's last log lines:")]
+    assert "failed to load 'linear'" in tail and 2 < tail.count("\n") <= 15
+
+
+# ---------------------------------------------------------------- no surprises
+def test_set_d_model_says_mlp_hidden_stays_and_prints_the_size(tmp_path):
+    runner = CliRunner()
+    args = ["train", "--arch", "linear", "--task", "copy", "--steps", "1", "--batch", "2", "--set", "d_model=64"]
+    kept = runner.invoke(main, [*args, "--out", str(tmp_path / "a.safetensors")])
+    assert kept.exit_code == 0, kept.output
+    first = kept.stderr.splitlines()[0]
+    match = re.fullmatch(r"linear with d_model=64: ([\d,]+) parameters; mlp_hidden stays the preset's 768 "
+                         r"\(--set mlp_hidden=N to change it\)", first)
+    assert match, first
+    scaled = runner.invoke(main, [*args, "--set", "mlp_hidden=192", "--out", str(tmp_path / "b.safetensors")])
+    assert scaled.exit_code == 0, scaled.output
+    match2 = re.fullmatch(r"linear with d_model=64, mlp_hidden=192: ([\d,]+) parameters", scaled.stderr.splitlines()[0])
+    assert match2, scaled.stderr
+    big, small = (int(m.group(1).replace(",", "")) for m in (match, match2))
+    assert big - small == 2 * 3 * 64 * (768 - 192)  # two layers, a SwiGLU's three d_model × mlp_hidden matrices
+    from edgemem.models import load_checkpoint
+
+    assert sum(p.numel() for p in load_checkpoint(tmp_path / "a.safetensors").parameters()) == big
+    plain = runner.invoke(main, ["train", "--arch", "linear", "--task", "copy", "--steps", "1", "--batch", "2",
+                                 "--set", "d_model=64", "--set", "mlp_hidden=192", "--out", str(tmp_path / "c.safetensors")])
+    assert "mlp_hidden stays" not in plain.stderr
+
+
+def test_max_length_below_the_traced_stream_is_refused_up_front(tmp_path):
+    runner = CliRunner()
+    args = ["export", "--arch", "softmax", *(x for kv in TINY.items() for x in ("--set", f"{kv[0]}={kv[1]}")),
+            "--target", "ort"]
+    _one_line_error(runner.invoke(main, [*args, "--max-length", "4", "--out", str(tmp_path / "short")]),
+                    "--max-length 4 is too short", "needs --max-length 5 or more", "--sinks")
+    assert not (tmp_path / "short").exists()
+    done = runner.invoke(main, [*args, "--max-length", "5", "--out", str(tmp_path / "five")])
+    assert done.exit_code == 0, done.output
+    checked = runner.invoke(main, ["verify", str(tmp_path / "five")])  # verify streams within those 5 tokens
+    assert checked.exit_code == 0 and "checks within tolerance" in checked.stdout, checked.output
+
+
+# ---------------------------------------------------------------- the README, true to the letter
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def test_every_recipe_the_readmes_name_loads_from_where_they_say(monkeypatch):
+    from edgemem.quant import load_recipe
+    from edgemem.quant.recipe import recipes
+
+    monkeypatch.chdir(ROOT)
+    text = (ROOT / "README.md").read_text() + (ROOT / "calib" / "README.md").read_text()
+    given = {x for x in re.findall(r"--recipe ([\w./-]+)`", text) if not re.fullmatch(r"[A-Z_]+(\.toml)?", x)}
+    assert given >= {"mqar", "calib/long-horizon.toml"}, given
+    for spec in given:
+        load_recipe(spec)  # raises for a name or path that does not exist
+    shipped = sorted(p.stem for p in (ROOT / "edgemem" / "quant" / "calib").glob("*.toml"))
+    assert shipped == sorted(recipes()) == ["bytes", "default", "mqar"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert ("the shipped ones, `default`, `bytes` and `mqar`, are inside the package (`edgemem/quant/calib/`)"
+            in readme)
+    assert "[--recipe calib/NAME]" not in readme and "Recipes (`calib/`:" not in readme
+
+
+def test_readme_says_where_the_tensorrt_11_headers_come_from():
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    section = readme[readme.index("-DTensorRT_ROOT=TRT11_HEADERS"):][:1200]
+    assert "`TRT11_HEADERS` is a folder holding TensorRT 11's C++ headers" in section
+    assert "No pip wheel carries them" in section and "`github.com/NVIDIA/TensorRT`" in section
+    assert "`include/` folder" in section
+
+
+def test_serve_extra_pins_what_its_packages_hold_back_and_the_readme_says_so():
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    serve = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["serve"]
+    ours = {r.name: r.specifier for r in map(Requirement, serve)}
+    held = {}  # the upper bounds the serve packages put on numpy and protobuf, from their installed metadata
+    for dist, extra in (("nvidia-pytriton", None), ("tritonclient", "grpc")):
+        try:
+            requires = importlib.metadata.requires(dist) or []
+        except importlib.metadata.PackageNotFoundError:
+            pytest.skip(f"{dist} is not installed (pip install 'edgemem-toolkit[serve]')")
+        for req in map(Requirement, requires):
+            if req.name in ("numpy", "protobuf") and (req.marker is None or req.marker.evaluate({"extra": extra or ""})):
+                held.setdefault(req.name, set()).update(s.version for s in req.specifier if s.operator == "<")
+    from packaging.version import Version
+
+    assert set(held) == {"numpy", "protobuf"}
+    for name, bounds in held.items():
+        assert name in ours, f"[serve] does not state {name}'s bound"
+        assert {Version(s.version) for s in ours[name] if s.operator == "<"} == {min(map(Version, bounds))}
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "`[serve]` holds numpy below 2 (nvidia-pytriton 0.7" in readme and "protobuf below 7" in readme
+    assert "`pip install -e '.[export,serve]'`" in readme

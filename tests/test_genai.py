@@ -142,7 +142,7 @@ def test_verify_says_why_an_export_does_not_fit(tmp_path, caplog):
     export(model, tmp_path / "mag", targets=["generic"], extra_config={"seed": 0})
     manifest = load_manifest(tmp_path / "mag")
     assert manifest.genai["fits"] is False and not (tmp_path / "mag" / GENAI_CONFIG).exists()
-    with caplog.at_level(logging.WARNING, logger="edgemem.export.verify"):
+    with caplog.at_level(logging.INFO, logger="edgemem.export.verify"):
         checks, _ = verify(tmp_path / "mag", threads=1, prompt=5, steps=2)
     assert checks and all(c.ok for c in checks)
     message = " ".join(r.getMessage() for r in caplog.records)

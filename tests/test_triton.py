@@ -296,7 +296,7 @@ def _free_port():
 
 def test_edgemem_serve_and_the_sample_client_stream_greedy_bytes(export_dir, engine, tmp_path):
     pytest.importorskip("pytriton", reason="tritonserver comes from the nvidia-pytriton wheel (pip install 'edgemem-toolkit[serve]')")
-    write_repository(export_dir, tmp_path / "models")
+    write_repository(export_dir, tmp_path / "models", name="mine")  # the client asks the server for the name
     grpc_port = _free_port()
     cli = [sys.executable, "-c", "from edgemem.cli import main; main()"]
     serve = subprocess.Popen([*cli, "serve", str(tmp_path / "models"), "--grpc-port", str(grpc_port)],
@@ -304,7 +304,7 @@ def test_edgemem_serve_and_the_sample_client_stream_greedy_bytes(export_dir, eng
     try:
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
         deadline = time.monotonic() + 120
-        while not _ready(client, MODEL):
+        while not _ready(client, "mine"):
             assert serve.poll() is None and time.monotonic() < deadline, serve.stdout.read().decode()[-2000:]
             time.sleep(0.3)
         sample = Path(__file__).resolve().parents[1] / "samples" / "triton-server" / "stream_client.py"
@@ -316,7 +316,7 @@ def test_edgemem_serve_and_the_sample_client_stream_greedy_bytes(export_dir, eng
         serve.send_signal(signal.SIGTERM)
         output = serve.communicate(timeout=90)[0].decode()
     assert serve.returncode == 0 and "tritonserver stopped (exit code 0)" in output, output[-2000:]
-    assert (tmp_path / "models" / MODEL / "checkpoints" / "7.safetensors").is_file()  # live at the stop
+    assert (tmp_path / "models" / "mine" / "checkpoints" / "7.safetensors").is_file()  # live at the stop
 
 
 def _ready(client, model):

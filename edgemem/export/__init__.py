@@ -27,10 +27,10 @@ import torch
 from safetensors.torch import save as save_safetensors
 from torch import nn
 
-from edgemem.errors import EdgememError
 from edgemem import weights
+from edgemem.errors import ConfigError, EdgememError, named
 from edgemem.export import genai
-from edgemem.export.graphs import export_graph, graph_io, growing_dims, input_name, output_name
+from edgemem.export.graphs import TRACE_TOKENS, export_graph, graph_io, growing_dims, input_name, output_name
 from edgemem.export.lower import lower
 from edgemem.export.segments import loop_over_segments, position_input, prefill_segment
 from edgemem.files import check_output_dir, save_onnx, sha256, staged_directory, write_atomic
@@ -92,6 +92,15 @@ def _kv_cache(model: nn.Module, targets: Sequence[str]) -> dict[str, Any] | None
     }
 
 
+def check_cache_length(max_length: int, sinks: int | None) -> None:
+    """A preallocated KV cache without a sliding window must hold the streams the export traces its graphs on."""
+    if sinks is None and max_length < TRACE_TOKENS:
+        option = named("max_length", "--max-length")
+        raise ConfigError(f"{option} {max_length} is too short: the export traces its graphs on streams of "
+                          f"{TRACE_TOKENS} tokens, so the KV cache needs {option} {TRACE_TOKENS} or more "
+                          f"(or a sliding window: {named('sinks', '--sinks')})")
+
+
 def export(
     model: nn.Module,
     out_dir: str | Path,
@@ -116,6 +125,9 @@ def export(
         raise EdgememError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     if len(set(targets)) != len(targets):
         raise EdgememError(f"targets repeat: {', '.join(targets)}; name each at most once")
+    kv = getattr(model, "kv_cache", None)
+    if kv is not None:
+        check_cache_length(kv["max_length"], kv["sinks"])
     source = (extra_config or {}).get("checkpoint")
     out_dir = check_output_dir(out_dir, force=force, inputs=[source] if source else [])
 
@@ -175,4 +187,4 @@ def export(
     return manifest
 
 
-__all__ = ["OPSET", "export", "lower", "state_specs"]
+__all__ = ["OPSET", "check_cache_length", "export", "lower", "state_specs"]

@@ -51,6 +51,9 @@ class _Graph(nn.Module):
         return (out, *(new[n] for n in self.names))
 
 
+TRACE_TOKENS = 5  # the longest example stream an export prefills: a preallocated KV cache must hold it
+
+
 def example_state(model: nn.Module, batch: int, tokens: int, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """The state after `tokens` random tokens: a real, mid-stream example for tracing."""
     state = model.init_state(batch, dtype=dtype)
@@ -65,7 +68,7 @@ def growing_dims(model: nn.Module, dtype: torch.dtype | None) -> dict[str, list[
     """Per state tensor, the dims (besides batch) whose size depends on the position (a KV cache)."""
     if not getattr(model, "streaming", True):
         return {}
-    a, b = example_state(model, 2, 3, dtype), example_state(model, 2, 5, dtype)
+    a, b = example_state(model, 2, 3, dtype), example_state(model, 2, TRACE_TOKENS, dtype)
     return {k: [i for i in range(1, a[k].dim()) if a[k].shape[i] != b[k].shape[i]] for k in a}
 
 

@@ -99,9 +99,13 @@ def verify(
             f"at float tolerances. Verify {source} instead, and judge the {kind} export by its drift report "
             f"(`edgemem calibrate SOURCE --method {method} --report drift.json`)")
     unfit = unfit_reasons(manifest)
-    if unfit:  # the CLI shows warnings: the user learns why there is no genai_config.json
-        log.warning("%s does not fit onnxruntime-genai: %s", directory, "; ".join(unfit))
+    if unfit:  # `edgemem verify` says so itself
+        log.info("%s does not fit onnxruntime-genai: %s", directory, "; ".join(unfit))
     model = rebuild(manifest, checkpoint)
+    kv = manifest.kv_cache
+    if kv and kv["overflow"] == "error" and prompt + steps > kv["max_length"]:  # a short cache: a shorter stream
+        steps = min(steps, max(1, kv["max_length"] // 3))
+        prompt = kv["max_length"] - steps
     tolerance = TOLERANCE[manifest.config.get("dtype", "fp32")]
     rng = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, manifest.vocab_size, (batch, prompt + steps), generator=rng)

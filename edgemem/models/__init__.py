@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from edgemem.errors import ConfigError
-from edgemem.models.checkpoint import load_checkpoint, save_checkpoint
+from edgemem.models.checkpoint import checkpoint_tokenizer, load_checkpoint, save_checkpoint, tokenizer_dir
 from edgemem.models.hf import from_hf
 from edgemem.models.linearize import linearize
 from edgemem.models.lm import LM, MIXERS, LMConfig
@@ -65,8 +65,10 @@ __all__ = [
     "describe",
     "from_hf",
     "linearize",
+    "checkpoint_tokenizer",
     "load_checkpoint",
     "load_config",
     "save_checkpoint",
+    "tokenizer_dir",
     "state_bytes",
 ]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 from safetensors import SafetensorError
@@ -10,17 +12,66 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from edgemem.errors import ConfigError, EdgememError
-from edgemem.files import write_atomic
+from edgemem.files import OutputError, sha256, staged_directory, write_atomic
 from edgemem.models.lm import LM, LMConfig
 
 FORMAT = "edgemem-checkpoint/1"
 
 
-def save_checkpoint(model: LM, path: str | Path) -> None:
-    """Write `model`'s weights and config to `path` atomically."""
+def tokenizer_dir(path: str | Path) -> Path:
+    """Where the tokenizer files of the checkpoint `path` go: `NAME.tokenizer/` beside `NAME.safetensors`."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.tokenizer")
+
+
+def save_checkpoint(model: LM, path: str | Path, tokenizer: Sequence[str | Path] = ()) -> None:
+    """Write `model`'s weights and config to `path` atomically; `tokenizer` files (of the model it came
+    from) go to `tokenizer_dir(path)`, and the checkpoint records their sha256."""
     metadata = {"format": FORMAT, "config": json.dumps(model.config.to_dict())}
+    if tokenizer:
+        metadata["tokenizer"] = json.dumps(_save_tokenizer([Path(p) for p in tokenizer], Path(path)))
     tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     write_atomic(Path(path), save_safetensors(tensors, metadata=metadata))
+
+
+def _save_tokenizer(files: list[Path], path: Path) -> dict[str, str]:
+    from edgemem.models.hf import TOKENIZER_FILES
+
+    folder = tokenizer_dir(path)
+    if folder.exists() and (not folder.is_dir() or any(p.name not in TOKENIZER_FILES for p in folder.iterdir())):
+        raise OutputError(f"{folder} (where the tokenizer of {path.name} goes) exists and holds other files; "
+                          "move it or write the checkpoint elsewhere")
+    with staged_directory(folder) as tmp:
+        for file in files:
+            shutil.copyfile(file, tmp / file.name)
+        return {file.name: sha256(tmp / file.name) for file in files}
+
+
+def checkpoint_tokenizer(path: str | Path) -> list[Path]:
+    """The tokenizer files saved with the checkpoint `path` ([] when it has none), checked against its record."""
+    path = Path(path)
+    recorded = json.loads(_metadata(path).get("tokenizer", "{}"))
+    folder = tokenizer_dir(path)
+    for name, digest in recorded.items():
+        if not (folder / name).is_file() or sha256(folder / name) != digest:
+            state = "changed" if (folder / name).is_file() else "missing"
+            raise EdgememError(f"{folder / name} is {state}: {path.name} was saved with this tokenizer file beside "
+                               f"it (keep {folder.name}/ next to the checkpoint)")
+    return [folder / name for name in recorded]
+
+
+def _metadata(path: Path, data: bytes | None = None) -> dict[str, str]:
+    try:
+        if data is None:
+            with path.open("rb") as f:
+                header_len = int.from_bytes(f.read(8), "little")
+                header = f.read(header_len)
+        else:
+            header_len = int.from_bytes(data[:8], "little")
+            header = data[8 : 8 + header_len]
+        return json.loads(header).get("__metadata__", None) or {}
+    except (OSError, ValueError, AttributeError) as e:
+        raise EdgememError(f"cannot read checkpoint {path}: {e}") from None
 
 
 def load_checkpoint(path: str | Path) -> LM:
@@ -29,10 +80,9 @@ def load_checkpoint(path: str | Path) -> LM:
     try:
         data = path.read_bytes()
         tensors = load_safetensors(data)
-        header_len = int.from_bytes(data[:8], "little")
-        metadata = json.loads(data[8 : 8 + header_len]).get("__metadata__", {})
     except (OSError, SafetensorError, ValueError) as e:
         raise EdgememError(f"cannot read checkpoint {path}: {e}") from None
+    metadata = _metadata(path, data)
     if metadata.get("format") != FORMAT:
         raise EdgememError(f"{path} is not an edgemem checkpoint (no {FORMAT!r} metadata)")
     try:

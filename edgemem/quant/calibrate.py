@@ -24,7 +24,7 @@ from __future__ import annotations
 import datetime
 import logging
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +99,8 @@ class _Reader(CalibrationDataReader):
         return len(self.feeds)
 
 
-def calibration_feeds(directory: Path, manifest: Manifest, recipe: Recipe, threads: int | None) -> dict[str, list]:
+def calibration_feeds(directory: Path, manifest: Manifest, recipe: Recipe, threads: int | None,
+                      progress: Callable[[str], None] = lambda _: None) -> dict[str, list]:
     """Inputs of the prefill and step graphs at the recipe's positions: `streams` held-out streams of the
     recipe's task rolled out by the fp32 runtime (chunked prefill), batched as one [streams, ...] feed
     per position. The step sample is the next token, the prefill sample the next `prefill_tokens`."""
@@ -112,6 +113,7 @@ def calibration_feeds(directory: Path, manifest: Manifest, recipe: Recipe, threa
     feeds: dict[str, list] = {kind: [] for kind in GRAPHS}
     ids = manifest.inputs["tokens"]
     for position in recipe.positions:
+        progress(f"calibration states to position {position:,}")
         if position > streams[0].position:
             for row, stream in zip(tokens, streams):
                 stream.prefill(row[stream.position : position], all_logits=False)
@@ -208,8 +210,10 @@ def _quantize(method: str, source: Path, dest: Path, nodes: list[str], feeds: li
 
 def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Recipe | None = None,
               out: str | Path | None = None, *, force: bool = False, threads: int | None = 1,
-              block_size: int | None = None) -> Manifest:
-    """Quantize the export in `directory` to INT8 or INT4 (see the module docstring); returns the new manifest."""
+              block_size: int | None = None, progress: Callable[[str], None] | None = None) -> Manifest:
+    """Quantize the export in `directory` to INT8 or INT4 (see the module docstring); returns the new manifest.
+    `progress(text)` hears of each stage."""
+    progress = progress or (lambda _: None)
     directory = Path(directory)
     manifest = load_manifest(directory)
     if method not in METHODS:
@@ -239,7 +243,7 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
     state_names = {n for s in manifest.state for n in (s.input, s.output)}
     sources = {(t, k): directory / t / f"{k}.onnx" for t in targets for k in kinds}
     found, selected = _select(sources, state_names, recipe, matmul_only=method == "int4")
-    feeds = calibration_feeds(directory, manifest, recipe, threads) if method == "static" else None
+    feeds = calibration_feeds(directory, manifest, recipe, threads, progress) if method == "static" else None
 
     with staged_directory(out) as tmp:
         files: dict[str, str] = {}
@@ -252,6 +256,7 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
                 dest.parent.mkdir(exist_ok=True)
                 nodes = selected[(target, kind)]
                 log.info("quantizing %s/%s: %d projections (%s)", target, kind, len(nodes), method)
+                progress(f"quantizing {target}/{kind}.onnx ({len(nodes)} projections)")
                 if nodes:
                     source = sources[(target, kind)]
                     if method == "static":  # QDQ rewires every reader of a quantized tensor: isolate them first

@@ -44,7 +44,7 @@ import operator
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -436,12 +436,14 @@ class Stream:
             self._advance(1)
             return self._logits_view[0, 0].copy()
 
-    def prefill(self, token_ids: TokenIds, *, chunk_size: int | None = None, all_logits: bool = True) -> np.ndarray:
+    def prefill(self, token_ids: TokenIds, *, chunk_size: int | None = None, all_logits: bool = True,
+                progress: Callable[[int], None] | None = None) -> np.ndarray:
         """Consume a block of tokens; returns logits [T, V] (or only the last row [V] with `all_logits=False`).
 
         Runs the prefill graph on chunks of `chunk_size` tokens (default: the engine's), or steps
         through the tokens when the export has no prefill graph. Prefilling in chunks equals prefilling
         at once (the stateful protocol's law), and keeps activations and logits bounded.
+        `progress(n)` is called after each chunk (or token) with the number of tokens it consumed.
         """
         engine = self._engine
         ids = engine._tokens(token_ids)
@@ -452,6 +454,8 @@ class Stream:
             if not engine.has_prefill:
                 for token in ids.tolist():
                     logits = self.step(token)
+                    if progress:
+                        progress(1)
                     if all_logits:
                         rows.append(logits)
                 return np.stack(rows) if all_logits else logits
@@ -462,6 +466,8 @@ class Stream:
                 piece = ids[start : start + chunk]
                 part = self._prefill_chunk(piece, last_only=not all_logits)
                 self._advance(piece.size, part[-1])
+                if progress:
+                    progress(piece.size)
                 if all_logits:
                     rows.append(part)
             return np.concatenate(rows) if all_logits else self._logits_view[0, 0].copy()

@@ -65,6 +65,35 @@ def _backend(config: Path) -> str:
     return match.group(1) if match else ""
 
 
+def _check_port(port: int, option: str) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server would: closed connections do not count
+        try:
+            s.bind((HOST, port))
+        except OSError as e:
+            raise ServerError(f"port {port} on {HOST} is not free ({e.strerror}): give another {option}, "
+                              "or leave it out for a free one") from None
+
+
+_LOAD_FAILED = re.compile(r"failed to load '([^']+)'[^:]*:\s*(.*)")
+_PORT_IN_USE = re.compile(r"(?i)(address already in use|already in use|failed to bind|bind.*fail)")
+
+
+def failure_cause(text: str) -> str:
+    """What tritonserver's log says went wrong while starting: a model that failed to load, a port in use, ..."""
+    loads = [m for m in map(_LOAD_FAILED.search, text.splitlines()) if m]
+    if loads:
+        name, reason = loads[0].groups()
+        reason = reason.split("\\n")[0].strip().rstrip('"').strip()  # the log escapes a traceback's newlines
+        reason = re.sub(r"^(Internal|Invalid argument|Unavailable)\s*[-:]\s*", "", reason)
+        return f"model {name!r} failed to load: {reason[:400] or 'no reason given'}"
+    for line in text.splitlines():
+        if _PORT_IN_USE.search(line):
+            return f"a port is in use ({line.strip()[:200]})"
+    errors = [line.strip() for line in text.splitlines() if line.startswith("E") or "error" in line.lower()]
+    return errors[-1][:400] if errors else "its log names no cause"
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((HOST, 0))
@@ -90,6 +119,7 @@ class TritonServer:
         self.log_file = Path(log_file) if log_file else None
         self._process: subprocess.Popen | None = None
         self._workdir: Path | None = None
+        self._log, self._log_start = self.log_file, 0
 
     @property
     def grpc_url(self) -> str:
@@ -137,28 +167,46 @@ class TritonServer:
         """Start the server and wait until it and every model are ready (at most `timeout` seconds)."""
         if self._process is not None:
             raise ServerError("this server is already started")
+        for port, option in ((self.http_port, "--http-port"), (self.grpc_port, "--grpc-port")):
+            _check_port(port, named(option[2:].replace("-", "_"), option))
         self._workdir = Path(tempfile.mkdtemp(prefix="edgemem-triton-"))
-        out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
+        self._log = self.log_file or self._workdir / "tritonserver.log"  # read back when the start fails
+        self._log_start = self._log.stat().st_size if self._log.is_file() else 0
+        out = open(self._log, "ab")
         try:
             self._process = subprocess.Popen(self.command(self._backends(self._workdir)), env=self.environment(),
                                              stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         finally:
-            if self.log_file:
-                out.close()
+            out.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
                 code = self._process.returncode
+                why = self._failure()
                 self.stop()
-                raise ServerError(f"tritonserver exited with code {code} while starting"
-                                  + (f"; see {self.log_file}" if self.log_file else f"; pass {named('log_file', '--log-file')} to see why"))
+                raise ServerError(f"tritonserver exited with code {code} while starting: {why}"
+                                  + (f" (its log: {self.log_file})" if self.log_file else ""))
             if self._ready("/v2/health/ready") and all(self._ready(f"/v2/models/{m}/ready") for m in self.models):
                 log.info("tritonserver ready: grpc %s, http %s", self.grpc_url, self.http_url)
                 return self
             time.sleep(0.2)
+        why = self._failure()
         self.stop()
-        raise ServerError(f"tritonserver was not ready within {timeout:.0f} s"
-                          + (f"; see {self.log_file}" if self.log_file else ""))
+        raise ServerError(f"tritonserver was not ready within {timeout:.0f} s: {why}"
+                          + (f" (its log: {self.log_file})" if self.log_file else ""))
+
+    def _failure(self, lines: int = 15) -> str:
+        """The cause of a failed start as read from this start's log; its last lines go to the log at WARNING."""
+        try:
+            with open(self._log, "rb") as f:
+                f.seek(self._log_start)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return "its log cannot be read"
+        tail = [line for line in text.splitlines() if line.strip() and not line.startswith(("|", "+-"))][-lines:]
+        if tail:
+            log.warning("tritonserver's last log lines:\n%s", "\n".join(f"  {line}" for line in tail))
+        return failure_cause(text)
 
     @property
     def running(self) -> bool:

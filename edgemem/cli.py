@@ -447,8 +447,10 @@ def bench_command(directory, positions, batches, steps, time_limit, threads, tar
     env, model = result["environment"], result["model"]
     table = Table("position", "batch", "µs/token", "tokens/s", "eager µs/token", "× eager", "state/stream",
                   "softmax KV", "RSS", title=f"{model['arch']} ({model['target']}), {threads} thread(s)", box=box.SIMPLE_HEAD,
-                  caption=f"load average {env['load_avg_before'][0]:.2f} → {env['load_avg_after'][0]:.2f} on {env['cpus']} CPUs"
-                  if env["load_avg_before"] else None)
+                  caption=(f"load average {env['load_avg_before'][0]:.2f} → {env['load_avg_after'][0]:.2f} on "
+                           f"{env['cpus']} CPUs; " if env["load_avg_before"] else "")
+                  + f"graphs and weights {_size(model['file_bytes'])}, resident after load +{_size(model['load_rss_bytes'])}, "
+                    f"peak RSS {_size(env['runtime_peak_rss_bytes'])}")
     for r in result["rows"]:
         if "skipped" in r:
             table.add_row(f"{r['position']:,}", str(r["batch"]), f"skipped: {r['skipped']}", *[""] * 6)

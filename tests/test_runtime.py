@@ -573,9 +573,12 @@ def test_cli_bench_reports_runtime_eager_and_kv_baseline(exports, tmp_path):
         assert r["softmax_kv_bytes"] == r["position"] * data["model"]["softmax_baseline"]["kv_bytes_per_token"]
     assert data["model"]["softmax_baseline"]["kv_bytes_per_token"] == 2 * 32 * 4
     assert data["environment"]["threads"] == 1
+    target = data["model"]["target"]
+    files = sum(f.stat().st_size for f in (exports["gated-deltanet"] / target).iterdir())
+    assert data["model"]["file_bytes"] == files and data["model"]["load_rss_bytes"] > 0
     if plot is not None:
         assert plot.stat().st_size > 0
-    assert "gated-deltanet" in result.stdout
+    assert "gated-deltanet" in result.stdout and "resident after load" in result.stdout
 
 
 def test_cli_bench_without_torch_says_to_pass_no_eager(exports, monkeypatch):

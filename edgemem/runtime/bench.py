@@ -88,7 +88,9 @@ def run(
     progress = progress or (lambda _: None)
     positions, batches = sorted(set(positions)), sorted(set(batches))
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    rss_before = rss_bytes()
     engine = Engine.load(directory, threads=threads, target=target, chunk_size=chunk_size)
+    load_rss = rss_bytes() - rss_before
     rng = np.random.default_rng(seed)
     rows: list[dict[str, Any]] = []
     base = engine.new_stream()
@@ -120,6 +122,9 @@ def run(
     model_info: dict[str, Any] = {
         "arch": engine.manifest.arch, "target": engine.target, "config": engine.manifest.config,
         "state_bytes_at_0": engine.state_bytes(0), "state_bytes_per_token": engine.state_bytes_per_token,
+        "file_bytes": sum((Path(directory) / name).stat().st_size for name in engine.manifest.files
+                          if name.startswith(f"{engine.target}/")),
+        "load_rss_bytes": load_rss,
     }
     environment = {
         "onnxruntime": ort.__version__, "threads": threads, "cpus": os.cpu_count(), "machine": platform.machine(),

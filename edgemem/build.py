@@ -19,8 +19,10 @@ export (`edgemem export --dtype fp16`: FP16 weights and activations, FP32 state)
 flag. `fp16=True` (`--fp16`) asks for FP16 engines and is refused unless the export is FP16.
 
 Dynamic dims get one optimisation profile: batch 1..max_batch, sequence 1..max_sequence,
-past_sequence 0..max_sequence. Engines are written atomically, then `engines.json` (written last)
-records what the runtime (`edgemem.runtime.trt`) checks before loading them: the library
+past_sequence 0..max_sequence. The engine set is written in a staged directory that replaces OUT at
+the end (an interrupted build leaves OUT as it was); OUT must be empty or, with `force`, hold only an
+earlier engine set (`edgemem.files.engine_files`), and may not hold the export's files.
+`engines.json` records what the runtime (`edgemem.runtime.trt`) checks before loading them: the library
 (tensorrt or tensorrt_rtx), its version and target compute capabilities, the plugin library's
 sha256, the export they come from (`Manifest.identity()`), each engine's sha256, profile and
 plugin layers (op, namespace, version: every edgemem node, LinearAttention included, is edgemem's
@@ -42,9 +44,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from edgemem.errors import EdgememError
-from edgemem.files import write_atomic
-from edgemem.manifest import Manifest
+from edgemem.errors import EdgememError, named
+from edgemem.files import check_output_dir, engine_files, staged_directory, write_atomic
+from edgemem.manifest import MANIFEST, Manifest
 from edgemem.manifest import load as load_manifest
 from edgemem.opset import DOMAIN
 from edgemem.runtime import engines as engines_json
@@ -211,7 +213,7 @@ def _build_graphs(module: str, directory: Path, graphs: Sequence[Path], library:
                                "(see its log above)")
         path = out_dir / f"{onnx_path.stem}.engine"
         write_atomic(path, bytes(serialized))
-        log.info("wrote %s", path)
+        log.info("built %s", path.name)
         engines[onnx_path.stem] = engines_json.entry(path, shapes, in_place_states(model, manifest), plugins)
     return engines
 
@@ -282,10 +284,12 @@ def build_engines(
     out: str | os.PathLike | None = None,
     rtx: bool = False,
     sm: Sequence[int] = (),
+    force: bool = False,
 ) -> list[Path]:
     """Builds one serialized engine per ONNX graph of DIR/trt, then engines.json; returns the engines' paths.
 
     `rtx`: with TensorRT for RTX, for the compute capabilities `sm` (e.g. (86, 89, 120); empty: its default set).
+    `force`: replace an earlier engine set in `out` (nothing else).
     """
     directory = Path(directory)
     graphs = _graphs(directory)
@@ -299,12 +303,15 @@ def build_engines(
     trt = _import_library(module)
     library = engines_json.plugin_library(plugins)
     targets = [c.name for c in compute_capabilities(trt, sm)] if rtx else []
-    out_dir = Path(out) if out else directory / engines_json.ENGINES_DIR
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if rtx:
-        engines = _build_rtx(directory, graphs, library, out_dir, max_batch, max_sequence, sm)
-    else:
-        engines = _build_graphs(module, directory, graphs, library, out_dir, max_batch, max_sequence, sm)
-    toolkit = engines_json.Toolkit(module, trt.__version__, targets)
-    log.info("wrote %s", engines_json.write(out_dir, manifest, toolkit, library, max_batch, max_sequence, engines))
+    inputs = [library, directory / MANIFEST, *(directory / name for name in manifest.files)]
+    out_dir = check_output_dir(Path(out) if out else directory / engines_json.ENGINES_DIR, force=force, inputs=inputs,
+                               what=named("out", "--out"), own=engine_files)
+    with staged_directory(out_dir) as tmp:
+        if rtx:
+            engines = _build_rtx(directory, graphs, library, tmp, max_batch, max_sequence, sm)
+        else:
+            engines = _build_graphs(module, directory, graphs, library, tmp, max_batch, max_sequence, sm)
+        toolkit = engines_json.Toolkit(module, trt.__version__, targets)
+        engines_json.write(tmp, manifest, toolkit, library, max_batch, max_sequence, engines)
+    log.info("wrote %s", out_dir / engines_json.ENGINES_JSON)
     return [out_dir / record["file"] for record in engines.values()]

@@ -331,7 +331,7 @@ def run_command(directory, prompt, ids_text, ids_file, print_ids, max_new_tokens
         raise ConfigError("give one prompt: --prompt TEXT, --ids 1,2,3 or --ids-file PATH")
     ids = _ids(ids_text, "--ids") if ids_text is not None else _ids_file(ids_file) if ids_file else None
     if save_state:
-        check_output_file(save_state, "--save-state")
+        check_output_file(save_state, "--save-state", inputs=[directory])
     engine = Engine.load(directory, backend=backend, target=target, threads=threads, plugins=plugins)
     codec = load_codec(directory, engine.manifest, required=False)
     if codec is None and prompt:
@@ -416,7 +416,7 @@ def bench_command(directory, positions, batches, steps, time_limit, threads, tar
     from edgemem.runtime import bench
 
     from edgemem.config import fits_memory
-    from edgemem.files import check_output_file
+    from edgemem.files import check_output_file, write_atomic
 
     positions, batches = _csv_ints(positions, "--positions"), _csv_ints(batches, "--batch")
     if min(batches) < 1:
@@ -424,7 +424,7 @@ def bench_command(directory, positions, batches, steps, time_limit, threads, tar
     fits_memory(8 * max(positions), f"--positions {max(positions):,} (the random prompt that reaches it)")
     for path, option in ((json_path, "--json"), (plot_path, "--plot")):
         if path:
-            check_output_file(path, option)
+            check_output_file(path, option, inputs=[directory])
     if plot_path and importlib.util.find_spec("matplotlib") is None:
         raise EdgememError("--plot needs matplotlib: pip install 'edgemem-toolkit[bench]'")
     total = len(set(positions)) * (1 + len(set(batches)) * (1 if no_eager else 2)) + (0 if no_eager else 1)
@@ -463,7 +463,7 @@ def bench_command(directory, positions, batches, steps, time_limit, threads, tar
         )
     Console(width=None if sys.stdout.isatty() else 132).print(table)
     if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
+        write_atomic(Path(json_path), (json.dumps(result, indent=2) + "\n").encode())
         click.echo(f"wrote {json_path}", err=True)
     if plot_path:
         bench.plot(result, plot_path)
@@ -535,13 +535,14 @@ def _sm_list(ctx, param, value: str | None) -> tuple[int, ...]:
               "ahead of time, no GPU needed.")
 @click.option("--sm", callback=_sm_list, metavar="86,89,120",
               help="With --rtx: the compute capabilities to build for (default: TensorRT for RTX's default set).")
-def build_command(directory, fp16, plugins, max_batch, max_sequence, out_dir, rtx, sm) -> None:
+@click.option("--force", is_flag=True, help="Replace an earlier engine set in the engine directory (nothing else).")
+def build_command(directory, fp16, plugins, max_batch, max_sequence, out_dir, rtx, sm, force) -> None:
     """Build strongly typed TensorRT engines and engines.json from an export's trt target (needs TensorRT and a GPU;
     with --rtx, TensorRT for RTX and no GPU)."""
     from edgemem.build import build_engines
 
     paths = build_engines(directory, fp16=fp16, plugins=plugins, max_batch=max_batch, max_sequence=max_sequence,
-                          out=out_dir, rtx=rtx, sm=sm)
+                          out=out_dir, rtx=rtx, sm=sm, force=force)
     click.echo(f"built {len(paths)} engine(s): {', '.join(str(p) for p in paths)}")
 
 
@@ -565,15 +566,17 @@ def build_command(directory, fp16, plugins, max_batch, max_sequence, out_dir, rt
 def calibrate_command(directory, method, block_size, recipe, out_dir, report_path, plot_path, no_drift, threads,
                       force) -> None:
     """INT8/INT4 projections (state, gates, norms and edgemem ops stay float), then a drift report against fp32."""
-    from edgemem.files import check_output_file
+    from edgemem.files import check_output_file, write_atomic
     from edgemem.manifest import load as load_manifest
     from edgemem.progress import track
     from edgemem.quant import block_size_for, calibrate, default_out, drift_report, load_recipe, plot_report
 
     block_size_for(method, block_size)  # a bad block size fails before any work
+    if report_path and not plot_path:
+        plot_path = str(Path(report_path).with_suffix(".png"))  # the plot's default: beside the report
     for path, option in ((report_path, "--report"), (plot_path, "--plot")):
         if path:
-            check_output_file(path, option)
+            check_output_file(path, option, inputs=[directory])
     recipe = load_recipe(recipe)
     if not no_drift:  # the report's data must fit the model before anything is written
         source = load_manifest(directory)
@@ -608,9 +611,8 @@ def calibrate_command(directory, method, block_size, recipe, out_dir, report_pat
                           f"{report['us_per_token']['quantized']:.1f}; {report['target']} graphs "
                           f"{_size(report['size_bytes']['fp32'])} → {_size(report['size_bytes']['quantized'])}")
     if report_path:
-        Path(report_path).write_text(json.dumps(report, indent=2) + "\n")
+        write_atomic(Path(report_path), (json.dumps(report, indent=2) + "\n").encode())
         click.echo(f"wrote {report_path}", err=True)
-        plot_path = plot_path or str(Path(report_path).with_suffix(".png"))
     if plot_path and plot_report(report, plot_path):
         click.echo(f"wrote {plot_path}", err=True)
 
@@ -638,7 +640,8 @@ def train_command(arch, init, task_name, steps, out, overrides, task_set, seed, 
     import torch
 
     from edgemem.errors import ConfigError
-    from edgemem.models import checkpoint_tokenizer, load_checkpoint
+    from edgemem.files import check_output_file
+    from edgemem.models import checkpoint_tokenizer, load_checkpoint, tokenizer_dir
     from edgemem.train import Interrupted, evaluate, train
 
     if (arch is None) == (init is None):
@@ -646,8 +649,12 @@ def train_command(arch, init, task_name, steps, out, overrides, task_set, seed, 
     if init and overrides:
         raise ConfigError("--set changes a preset; a checkpoint given with --init is trained as it is")
     torch.set_num_threads(threads)
+    inputs = [init, tokenizer_dir(init)] if init else []
+    if out:
+        check_output_file(out, "--out", inputs=inputs)
     model = load_checkpoint(init) if init else _preset(arch, seed, overrides)
-    out = out or f"{model.config.arch if init else arch}-{task_name}.safetensors"
+    out = check_output_file(out or f"{model.config.arch if init else arch}-{task_name}.safetensors", "--out",
+                            inputs=inputs)
     task_params = parse_overrides(task_set, "--task-set")
     try:
         result = train(model, task_name, steps, out, seed=seed, task_params=task_params, batch=batch, lr=lr, device=device,
@@ -680,9 +687,8 @@ def linearize_command(checkpoint, hf_dir, out, window, update_rule, gate_init) -
 
     if (checkpoint is None) == (hf_dir is None):
         raise ConfigError("give --checkpoint FILE or --hf DIR (one of them)")
-    out = check_output_file(out, "checkpoint")
-    if checkpoint and out.resolve() == Path(checkpoint).resolve():
-        raise ConfigError(f"--out {out} is the input checkpoint; write the linearized model to a new file")
+    source = [checkpoint, tokenizer_dir(checkpoint)] if checkpoint else [hf_dir]
+    out = check_output_file(out, "--out", inputs=source)
     if hf_dir:
         from edgemem.models.hf import from_hf, tokenizer_files
 
@@ -753,10 +759,8 @@ def eval_command(checkpoint, task_name, length, task_set, batch, seed, threads, 
 @click.option("--force", is_flag=True, help="Replace a non-empty output directory (and the checkpoints inside it).")
 def triton_command(directory, out_dir, name, max_live, idle_seconds, checkpoints, threads, max_batch_size, force) -> None:
     """Write a Triton Inference Server model repository for an export (Python backend; onnxruntime if it fits)."""
-    from edgemem.files import EXPORT_MARKER, check_output_dir
     from edgemem.serve.repository import write_repository
 
-    check_output_dir(out_dir, force=force, inputs=[directory], what="--out", marker=f"*/export/{EXPORT_MARKER}")
     repo = write_repository(directory, out_dir, name=name, max_live=max_live, idle_seconds=idle_seconds,
                             checkpoints=checkpoints, threads=threads, max_batch_size=max_batch_size, force=force)
     click.echo(f"wrote {repo.path}: {repo.python_model} (python backend, edgemem.runtime)"
@@ -779,9 +783,20 @@ def serve_command(repository, http_port, grpc_port, log_file, timeout) -> None:
     from edgemem.serve.server import TritonServer
 
     server = TritonServer(repository, http_port=http_port, grpc_port=grpc_port, log_file=log_file)
-    server.start(timeout)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop, started = threading.Event(), threading.Event()
+
+    def terminate(*_) -> None:
+        stop.set()
+        if not started.is_set():  # still starting: as Ctrl-C
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        server.start(timeout)  # stops the server itself on Ctrl-C or a failed start
+        started.set()
+    except KeyboardInterrupt:
+        click.echo("interrupted while tritonserver was starting; it was stopped", err=True)
+        sys.exit(130)
     click.echo(f"serving {', '.join(server.models)}: grpc {server.grpc_url}, http {server.http_url}"
                + (f" (not loaded, no such backend here: {', '.join(server.skipped)})" if server.skipped else ""))
     try:

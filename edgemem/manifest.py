@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from edgemem.errors import EdgememError
-from edgemem.files import sha256
+from edgemem.files import as_path, sha256
 
 FORMAT = "edgemem/1"
 MANIFEST = "edgemem.json"
@@ -92,7 +92,7 @@ class Manifest:
 
 def load(directory: str | Path, *, check_files: bool = True) -> Manifest:
     """Read and validate `DIR/edgemem.json`; with `check_files`, verify every file's sha256."""
-    directory = Path(directory)
+    directory = as_path(directory, "an export directory")
     path = directory / MANIFEST
     if not path.is_file():
         raise ManifestError(f"{directory} is not an edgemem export: {MANIFEST} is missing (run `edgemem export`)")

@@ -373,7 +373,7 @@ def test_linearize_and_fine_tune_from_the_command_line(tmp_path):
     for args, message in [
         (("linearize", "--out", tmp_path / "x.safetensors"), "give --checkpoint FILE or --hf DIR"),
         (("linearize", "--checkpoint", tmp_path / "liza.safetensors", "--out", tmp_path / "liza.safetensors"),
-         "is the input checkpoint"),
+         "own input"),
         (("train", "--task", "copy"), "give --arch"),
         (("train", "--init", tmp_path / "liza.safetensors", "--arch", "softmax", "--task", "copy"), "not both"),
     ]:

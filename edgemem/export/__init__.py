@@ -28,6 +28,7 @@ from safetensors.torch import save as save_safetensors
 from torch import nn
 
 from edgemem import weights
+from edgemem.config import fits_memory, size_text
 from edgemem.errors import ConfigError, EdgememError, named
 from edgemem.export import genai
 from edgemem.export.graphs import TRACE_TOKENS, export_graph, graph_io, growing_dims, input_name, output_name
@@ -101,6 +102,21 @@ def check_cache_length(max_length: int, sinks: int | None) -> None:
                           f"(or a sliding window: {named('sinks', '--sinks')})")
 
 
+TRACE_COPIES = 8  # streams' worth of state the export holds at once while tracing (batch-2 examples, outputs, copies)
+
+
+def _check_state_fits(model: nn.Module) -> None:
+    """Refuse, before tracing, a state (a KV cache of --max-length, a window) too large for this machine's memory."""
+    try:
+        state = model.init_state(1, device="meta")
+    except Exception:  # noqa: BLE001 - a model whose state cannot be sized without memory: the export finds out
+        return
+    per_stream = sum(t.numel() * t.element_size() for t in state.values())
+    arch = getattr(getattr(model, "config", None), "arch", "the model")
+    fits_memory(TRACE_COPIES * per_stream, f"exporting {arch} (its state is {size_text(per_stream)} per stream; "
+                "the export traces several streams at once)")
+
+
 def export(
     model: nn.Module,
     out_dir: str | Path,
@@ -128,6 +144,7 @@ def export(
     kv = getattr(model, "kv_cache", None)
     if kv is not None:
         check_cache_length(kv["max_length"], kv["sinks"])
+    _check_state_fits(model)
     source = (extra_config or {}).get("checkpoint")
     out_dir = check_output_dir(out_dir, force=force, inputs=[source] if source else [])
 

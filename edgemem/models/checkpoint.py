@@ -12,7 +12,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from edgemem.errors import ConfigError, EdgememError
-from edgemem.files import OutputError, sha256, staged_directory, write_atomic
+from edgemem.files import OutputError, as_path, sha256, staged_directory, write_atomic
 from edgemem.models.lm import LM, LMConfig
 
 FORMAT = "edgemem-checkpoint/1"
@@ -76,7 +76,7 @@ def _metadata(path: Path, data: bytes | None = None) -> dict[str, str]:
 
 def load_checkpoint(path: str | Path) -> LM:
     """The model saved at `path`; a clear EdgememError for anything else."""
-    path = Path(path)
+    path = as_path(path, "a checkpoint")
     try:
         data = path.read_bytes()
         tensors = load_safetensors(data)

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from edgemem.errors import EdgememError
+from edgemem.files import save_figure
 from edgemem.quant.recipe import Recipe, load_recipe
 
 log = logging.getLogger(__name__)
@@ -166,6 +167,6 @@ def plot_report(report: dict[str, Any], path: str | Path) -> bool:
     metric_ax.set(xscale="log", xlabel="position (tokens)", ylabel=report["metric_name"], title=report["task"]["name"])
     metric_ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
     return True

@@ -53,6 +53,7 @@ import numpy as np
 from edgemem.config import finite, positive_int
 from edgemem.config import seed as check_seed
 from edgemem.errors import CacheFullError, ConfigError, named
+from edgemem.files import as_path
 from edgemem.manifest import Manifest
 from edgemem.manifest import load as load_manifest
 from edgemem.runtime.errors import BackendError, BatchError, StateFileError, TokenError
@@ -112,7 +113,7 @@ class Engine:
         if backend != "trt" and (engines is not None or plugins is not None):
             raise ConfigError(named("engines= and plugins= are for backend 'trt'", "--plugins is for --backend trt"))
         positive_int(chunk_size, "chunk_size")
-        directory = Path(directory)
+        directory = as_path(directory, "directory")
         manifest = load_manifest(directory, check_files=check_files)
         if not manifest.graphs.get("step"):
             raise BackendError(f"{directory}: {manifest.arch} has no step graph (a bidirectional model does not "

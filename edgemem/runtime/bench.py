@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from edgemem.files import save_figure
 from edgemem.runtime.base import Engine, Stream
 
 Progress = Callable[[str], None]
@@ -180,7 +181,7 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
     right.set(xscale="log", yscale="log", xlabel="position (tokens)", ylabel="bytes", title="memory")
     right.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from edgemem.errors import named
-from edgemem.files import sha256, write_atomic
+from edgemem.files import as_path, sha256, write_atomic
 from edgemem.manifest import Manifest
 from edgemem.runtime.errors import BackendError
 
@@ -121,7 +121,7 @@ def _check_format(info: Any) -> None:
 def read(directory: Path, manifest: Manifest, engines: str | os.PathLike | None = None) -> tuple[Path, dict[str, Any]]:
     """The engine folder (`engines`, else DIR/engines) and its engines.json, checked against the export
     in `directory` and against the engine files."""
-    folder = Path(engines) if engines is not None else directory / ENGINES_DIR
+    folder = as_path(engines, named("engines", "--engines")) if engines is not None else directory / ENGINES_DIR
     build = f"`edgemem build {directory} --plugins libedgemem_trt_plugins.so`"
     if not folder.is_dir():
         raise BackendError(f"{folder}: no TensorRT engines; build them with {build}")

@@ -21,6 +21,8 @@ no per-row scalar such as a `position`); `skipped` in the returned summary says 
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +33,7 @@ from onnx import TensorProto, helper
 from safetensors.numpy import load_file
 
 from edgemem.errors import EdgememError, named
-from edgemem.files import staged_directory, write_atomic
+from edgemem.files import check_output_dir, export_files, one_name, staged_directory, write_atomic
 from edgemem.manifest import MANIFEST, STATE_INIT, Manifest, StateSpec, load
 
 TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "float64": "TYPE_FP64", "int64": "TYPE_INT64",
@@ -87,16 +89,15 @@ def write_repository(export_dir: str | Path, out: str | Path, *, name: str | Non
                      max_batch_size: int = 8, force: bool = False) -> Repository:
     """Write the model repository `out` for the export in `export_dir` (see the module docstring)."""
     export_dir, out = Path(export_dir), Path(out)
+    if name is not None:
+        one_name(name, f"model {named('name', '--name')}")
     manifest = load(export_dir)
     name = name or manifest.arch
-    if not name or not all(c.isalnum() or c in "-_." for c in name):
+    if not all(c.isalnum() or c in "-_." for c in one_name(name, "model name")):
         raise RepositoryError(f"model name {name!r}: use letters, digits, '-', '_' or '.'")
     if max_live < 1 or idle_seconds <= 0 or threads < 1 or max_batch_size < 1:
         raise RepositoryError("max_live, threads and max_batch_size must be at least 1 and idle_seconds positive")
-    if out.exists() and not out.is_dir():
-        raise RepositoryError(f"{out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise RepositoryError(f"{out} is not empty; pass {named('force=True', '--force')} to replace it")
+    out = check_output_dir(out, force=force, inputs=[export_dir], what=named("out", "--out"), own=repository_files)
     skipped = onnx_reasons(manifest)
     onnx_name = None if skipped else f"{name}-onnx"
     with staged_directory(out) as tmp:
@@ -112,6 +113,36 @@ def write_repository(export_dir: str | Path, out: str | Path, *, name: str | Non
         if onnx_name:
             _write_onnx_model(tmp / onnx_name, onnx_name, manifest, export_dir, max_batch_size, idle_seconds)
     return Repository(out, name, onnx_name, skipped)
+
+
+def repository_files(repo: Path) -> set[str] | None:
+    """What `write_repository` (and the models it wrote, their checkpoints) put in `repo`; None if it holds no
+    model with an export."""
+    own: set[str] = set()
+    for model in Path(repo).iterdir():
+        exported = export_files(model / "export") if model.is_dir() and not model.is_symlink() else None
+        if exported is None:
+            continue
+        own |= {f"{model.name}/{f}" for f in ("config.pbtxt", "1/model.py", *(f"export/{e}" for e in exported))}
+        found = re.search(r'key: "checkpoints" value \{ string_value: ("(?:[^"\\]|\\.)*")', _text(model / "config.pbtxt"))
+        checkpoints = (model / json.loads(found.group(1))).resolve() if found else None
+        if checkpoints is not None and checkpoints.is_dir() and model.resolve() in checkpoints.parents:
+            inside = checkpoints.relative_to(model.resolve()).as_posix()
+            own.add(f"{model.name}/{inside}")
+            own |= {f"{model.name}/{inside}/{Path(root, f).relative_to(checkpoints).as_posix()}"
+                    for root, dirs, files in os.walk(checkpoints) for f in [*dirs, *files]}
+        onnx_model = model.with_name(f"{model.name}-onnx")
+        if (onnx_model / "config.pbtxt").is_file():
+            own |= {f"{onnx_model.name}/config.pbtxt", f"{onnx_model.name}/1/model.onnx"}
+            own |= {f"{onnx_model.name}/initial_state/{p.name}" for p in (onnx_model / "initial_state").glob("*.bin")}
+    return own or None
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return ""
 
 
 def python_config(name: str, manifest: Manifest, params: dict[str, str]) -> str:
@@ -191,4 +222,5 @@ def _write_onnx_model(model: Path, name: str, manifest: Manifest, export_dir: Pa
     write_atomic(model / "config.pbtxt", config.encode())
 
 
-__all__ = ["Repository", "RepositoryError", "onnx_config", "onnx_reasons", "python_config", "write_repository"]
+__all__ = ["Repository", "RepositoryError", "onnx_config", "onnx_reasons", "python_config", "repository_files",
+           "write_repository"]

@@ -23,6 +23,7 @@ if it has not exited in time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -178,21 +179,25 @@ class TritonServer:
                                              stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         finally:
             out.close()
+        try:
+            self._wait_ready(timeout)
+        except BaseException:  # Ctrl-C or a failed start: no server left running, no temporary directory left
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
                 code = self._process.returncode
-                why = self._failure()
-                self.stop()
-                raise ServerError(f"tritonserver exited with code {code} while starting: {why}"
+                raise ServerError(f"tritonserver exited with code {code} while starting: {self._failure()}"
                                   + (f" (its log: {self.log_file})" if self.log_file else ""))
             if self._ready("/v2/health/ready") and all(self._ready(f"/v2/models/{m}/ready") for m in self.models):
                 log.info("tritonserver ready: grpc %s, http %s", self.grpc_url, self.http_url)
-                return self
+                return
             time.sleep(0.2)
-        why = self._failure()
-        self.stop()
-        raise ServerError(f"tritonserver was not ready within {timeout:.0f} s: {why}"
+        raise ServerError(f"tritonserver was not ready within {timeout:.0f} s: {self._failure()}"
                           + (f" (its log: {self.log_file})" if self.log_file else ""))
 
     def _failure(self, lines: int = 15) -> str:
@@ -220,23 +225,31 @@ class TritonServer:
             return False
 
     def stop(self, timeout: float = 60.0) -> int | None:
-        """SIGTERM, wait up to `timeout` seconds (models unload, sequences are checkpointed), then SIGKILL."""
+        """SIGTERM, wait up to `timeout` seconds (models unload, sequences are checkpointed), then SIGKILL; a
+        Ctrl-C while waiting kills it at once. The temporary directory goes in any case."""
         process, self._process = self._process, None
-        code = None
-        if process is not None:
-            if process.poll() is None:
+        try:
+            if process is not None and process.poll() is None:
                 process.send_signal(signal.SIGTERM)
                 try:
                     process.wait(timeout)
                 except subprocess.TimeoutExpired:
                     log.warning("tritonserver did not stop within %.0f s: killing it", timeout)
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait(10)
-            code = process.returncode
-        if self._workdir is not None:
-            shutil.rmtree(self._workdir, ignore_errors=True)
-            self._workdir = None
-        return code
+                    self._kill(process)
+                except KeyboardInterrupt:
+                    self._kill(process)
+                    raise
+            return None if process is None else process.returncode
+        finally:
+            if self._workdir is not None:
+                shutil.rmtree(self._workdir, ignore_errors=True)
+                self._workdir = None
+
+    @staticmethod
+    def _kill(process: subprocess.Popen) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
 
     def __enter__(self) -> TritonServer:
         return self.start() if self._process is None else self

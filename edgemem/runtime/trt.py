@@ -227,7 +227,7 @@ class TrtEngine(Engine):
         self._keep: tuple = ()  # what the graphs must not outlive (TensorRT's runtime, logger, plugin library)
 
     @classmethod
-    def _open(cls, directory: Path, manifest: Manifest, target: str | None, threads: int | None, chunk_size: int,
+    def _open(cls, directory: Path, manifest: Manifest, target: str | None, threads: int | None, chunk_size: int, *,
               engines_dir: str | Path | None, plugins: str | Path | None) -> TrtEngine:
         """DIR's engines (DIR/engines, or `engines_dir`) with the plugin library (`plugins` or $EDGEMEM_TRT_PLUGINS)."""
         if target not in (None, "trt"):

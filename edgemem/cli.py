@@ -74,6 +74,11 @@ def archs(as_json: bool) -> None:
     from edgemem.presets import sizes
 
     rows = sizes()
+    if None in rows.values():
+        from edgemem.models import describe  # torch, only for an edited or new preset
+
+        rows = {name: row or describe(name) for name, row in rows.items()}
+    rows = list(rows.values())
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return

@@ -444,7 +444,7 @@ def bench_command(directory, positions, batches, steps, time_limit, threads, tar
         if no_eager:
             measure = bench.run
         else:
-            from edgemem.bench import run_with_eager as measure  # imports torch after the runtime's measurements
+            from edgemem.eager_bench import run_with_eager as measure  # imports torch after the runtime's measurements
 
         result = measure(directory, positions=positions, batches=batches, steps=steps, time_limit=time_limit,
                          threads=threads, target=target, chunk_size=chunk_size, progress=advance)
@@ -541,7 +541,7 @@ def _sm_list(ctx, param, value: str | None) -> tuple[int, ...]:
 def build_command(directory, fp16, plugins, max_batch, max_sequence, out_dir, rtx, sm) -> None:
     """Build strongly typed TensorRT engines and engines.json from an export's trt target (needs TensorRT and a GPU;
     with --rtx, TensorRT for RTX and no GPU)."""
-    from edgemem.build import build_engines
+    from edgemem.trt_build import build_engines
 
     paths = build_engines(directory, fp16=fp16, plugins=plugins, max_batch=max_batch, max_sequence=max_sequence,
                           out=out_dir, rtx=rtx, sm=sm)

@@ -11,9 +11,10 @@
                   keeping `onnx` out of this package's import
     __init__.py   hands the public names on
 
-To add an op: write its package with these files, add its contract to `CONTRACTS` below (one line)
-and its public function(s) to the imports and `__all__` here. Export, `attach_functions` and the
-op tests (tests/test_opset.py) then find it; the TensorRT plugin is `plugins/`'s side.
+To add an op: write its package with these files (four, or six with a reference and a fast form),
+import its contract here and add it to `CONTRACTS` below, and hand its public function(s) on
+(imports, `__all__`). Export (`attach_functions`) and tests/test_opset.py then find it; its
+TensorRT plugin is `plugins/`'s side.
 """
 
 from __future__ import annotations

@@ -74,6 +74,11 @@ def archs(as_json: bool) -> None:
     from edgemem.presets import sizes
 
     rows = sizes()
+    if None in rows.values():
+        from edgemem.models import describe  # torch, only for an edited or new preset
+
+        rows = {name: row or describe(name) for name, row in rows.items()}
+    rows = list(rows.values())
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -439,7 +444,7 @@ def bench_command(directory, positions, batches, steps, time_limit, threads, tar
         if no_eager:
             measure = bench.run
         else:
-            from edgemem.bench import run_with_eager as measure  # imports torch after the runtime's measurements
+            from edgemem.eager_bench import run_with_eager as measure  # imports torch after the runtime's measurements
 
         result = measure(directory, positions=positions, batches=batches, steps=steps, time_limit=time_limit,
                          threads=threads, target=target, chunk_size=chunk_size, progress=advance)
@@ -539,7 +544,7 @@ def _sm_list(ctx, param, value: str | None) -> tuple[int, ...]:
 def build_command(directory, fp16, plugins, max_batch, max_sequence, out_dir, rtx, sm, force) -> None:
     """Build strongly typed TensorRT engines and engines.json from an export's trt target (needs TensorRT and a GPU;
     with --rtx, TensorRT for RTX and no GPU)."""
-    from edgemem.build import build_engines
+    from edgemem.trt_build import build_engines
 
     paths = build_engines(directory, fp16=fp16, plugins=plugins, max_batch=max_batch, max_sequence=max_sequence,
                           out=out_dir, rtx=rtx, sm=sm, force=force)

@@ -184,7 +184,7 @@ def test_archs_answers_without_torch_and_its_table_is_measured():
     rows = json.loads(done.stdout)
     assert [r["arch"] for r in rows] == archs()
     for row in rows:  # sizes.json matches the presets as built today
-        assert row == describe(row["arch"]), f"{row['arch']}: run edgemem.presets.write_sizes()"
+        assert row == describe(row["arch"]), f"{row['arch']}: run edgemem.models.write_sizes()"
 
 
 # ---------------------------------------------------------------- long work is not silent off a terminal

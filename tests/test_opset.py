@@ -3,8 +3,6 @@ attributes, and the body builder's If / Loop helpers give graphs ONNX runtimes r
 
 from __future__ import annotations
 
-from importlib import import_module
-
 import numpy as np
 import onnx
 import pytest
@@ -14,7 +12,7 @@ from onnx_helpers import run_onnxruntime, run_reference
 
 from edgemem.errors import ConfigError
 from edgemem.ops import (
-    OP_PACKAGES,
+    CONTRACTS,
     banded_attention,
     cache_attention,
     linear_attention,
@@ -33,8 +31,8 @@ KIND = {
 
 
 def contract(op_type):
-    package = import_module(f"edgemem.ops.{OP_PACKAGES[op_type]}")
-    return package.INPUTS, package.OUTPUTS, package.ATTRIBUTES
+    module = CONTRACTS[op_type]
+    return module.INPUTS, module.OUTPUTS, module.ATTRIBUTES
 
 
 def walk(nodes):
@@ -45,7 +43,7 @@ def walk(nodes):
                 yield from walk(g.node)
 
 
-@pytest.mark.parametrize("op_type", sorted(OP_PACKAGES))
+@pytest.mark.parametrize("op_type", sorted(CONTRACTS))
 def test_function_declares_the_ops_contract(op_type):
     """Domain, name, inputs, outputs, attributes with their defaults, and attribute references of
     the declared kind only, in the body and its subgraphs."""
@@ -86,7 +84,7 @@ def test_emitted_nodes_use_opset_domain_version_and_attributes(monkeypatch):
     monkeypatch.setattr(torch.onnx.ops, "symbolic_multi_out", record)
     call_each_op(torch.randn(1, 3, 8))
     python_type = {"int": int, "ints": list, "float": float, "string": str}
-    assert sorted(name for name, *_ in calls) == sorted(f"{DOMAIN}::{op}" for op in OP_PACKAGES)
+    assert sorted(name for name, *_ in calls) == sorted(f"{DOMAIN}::{op}" for op in CONTRACTS)
     for name, n_inputs, attrs, n_outputs, version in calls:
         inputs, outputs, attributes = contract(name.split("::")[1])
         assert (n_inputs, n_outputs, version) == (len(inputs), len(outputs), VERSION)

@@ -342,7 +342,7 @@ def test_build_command_makes_rtx_engines_with_edgemem_plugins(edgemem_plugins, s
     import tensorrt_rtx
     from click.testing import CliRunner
 
-    from edgemem.build import dim_names, in_place_states, profile
+    from edgemem.trt_build import dim_names, in_place_states, profile
     from edgemem.cli import main
     from edgemem.files import sha256
     from edgemem.manifest import load

@@ -27,7 +27,7 @@ from onnx import TensorProto, helper
 from edgemem.errors import ConfigError, EdgememError
 from edgemem.manifest import Manifest, StateSpec
 from edgemem.manifest import load as load_manifest
-from edgemem.build import build_engines, dim_names, in_place_states, profile
+from edgemem.trt_build import build_engines, dim_names, in_place_states, profile
 from edgemem.runtime import BackendError, BatchError, Engine, engines
 from edgemem.runtime import trt as trt_runtime
 from edgemem.runtime.engines import ENGINES_JSON

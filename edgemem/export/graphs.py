@@ -18,7 +18,7 @@ from torch import nn
 
 from edgemem.errors import EdgememError
 from edgemem.opset import DOMAIN, VERSION
-from edgemem.ops import OP_PACKAGES, onnx_functions
+from edgemem.ops import CONTRACTS, onnx_functions
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def attach_functions(proto: onnx.ModelProto, opset: int) -> None:
     used = sorted({n.op_type for n in proto.graph.node if n.domain == DOMAIN})
     if not used:
         return
-    missing = [op for op in used if op not in OP_PACKAGES]
+    missing = [op for op in used if op not in CONTRACTS]
     if missing:
         raise EdgememError(f"no ONNX function for edgemem op(s) {', '.join(missing)}")
     functions = onnx_functions(opset, used)

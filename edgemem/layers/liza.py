@@ -36,7 +36,7 @@ from edgemem.layers.base import State
 from edgemem.layers.common import l2norm
 from edgemem.layers.softmax_attention import AttentionProjections
 from edgemem.ops import linear_attention
-from edgemem.ops.banded_attention.op import check_window
+from edgemem.ops.banded_attention.contract import check_window
 from edgemem.ops.linear_attention import UPDATE_RULES
 from edgemem.ops.window_attention import init_window_state, window_attention_prefill
 

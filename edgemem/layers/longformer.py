@@ -22,7 +22,7 @@ from edgemem.errors import ConfigError, EdgememError
 from edgemem.layers.base import State, StatefulLayer
 from edgemem.layers.common import rope
 from edgemem.ops.banded_attention import banded_attention
-from edgemem.ops.banded_attention.op import check_window
+from edgemem.ops.banded_attention.contract import check_window
 from edgemem.ops.window_attention import init_window_state, window_attention_prefill
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from edgemem.models.linearize import linearize
 from edgemem.models.lm import LM, MIXERS, LMConfig
 from edgemem.models.recipes import load_config
 from edgemem.presets import names as archs
+from edgemem.presets import save_sizes
 
 
 def build(arch: str, *, seed: int | None = None, **overrides: Any) -> LM:
@@ -56,6 +58,11 @@ def describe(arch: str, **overrides: Any) -> dict[str, Any]:
     }
 
 
+def write_sizes() -> Path:
+    """Measure every preset and write `edgemem/presets/sizes.json` (after changing a preset or a layer)."""
+    return save_sizes({name: describe(name) for name in archs()})
+
+
 __all__ = [
     "LM",
     "LMConfig",
@@ -65,6 +72,7 @@ __all__ = [
     "describe",
     "from_hf",
     "linearize",
+    "write_sizes",
     "checkpoint_tokenizer",
     "load_checkpoint",
     "load_config",

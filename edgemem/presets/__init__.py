@@ -1,5 +1,6 @@
 """The shipped presets: one TOML recipe per `--arch` (read by `edgemem.models.recipes`), and their
-sizes in `sizes.json`, so that listing them (`edgemem archs`) needs no torch."""
+sizes in `sizes.json`, so that listing them (`edgemem archs`) needs no torch. Data only: measuring
+the presets is `edgemem.models`' (`describe`, `write_sizes`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from edgemem.files import write_atomic
 
 SIZES = "sizes.json"
 
@@ -27,27 +30,21 @@ def _digest(file: Any) -> str:
     return hashlib.sha256(file.read_bytes()).hexdigest()
 
 
-def sizes() -> list[dict[str, Any]]:
-    """`edgemem.models.describe` of every preset, sorted by name: from `sizes.json` for the presets whose
-    recipe is unchanged since it was written, measured (with torch) for the others."""
+def sizes() -> dict[str, dict[str, Any] | None]:
+    """{name: its `edgemem.models.describe` row} of every preset, sorted by name, from `sizes.json`;
+    None for a preset whose recipe changed since it was written (or that is new)."""
     table = json.loads(resources.files(__name__).joinpath(SIZES).read_text())
-    rows = []
+    rows = {}
     for name, file in sorted(files().items()):
         row = table.get(name)
-        if row is None or row.pop("sha256") != _digest(file):
-            from edgemem.models import describe  # noqa: PLC0415 — torch, only for an edited or new preset
-
-            row = describe(name)
-        rows.append(row)
+        rows[name] = row if row is not None and row.pop("sha256") == _digest(file) else None
     return rows
 
 
-def write_sizes() -> Path:
-    """Measure every preset and write `sizes.json` beside the recipes (after changing a preset or a layer)."""
-    from edgemem.files import write_atomic  # noqa: PLC0415
-    from edgemem.models import describe  # noqa: PLC0415
-
-    table = {name: {**describe(name), "sha256": _digest(file)} for name, file in sorted(files().items())}
+def save_sizes(rows: dict[str, dict[str, Any]]) -> Path:
+    """Write `sizes.json` beside the recipes: {name: `describe` row} of every preset, with each
+    recipe's digest."""
+    table = {name: {**rows[name], "sha256": _digest(file)} for name, file in sorted(files().items())}
     path = Path(str(resources.files(__name__).joinpath(SIZES)))
     write_atomic(path, (json.dumps(table, indent=1) + "\n").encode())
     return path

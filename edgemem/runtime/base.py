@@ -9,9 +9,10 @@ A backend (`edgemem.runtime.ort`, `edgemem.runtime.trt`) provides device memory 
   `_prefill_chunk`);
 - its batch slot keeps the same for n streams as [n, ...] buffers (`row`, `_gather`, `_restore`).
 
-Everything else is here: loading (`Engine.load` picks the backend), token checks, state sizes,
-flipping sides and counting positions, prefill in chunks, fork, reset, checkpoints (any backend
-reads any backend's), generation, and which streams a batch slot holds.
+Everything else is here: loading (`Engine.load` picks the backend in `BACKENDS` and imports its
+module by name: the backends import this module, not the other way round), token checks, state
+sizes, flipping sides and counting positions, prefill in chunks, fork, reset, checkpoints (any
+backend reads any backend's), generation, and which streams a batch slot holds.
 
 Batching (`Engine.step_batch`). A batch slot per batch size n (the last few sizes are kept) holds
 [n, ...] state sides A and B, the batch-level form of a stream's ping-pong. The first batched step
@@ -45,6 +46,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from importlib import import_module
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +63,12 @@ from edgemem.runtime.sampling import check_sampling, sample
 from edgemem.runtime.state import check_state, concrete_shape, decode_checkpoint, initial_state, is_growing, save_checkpoint
 
 TokenIds = Sequence[int] | np.ndarray | bytes | bytearray
-BACKENDS = ("ort", "ort-cuda", "trt")
+# backend → "module:class" of its engine, imported when asked for (each needs its own library)
+BACKENDS = {
+    "ort": "edgemem.runtime.ort:OrtEngine",
+    "ort-cuda": "edgemem.runtime.ort:OrtEngine",
+    "trt": "edgemem.runtime.trt:TrtEngine",
+}
 DEFAULT_CHUNK = 512  # tokens per prefill-graph run
 BATCH_SLOTS = 4  # batch sizes whose [n, ...] buffers an engine keeps
 
@@ -118,13 +125,10 @@ class Engine:
         if not manifest.graphs.get("step"):
             raise BackendError(f"{directory}: {manifest.arch} has no step graph (a bidirectional model does not "
                                "stream); the runtime needs one")
-        if backend == "trt":
-            from edgemem.runtime.trt import TrtEngine  # noqa: PLC0415 — each backend imports its library itself
-
-            return TrtEngine._open(directory, manifest, target, threads, chunk_size, engines, plugins)
-        from edgemem.runtime.ort import OrtEngine  # noqa: PLC0415
-
-        return OrtEngine._open(directory, manifest, backend, target, threads, chunk_size)
+        module, name = BACKENDS[backend].split(":")
+        engine = getattr(import_module(module), name)
+        options = {"engines_dir": engines, "plugins": plugins} if backend == "trt" else {"backend": backend}
+        return engine._open(directory, manifest, target, threads, chunk_size, **options)
 
     # ------------------------------------------------------------------ backend hooks
     def _new(self, state: Mapping[str, np.ndarray], position: int, logits: np.ndarray | None) -> Stream:

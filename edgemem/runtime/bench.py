@@ -8,7 +8,7 @@ and tokens/s (median step time), state bytes per stream at the position and the 
 A configuration whose memory would not fit (softmax's KV cache × batch) is skipped with a reason.
 
 With `checkpoints`, the stream at each position is saved there too, so that a baseline can start
-from exactly the runtime's state (the PyTorch eager comparison, `edgemem.bench`, which this
+from exactly the runtime's state (the PyTorch eager comparison, `edgemem.eager_bench`, which this
 package never imports).
 """
 

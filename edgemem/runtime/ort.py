@@ -209,8 +209,8 @@ class OrtEngine(Engine):
         self.logits_dtype = np.dtype(ORT_TYPES.get(logits.type, np.float32))
 
     @classmethod
-    def _open(cls, directory: Path, manifest: Manifest, backend: str, target: str | None, threads: int | None,
-              chunk_size: int) -> OrtEngine:
+    def _open(cls, directory: Path, manifest: Manifest, target: str | None, threads: int | None, chunk_size: int, *,
+              backend: str) -> OrtEngine:
         if threads is not None:
             positive_int(threads, "threads")
         if target is None:

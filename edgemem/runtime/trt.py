@@ -14,7 +14,7 @@ State. Each stream allocates its state on the GPU once (cudaMalloc) and keeps it
 (`state_dict`, `save`, `fork`) copy it to the host. A state tensor that an edgemem plugin reads
 and writes, and that nothing else in the graph reads (recurrent_state, WindowAttention's K/V ring,
 NeuralMemory's memory / momentum: `engines.json` lists them per engine, see
-`edgemem.build.in_place_states`), is bound as input and output to the same buffer: the plugins
+`edgemem.trt_build.in_place_states`), is bound as input and output to the same buffer: the plugins
 read each state element before writing it and each element has one owner (plugins/README.md), and
 no other layer reads the input once the plugin may have written it. Every other state tensor gets
 two buffers, ping-ponged like the onnxruntime backend's A/B sides (`binding_plan`): conv_state comes
@@ -227,7 +227,7 @@ class TrtEngine(Engine):
         self._keep: tuple = ()  # what the graphs must not outlive (TensorRT's runtime, logger, plugin library)
 
     @classmethod
-    def _open(cls, directory: Path, manifest: Manifest, target: str | None, threads: int | None, chunk_size: int,
+    def _open(cls, directory: Path, manifest: Manifest, target: str | None, threads: int | None, chunk_size: int, *,
               engines_dir: str | Path | None, plugins: str | Path | None) -> TrtEngine:
         """DIR's engines (DIR/engines, or `engines_dir`) with the plugin library (`plugins` or $EDGEMEM_TRT_PLUGINS)."""
         if target not in (None, "trt"):

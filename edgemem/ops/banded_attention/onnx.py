@@ -1,6 +1,6 @@
 """ONNX side of BandedAttention: the opaque node emitted under export and its model-local function.
 
-Node `edgemem::BandedAttention` (names and attributes in op.py). Every input is always present, so one
+Node `edgemem::BandedAttention` (names and attributes in contract.py). Every input is always present, so one
 function body serves every call (the torch side materialises the defaults):
 
     query            [B, T, H*D]    float16 | float32
@@ -33,7 +33,7 @@ import torch
 from onnx import TensorProto, numpy_helper
 
 from edgemem.opset import body
-from edgemem.ops.banded_attention.op import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS
+from edgemem.ops.banded_attention.contract import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS
 from edgemem.ops.node import emit_node
 
 MIN_OPSET = 18  # Reduce* and Split take their axes as inputs from 18 on

@@ -1,6 +1,6 @@
 """ONNX side of CacheAttention: the opaque node emitted under export and its model-local function.
 
-Node `edgemem::CacheAttention` (contract, names and attributes in op.py; every input present).
+Node `edgemem::CacheAttention` (contract, names and attributes in contract.py; every input present).
 The body computes in float32 over sources [cache slots ‖ new tokens] (L + T of them): each
 source's position (slot_positions in op.py), a mask per query (held, causal, inside the sink
 window), one softmax, and the present cache as a gather of, per slot, its newest source. It
@@ -16,7 +16,7 @@ import torch
 from onnx import TensorProto
 
 from edgemem.opset import body
-from edgemem.ops.cache_attention.op import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS
+from edgemem.ops.cache_attention.contract import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS
 from edgemem.ops.node import emit_node
 
 MIN_OPSET = 18

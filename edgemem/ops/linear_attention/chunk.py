@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from edgemem.ops.linear_attention.args import finish, prepare
+from edgemem.ops.linear_attention.contract import finish, prepare
 
 
 def _chunks(x: torch.Tensor, size: int) -> torch.Tensor:

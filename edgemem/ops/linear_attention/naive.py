@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from edgemem.ops.linear_attention.args import finish, prepare
+from edgemem.ops.linear_attention.contract import finish, prepare
 
 
 def linear_attention_naive(

@@ -7,7 +7,7 @@ function body serves every update rule. `function(opset)` is that body as a mode
 FunctionProto made of standard ONNX ops at the model's opset, so any ONNX runtime can run
 the node.
 
-Node contract (`edgemem.opset` domain and version; names and attributes in op.py):
+Node contract (`edgemem.opset` domain and version; names and attributes in contract.py):
     inputs   query [B,T,H_q*d_k] (T), key [B,T,H_kv*d_k] (T), value [B,T,H_kv*d_v] (T),
              past_state [B,H_kv,d_k,d_v] (S), decay [B,T,H_kv] or [B,T,H_kv*d_k] (T, log-space),
              beta [B,T,H_kv] or [B,T,1] (T);  T ∈ {float16, float32}, S = float32
@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from edgemem.opset import Graph, body
-from edgemem.ops.linear_attention.args import check
-from edgemem.ops.linear_attention.op import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS
+from edgemem.ops.linear_attention.contract import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS, check
 from edgemem.ops.node import emit_node
 
 if TYPE_CHECKING:

@@ -12,22 +12,10 @@ from __future__ import annotations
 import torch
 
 from edgemem.errors import ShapeError
-from edgemem.opset import Attribute
 from edgemem.ops.dtypes import compute_dtype
 from edgemem.ops.linear_attention.chunk import linear_attention_chunk
+from edgemem.ops.linear_attention.contract import INPUTS
 from edgemem.ops.linear_attention.naive import linear_attention_naive
-
-# The node contract (onnx.py has the details); attributes as in ONNX opset 27
-OP_TYPE = "LinearAttention"
-INPUTS = ("query", "key", "value", "past_state", "decay", "beta")
-OUTPUTS = ("output", "present_state")
-ATTRIBUTES = {
-    "update_rule": Attribute("string", "gated_delta"),
-    "scale": Attribute("float", 0.0),
-    "q_num_heads": Attribute("int"),
-    "kv_num_heads": Attribute("int"),
-    "chunk_size": Attribute("int", 64),
-}
 
 
 @torch.library.custom_op("edgemem::linear_attention", mutates_args=())

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from edgemem.ops.dtypes import compute_dtype
-from edgemem.ops.neural_memory.args import Memory, Options, ResidualNorm, Tokens
+from edgemem.ops.neural_memory.contract import Memory, Options, ResidualNorm, Tokens
 from edgemem.ops.neural_memory.naive import (
     ACTIVATIONS,
     Norm,

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from edgemem.ops.neural_memory.args import Memory, Options, ResidualNorm, Tokens
+from edgemem.ops.neural_memory.contract import NORM_EPS, Memory, Options, ResidualNorm, Tokens
 from edgemem.ops.dtypes import compute_dtype
 
 Activation = tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]
@@ -40,9 +40,6 @@ ACTIVATIONS: dict[str, Activation] = {
     "identity": (lambda h: h, torch.ones_like),
 }
 
-
-# eps of the LayerNorm inside the TTT inner model x + γ ⊙ LN(f(x)) + β
-NORM_EPS = 1e-6
 
 # (γ, β) shaped `[H, 1, D]` to broadcast over `[B, H, N, D]` rows, in the compute dtype
 Norm = tuple[Tensor, Tensor]

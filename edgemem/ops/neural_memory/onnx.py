@@ -8,7 +8,7 @@ tensors, which keeps every branch of the body shape-valid, and are never read).
 `function(opset)` is that body as a model-local FunctionProto of standard ONNX ops at the
 model's opset.
 
-Node contract (`edgemem.opset` domain and version; names and attributes in op.py):
+Node contract (`edgemem.opset` domain and version; names and attributes in contract.py):
     inputs   query, key, value [B,T,H*D] (T); theta, eta, alpha [B,T,H] (T);
              position [B] or [1] (int64); norm_weight, norm_bias [H,D] (float32);
              weights_1, momentum_1, chunk_weights_1 [B,H,D,E] (S);
@@ -33,9 +33,17 @@ import torch
 from torch import Tensor
 
 from edgemem.opset import Build, Graph, body
-from edgemem.ops.neural_memory.args import Memory, Options, ResidualNorm, Tokens
-from edgemem.ops.neural_memory.naive import NORM_EPS
-from edgemem.ops.neural_memory.op import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS
+from edgemem.ops.neural_memory.contract import (
+    ATTRIBUTES,
+    INPUTS,
+    NORM_EPS,
+    OP_TYPE,
+    OUTPUTS,
+    Memory,
+    Options,
+    ResidualNorm,
+    Tokens,
+)
 from edgemem.ops.node import emit_node
 
 if TYPE_CHECKING:

@@ -15,29 +15,10 @@ import torch
 from torch import Tensor
 
 from edgemem.errors import ShapeError
-from edgemem.opset import Attribute
-from edgemem.ops.neural_memory.args import Memory, Options, ResidualNorm, Tokens
 from edgemem.ops.neural_memory.chunk import neural_memory_chunk
+from edgemem.ops.neural_memory.contract import Memory, Options, ResidualNorm, Tokens
 from edgemem.ops.neural_memory.naive import ACTIVATIONS, neural_memory_naive
 from edgemem.ops.dtypes import compute_dtype
-
-# The node contract (onnx.py has the details)
-OP_TYPE = "NeuralMemory"
-INPUTS = (
-    "query", "key", "value", "theta", "eta", "alpha", "position", "norm_weight", "norm_bias",
-    "weights_1", "momentum_1", "chunk_weights_1", "weights_2", "momentum_2", "chunk_weights_2",
-)  # fmt: skip
-OUTPUTS = (
-    "output", "present_position", "present_weights_1", "present_momentum_1", "present_chunk_weights_1",
-    "present_weights_2", "present_momentum_2", "present_chunk_weights_2",
-)  # fmt: skip
-ATTRIBUTES = {
-    "num_heads": Attribute("int"),
-    "chunk_size": Attribute("int", 1),
-    "depth": Attribute("int"),
-    "residual_norm": Attribute("int", 0),
-    "activation": Attribute("string", "silu"),
-}
 
 # the per-token form is faster for the step, very short blocks and chunk_size 1
 _NAIVE_MAX_TOKENS = 2

@@ -1,6 +1,6 @@
 """ONNX side of WindowAttention: the opaque node emitted under export and its model-local function.
 
-Node `edgemem::WindowAttention` (names and attributes in op.py). Every input is always present, so one
+Node `edgemem::WindowAttention` (names and attributes in contract.py). Every input is always present, so one
 function body serves every call (the torch side materialises the defaults):
 
     query            [B, T, H*D]    float16 | float32
@@ -39,7 +39,7 @@ from onnx import TensorProto
 from edgemem.opset import body
 from edgemem.ops.banded_attention.onnx import MIN_OPSET, persistent_inputs
 from edgemem.ops.node import emit_node
-from edgemem.ops.window_attention.op import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS
+from edgemem.ops.window_attention.contract import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS
 
 _FLOAT, _INT64 = TensorProto.FLOAT, TensorProto.INT64
 _LAST = np.iinfo(np.int64).max  # Slice "to the end"

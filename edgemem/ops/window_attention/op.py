@@ -11,28 +11,8 @@ from collections.abc import Sequence
 import torch
 
 from edgemem.errors import ShapeError
-from edgemem.opset import Attribute
-from edgemem.ops.banded_attention.op import (
-    check_layout,
-    check_persistent,
-    check_scale,
-    check_window,
-    describe,
-)
+from edgemem.ops.banded_attention.contract import check_layout, check_persistent, check_scale, check_window, describe
 from edgemem.ops.window_attention.chunk import window_attention_chunk
-
-# The node contract (onnx.py has the details)
-OP_TYPE = "WindowAttention"
-INPUTS = (
-    "query", "key", "value", "past_key", "past_value", "position", "persistent_key", "persistent_value",
-)  # fmt: skip
-OUTPUTS = ("output", "present_key", "present_value")
-ATTRIBUTES = {
-    "num_heads": Attribute("int"),
-    "window": Attribute("int"),
-    "dilation": Attribute("ints"),
-    "scale": Attribute("float"),
-}
 
 
 def ring_length(window: int, dilation: int | Sequence[int] = 1) -> int:

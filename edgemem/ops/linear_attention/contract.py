@@ -1,4 +1,5 @@
-"""The LinearAttention contract (ONNX opset 27): argument checks, unpacking and repacking.
+"""The LinearAttention contract (ONNX opset 27): the node's name, inputs, outputs and attributes
+(onnx.py has the details), the argument checks, unpacking and repacking.
 
 Both forms (`naive`, `chunk`) take the op's public signature and go through `prepare`, so
 they see the same validated tensors: q `[B, H_kv, G, T, d_k]` (G = query heads per kv
@@ -15,7 +16,18 @@ import torch
 
 from edgemem.errors import ShapeError
 from edgemem.ops.dtypes import compute_dtype
+from edgemem.opset import Attribute
 
+OP_TYPE = "LinearAttention"
+INPUTS = ("query", "key", "value", "past_state", "decay", "beta")
+OUTPUTS = ("output", "present_state")
+ATTRIBUTES = {  # as in ONNX opset 27
+    "update_rule": Attribute("string", "gated_delta"),
+    "scale": Attribute("float", 0.0),
+    "q_num_heads": Attribute("int"),
+    "kv_num_heads": Attribute("int"),
+    "chunk_size": Attribute("int", 64),
+}
 UPDATE_RULES = ("linear", "gated", "delta", "gated_delta")
 
 

@@ -1,5 +1,6 @@
-"""The arguments every form of the neural memory passes on: the per-token tensors, the memory's
-state, TTT's residual norm and the static options."""
+"""The NeuralMemory contract: the node's name, inputs, outputs and attributes (onnx.py has the
+details), and the arguments every form passes on: the per-token tensors, the memory's state, TTT's
+residual norm and the static options."""
 
 from __future__ import annotations
 
@@ -11,6 +12,28 @@ import torch
 from torch import Tensor
 
 from edgemem.errors import ShapeError
+from edgemem.opset import Attribute
+
+OP_TYPE = "NeuralMemory"
+INPUTS = (
+    "query", "key", "value", "theta", "eta", "alpha", "position", "norm_weight", "norm_bias",
+    "weights_1", "momentum_1", "chunk_weights_1", "weights_2", "momentum_2", "chunk_weights_2",
+)  # fmt: skip
+OUTPUTS = (
+    "output", "present_position", "present_weights_1", "present_momentum_1", "present_chunk_weights_1",
+    "present_weights_2", "present_momentum_2", "present_chunk_weights_2",
+)  # fmt: skip
+ATTRIBUTES = {
+    "num_heads": Attribute("int"),
+    "chunk_size": Attribute("int", 1),
+    "depth": Attribute("int"),
+    "residual_norm": Attribute("int", 0),
+    "activation": Attribute("string", "silu"),
+}
+
+# eps of the LayerNorm inside the TTT inner model x + γ ⊙ LN(f(x)) + β
+NORM_EPS = 1e-6
+
 
 class Tokens(NamedTuple):
     """Per token: query, key, value `[B, T, H*D]` (or `[B, T, H, D]`), learning rate θ, momentum

@@ -259,7 +259,7 @@ def _build_rtx(directory: Path, graphs: Sequence[Path], library: Path, out_dir: 
            "max_batch": max_batch, "max_sequence": max_sequence, "sm": list(sm),
            "log_level": logging.getLogger("edgemem").getEffectiveLevel()}
     with tempfile.TemporaryDirectory(prefix="edgemem-rtx-") as folder:
-        proc = subprocess.run([sys.executable, "-c", "from edgemem.build import _child; _child()"],
+        proc = subprocess.run([sys.executable, "-c", "from edgemem.trt_build import _child; _child()"],
                               input=json.dumps(job), stdout=subprocess.PIPE, text=True, env=_rtx_environment(Path(folder)))
     lines = proc.stdout.strip().splitlines()
     try:

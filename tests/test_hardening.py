@@ -142,7 +142,7 @@ def test_triton_force_replaces_a_repository_and_its_checkpoints_only(tiny, tmp_p
 @pytest.fixture
 def fake_trt(monkeypatch, tmp_path):
     """TensorRT stood in for: `_build_graphs` writes an engine file per graph (and can be interrupted after one)."""
-    import edgemem.build as build
+    import edgemem.trt_build as build
     from edgemem.runtime import engines
 
     monkeypatch.setattr(build, "_import_library", lambda module: types.SimpleNamespace(__version__="10.0.0"))
@@ -188,7 +188,7 @@ def test_build_replaces_only_its_own_engine_set(tiny, tmp_path, fake_trt):
 
 
 def test_interrupted_build_keeps_the_engine_set_it_replaces(tiny, tmp_path, fake_trt):
-    from edgemem.build import build_engines
+    from edgemem.trt_build import build_engines
     from edgemem.manifest import load
     from edgemem.runtime import engines
 

@@ -32,17 +32,17 @@ def _raw(tensor: TensorProto) -> bytes:
 
 def share(folder: Path, graphs: list[Path]) -> dict[str, Any] | None:
     """Move the main-graph initializers of `graphs` (ONNX files in `folder`, external data beside them
-    allowed) into `folder/weights.data` and rewrite the graphs to read it; their old data files are
-    removed. Returns the index {"file", "tensors": {graph stem: {name: [offset, dtype, shape]}}}, or None
-    when no initializer is large enough to move."""
-    models = {path: onnx.load(str(path)) for path in graphs}
+    allowed) into `folder/weights.data` and rewrite the graphs to read it, one graph in memory at a time;
+    their old data files are removed. Returns the index {"file", "tensors": {graph stem: {name: [offset,
+    dtype, shape]}}}, or None when no initializer is large enough to move."""
     offsets: dict[tuple[str, int, tuple[int, ...]], int] = {}
     index: dict[str, dict[str, list]] = {}
     data = folder / WEIGHTS
     tmp = data.with_name(data.name + ".partial")
     size = 0
     with tmp.open("wb") as out:
-        for path, model in models.items():
+        for path in graphs:
+            model = onnx.load(str(path))
             entries = index.setdefault(path.name.removesuffix(".onnx"), {})
             for tensor in model.graph.initializer:
                 raw = _raw(tensor)
@@ -64,12 +64,11 @@ def share(folder: Path, graphs: list[Path]) -> dict[str, Any] | None:
                     entry.key, entry.value = k, v
                 dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type).name
                 entries[tensor.name] = [offsets[key], dtype, list(tensor.dims)]
+            path.with_name(path.name + ".data").unlink(missing_ok=True)  # edgemem.files.save_onnx's, now inside
+            onnx.save(model, str(path))
     if not offsets:
         tmp.unlink()
         return None
     tmp.chmod(0o666 & ~umask())
     tmp.replace(data)
-    for path, model in models.items():
-        path.with_name(path.name + ".data").unlink(missing_ok=True)  # edgemem.files.save_onnx's, now inside
-        onnx.save(model, str(path))
     return {"file": f"{folder.name}/{WEIGHTS}", "tensors": index}

@@ -189,8 +189,8 @@ def test_reference_chunked_form_equals_the_op(ref, rule, shape):
     want, want_state = linear_attention(q, k, v, s0, decay, beta, update_rule=rule, q_num_heads=hq, kv_num_heads=hkv)
     args = (_f32(q), _f32(k), _f32(v), _f32(s0), node["decay"], node["beta"])
     kw = dict(update_rule=rule, scale=1 / math.sqrt(dk), q_num_heads=hq, kv_num_heads=hkv, path="chunked")
-    dkp, dvp = (32 if dk <= 32 else 64 if dk <= 64 else 128), -(-dv // 64) * 64
-    one_chunk = b * hkv * (64 * (1 + 2 * dkp + dvp) + dkp * dvp) * 4
+    one_chunk = ref.linear_attention_workspace(*(x[:, :64].contiguous() for x in (args[0], args[2], args[4], args[5])),
+                                               **{k: v for k, v in kw.items() if k != "path"})
     for budget in (None, one_chunk):
         out, state = ref.linear_attention(*args, workspace=budget, **kw)
         _close(out, want, 1e-5)

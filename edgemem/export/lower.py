@@ -135,6 +135,17 @@ def _set_opset(model: onnx.ModelProto, domain: str, version: int) -> None:
     model.opset_import.append(helper.make_opsetid(domain, version))
 
 
+def _subgraph_names(node: onnx.NodeProto) -> set[str]:
+    """Every value name the subgraphs of `node` (If branches, Loop and Scan bodies) read, nested ones too."""
+    names: set[str] = set()
+    for attr in node.attribute:
+        for sub in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+            for inner in sub.node:
+                names.update(inner.input)
+                names |= _subgraph_names(inner)
+    return names
+
+
 def _tied_head_as_gemm(graph: onnx.GraphProto) -> None:
     """MatMul(x, Transpose(W)) of a 2-D initializer W (a tied output head reading the embedding table) as
     Gemm(x, W, transB=1) on x flattened to 2-D: onnxruntime folds a Transpose of an initializer into a
@@ -142,11 +153,13 @@ def _tied_head_as_gemm(graph: onnx.GraphProto) -> None:
     inits = {i.name: i for i in graph.initializer}
     transposes = {n.output[0]: n for n in graph.node if n.op_type == "Transpose" and n.domain in ("", "ai.onnx")
                   and len(getattr(inits.get(n.input[0]), "dims", ())) == 2}
-    readers: dict[str, list[onnx.NodeProto]] = {}
+    readers: dict[str, list[onnx.NodeProto | None]] = {}
     for node in graph.node:
         for i, name in enumerate(node.input):
             if name in transposes:
                 readers.setdefault(name, []).append(node if node.op_type == "MatMul" and i == 1 else None)
+        for name in _subgraph_names(node) & transposes.keys():  # read inside a branch or loop body: keep it
+            readers.setdefault(name, []).append(None)
     heads = {t for t, nodes in readers.items() if None not in nodes}
     if not heads:
         return

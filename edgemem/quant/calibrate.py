@@ -39,8 +39,8 @@ from onnxruntime.quantization import (
     quantize_static,
 )
 
-from edgemem.errors import ConfigError, EdgememError, named
 from edgemem import weights
+from edgemem.errors import ConfigError, EdgememError, named
 from edgemem.files import check_output_dir, save_onnx, sha256, staged_directory, write_atomic
 from edgemem.manifest import MANIFEST, STATE_INIT, TOKENIZER_DIR, Manifest
 from edgemem.manifest import load as load_manifest

@@ -166,9 +166,9 @@ def isolate_inputs(model: onnx.ModelProto, nodes: list[str]) -> int:
 
 
 def fold_transposed_weights(model: onnx.ModelProto, nodes: list[str]) -> int:
-    """Give each MatMul of `nodes` that reads a transposed initializer, and each tied head's Gemm (as a MatMul), its
-    own transposed copy as an initializer (what a weight-only quantizer needs); a Transpose no longer read is dropped. Modifies `model` (its weights must
-    be loaded); returns the number of weights folded."""
+    """Give each MatMul of `nodes` that reads a transposed initializer, and each tied head's Gemm (as a MatMul),
+    its own transposed copy as an initializer (what a weight-only quantizer needs); a Transpose no longer read
+    is dropped. Modifies `model` (its weights must be loaded); returns the number of weights folded."""
     from onnx import numpy_helper
 
     sources = _transposed_weights(model)

@@ -140,7 +140,7 @@ class _Weights:
 
     DTYPES = frozenset({"float32", "float16", "float64", "int64", "int32", "int8", "uint8", "bool"})
 
-    def __init__(self, path: Path, mapped: np.memmap, tensors: Mapping[str, Mapping[str, list]]):
+    def __init__(self, path: Path, mapped: mmap.mmap, tensors: Mapping[str, Mapping[str, list]]):
         self.path, self._mapped = path, mapped
         self._arrays: list[np.ndarray] = []  # the views the OrtValues point into, kept alive with them
         self._values: dict[str, dict[str, ort.OrtValue]] = {}
@@ -153,8 +153,8 @@ class _Weights:
                 key = (offset, dtype, tuple(shape))
                 if key not in shared:
                     count = int(np.prod(shape, dtype=np.int64))
-                    if offset + count * np.dtype(dtype).itemsize > mapped.size:
-                        raise BackendError(f"{path} is shorter than edgemem.json says ({mapped.size} bytes; {name} "
+                    if offset + count * np.dtype(dtype).itemsize > len(mapped):
+                        raise BackendError(f"{path} is shorter than edgemem.json says ({len(mapped)} bytes; {name} "
                                            "ends past it): the file is truncated; copy or export it again")
                     array = np.frombuffer(mapped, dtype=dtype, count=count, offset=offset).reshape(shape)
                     self._arrays.append(array)
@@ -167,8 +167,9 @@ class _Weights:
             return None
         path = directory / store["file"]
         try:
-            mapped = np.memmap(path, dtype=np.uint8, mode="r")
-        except (OSError, ValueError) as e:
+            with path.open("rb") as f:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:  # ValueError: an empty file
             raise BackendError(f"cannot map {path}: {e}") from None
         return cls(path, mapped, store["tensors"])
 
@@ -177,8 +178,8 @@ class _Weights:
 
     def release(self) -> None:
         """Drop the mapped pages from this process (the file and its page cache stay; a later read faults in)."""
-        if hasattr(mmap, "MADV_DONTNEED") and self._mapped.size:
-            self._mapped._mmap.madvise(mmap.MADV_DONTNEED)
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._mapped.madvise(mmap.MADV_DONTNEED)
 
 
 class OrtEngine(Engine):

@@ -86,6 +86,8 @@ class Native:
         else:
             self.lib.em_ref_linear_attention_chunked.argtypes = [p(LAParams), p(LAIO), c_int64]
             self.lib.em_ref_linear_attention_chunked.restype = c_int32
+            self.lib.em_ref_linear_attention_workspace.argtypes = [p(LAParams)]
+            self.lib.em_ref_linear_attention_workspace.restype = c_size_t
 
     def _call(self, name: str, *args, dtypes=(0, 0, 0)) -> None:
         fn = getattr(self.lib, self.prefix + name)
@@ -135,9 +137,12 @@ class Native:
 
     def linear_attention_workspace(self, query, value, decay, beta, *, update_rule, scale, q_num_heads,
                                    kv_num_heads, path="auto") -> int:
-        """Bytes of workspace a CUDA call on `path` uses for these shapes (0: none)."""
+        """Bytes of workspace a call on `path` uses for these shapes (0: none); the CPU reference's chunked form
+        lays out the same bytes (on the CPU, pass them as `workspace`, an int)."""
         params, _ = self._la_params(query, value, decay, beta, update_rule, scale, q_num_heads, kv_num_heads)
-        return self.lib.em_cuda_linear_attention_workspace(ctypes.byref(params), LA_PATHS[path])
+        if self.cuda:
+            return self.lib.em_cuda_linear_attention_workspace(ctypes.byref(params), LA_PATHS[path])
+        return 0 if path == "sequential" else self.lib.em_ref_linear_attention_workspace(ctypes.byref(params))
 
     @staticmethod
     def _la_params(query, value, decay, beta, update_rule, scale, q_num_heads, kv_num_heads):

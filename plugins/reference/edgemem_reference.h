@@ -21,6 +21,8 @@ EM_REF_API int em_ref_linear_attention(edgemem::la::Params const* params, edgeme
 // default); kUnsupported for per-key decay, d_k > 128 or a budget below one chunk.
 EM_REF_API int em_ref_linear_attention_chunked(
     edgemem::la::Params const* params, edgemem::LinearAttentionIO const* io, int64_t budget);
+// Workspace bytes the chunked form lays out for p in one segment (0: it does not apply), as the kernels'.
+EM_REF_API size_t em_ref_linear_attention_workspace(edgemem::la::Params const* params);
 EM_REF_API int em_ref_window_attention(
     edgemem::attn::WindowParams const* params, int32_t const* dilation, edgemem::WindowAttentionIO const* io);
 EM_REF_API int em_ref_banded_attention(

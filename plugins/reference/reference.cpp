@@ -282,6 +282,14 @@ EM_REF_API int em_ref_linear_attention_chunked(la::Params const* params, LinearA
     return kOk;
 }
 
+EM_REF_API size_t em_ref_linear_attention_workspace(la::Params const* params)
+{
+    la::Params const& p = *params;
+    if (la::check(p) != kOk || !la::chunkable(p) || p.batch == 0 || p.seq == 0)
+        return 0;
+    return size_t(la::chunkLayout(p).floats) * sizeof(float);
+}
+
 EM_REF_API int em_ref_window_attention(attn::WindowParams const* params, int32_t const* dilation, WindowAttentionIO const* io)
 {
     attn::WindowParams const& p = *params;

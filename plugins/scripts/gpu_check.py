@@ -182,8 +182,9 @@ def check_linear_attention(h: Harness, quick: bool) -> None:
                     # the chunked form alone, then in segments of one chunk (the state passing through)
                     got = h.dev.linear_attention(*args, path="chunked", **kw)
                     h.record("LinearAttention", f"{name} {rule}", dtype, "chunked", got, want, ref)
-                    budget = _one_chunk_budget(b, hkv, dk, dv)
                     if t > 64:
+                        first = [x[:, :64].contiguous() for x in (args[0], args[2], args[4], args[5])]
+                        budget = h.dev.linear_attention_workspace(*first, path="chunked", **kw)  # one chunk's worth
                         ws = budget if h.device.type == "cpu" else torch.empty(budget, dtype=torch.uint8,
                                                                                 device=h.device)
                         got = h.dev.linear_attention(*args, path="chunked", workspace=ws, **kw)
@@ -200,13 +201,6 @@ def check_linear_attention(h: Harness, quick: bool) -> None:
                                                *[x[:, i:i + 1].contiguous() for x in args[4:]],
                                                present_state=state, **kw)[0] for i in range(t)]
                 h.record("LinearAttention", f"{name} {rule}", dtype, "steps", (torch.cat(outs, 1), state), want)
-
-
-def _one_chunk_budget(b: int, hkv: int, dk: int, dv: int) -> int:
-    """Workspace bytes of one 64-token chunk (edgemem/linear_attention.h, chunkLayout)."""
-    dkp = 32 if dk <= 32 else 64 if dk <= 64 else 128
-    dvp = -(-dv // 64) * 64
-    return b * hkv * (64 * (1 + 2 * dkp + dvp) + dkp * dvp) * 4
 
 
 # ---------------------------------------------------------------------------------------------

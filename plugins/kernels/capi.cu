@@ -7,7 +7,7 @@ using namespace edgemem;
 
 namespace
 {
-constexpr int kAbiVersion = 2;
+constexpr int kAbiVersion = 3;
 cudaStream_t asStream(void* s) { return static_cast<cudaStream_t>(s); }
 } // namespace
 
@@ -29,9 +29,15 @@ EM_CUDA_API size_t em_cuda_linear_attention_workspace(la::Params const* p, int p
 }
 
 EM_CUDA_API int em_cuda_window_attention(attn::WindowParams const* p, int32_t const* dilation, WindowAttentionIO const* io,
-    int dtype, int ring_dtype, int persistent_dtype, void* stream)
+    int dtype, int ring_dtype, int persistent_dtype, void* workspace, size_t workspace_bytes, void* stream)
 {
-    return cuda::windowAttention(*p, dilation, *io, DType(dtype), DType(ring_dtype), DType(persistent_dtype), asStream(stream));
+    return cuda::windowAttention(*p, dilation, *io, DType(dtype), DType(ring_dtype), DType(persistent_dtype), workspace,
+        workspace_bytes, asStream(stream));
+}
+
+EM_CUDA_API size_t em_cuda_window_attention_workspace(attn::WindowParams const* p)
+{
+    return cuda::windowAttentionWorkspace(*p);
 }
 
 EM_CUDA_API int em_cuda_banded_attention(attn::BandedParams const* p, int32_t const* dilation, BandedAttentionIO const* io,

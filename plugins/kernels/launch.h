@@ -46,8 +46,11 @@ int linearAttentionChunked(la::Params const& p, LinearAttentionIO const& io, DTy
     size_t workspace_bytes, cudaStream_t stream);
 
 // WindowAttention: T tokens continuing a ring buffer. dilation: host array of p.heads ints.
+// A single token (decode) splits its keys over blocks where the workspace holds
+// windowAttentionWorkspace(p) bytes (256-byte aligned); else one block per head runs them.
+size_t windowAttentionWorkspace(attn::WindowParams const& p);
 int windowAttention(attn::WindowParams const& p, int32_t const* dilation, WindowAttentionIO const& io, DType dtype,
-    DType ring_dtype, DType persistent_dtype, cudaStream_t stream);
+    DType ring_dtype, DType persistent_dtype, void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // BandedAttention over a whole sequence (prefill / encoder). dilation: host array.
 int bandedAttention(attn::BandedParams const& p, int32_t const* dilation, BandedAttentionIO const& io, DType dtype,
@@ -72,8 +75,11 @@ EM_CUDA_API int em_cuda_abi_version();
 EM_CUDA_API int em_cuda_linear_attention(edgemem::la::Params const* p, edgemem::LinearAttentionIO const* io, int dtype,
     int path, void* workspace, size_t workspace_bytes, void* stream);
 EM_CUDA_API size_t em_cuda_linear_attention_workspace(edgemem::la::Params const* p, int path);
+// workspace: device memory, 256-byte aligned (may be null: no decode split).
 EM_CUDA_API int em_cuda_window_attention(edgemem::attn::WindowParams const* p, int32_t const* dilation,
-    edgemem::WindowAttentionIO const* io, int dtype, int ring_dtype, int persistent_dtype, void* stream);
+    edgemem::WindowAttentionIO const* io, int dtype, int ring_dtype, int persistent_dtype, void* workspace,
+    size_t workspace_bytes, void* stream);
+EM_CUDA_API size_t em_cuda_window_attention_workspace(edgemem::attn::WindowParams const* p);
 EM_CUDA_API int em_cuda_banded_attention(edgemem::attn::BandedParams const* p, int32_t const* dilation,
     edgemem::BandedAttentionIO const* io, int dtype, int persistent_dtype, int, void* stream);
 EM_CUDA_API int em_cuda_neural_memory(

@@ -8,8 +8,9 @@
 // with one A fragment per k step (rowTiles), so its tiles' products run side by side:
 //   prepare  a block per (chunk, kv head, batch): G, A, T = (I + A)^-1 (16 x 16 diagonal blocks
 //            by substitution, the blocks below by products), W, U0 and K~ into the workspace;
-//   state    a block per (32 value columns, kv head, batch) walks the chunks in order with its
-//            state tile in accumulator fragments: U = U0 - W S, S <- exp(G_last) S + K~^T U; it
+//   state    a block per (32 value columns, kv head, batch), or 16 where 32 would leave SMs idle,
+//            walks the chunks in order with its state tile in accumulator fragments:
+//            U = U0 - W S (16 columns: two warps share a tile's k sum), S <- exp(G_last) S + K~^T U; it
 //            stores the state at every chunk start. The next chunk's W, K~ and U0 are copied in
 //            (cp.async) while the current one is multiplied where shared memory holds two stages;
 //   output   a block per (chunk, query head, batch x value tile): (Q K^T masked) U + (Q e^G) S.
@@ -299,39 +300,46 @@ __global__ void __launch_bounds__(kThreads, 2) chunkPrepare(
 #endif
 }
 
-constexpr int kStateColumns = 32; // value columns per state block
+// The state walk takes 16 or 32 value columns a block: 16 where blocks of 32 would leave SMs idle.
+constexpr int kWarps = kThreads / kWarp;
 
-template <int DK>
+template <int DK, int BV>
 __host__ __device__ constexpr int stageFloats()
 {
-    return 2 * lines(C * (DK + 4)) + lines(C * (kStateColumns + 4)) + 32;
+    return 2 * lines(C * (DK + 4)) + lines(C * (BV + 4)) + 32;
 }
 
-template <int DK, int STAGES>
+template <int DK, int BV, int STAGES>
 __host__ __device__ constexpr int stateFloats()
 {
-    return lines(DK * (kStateColumns + 4)) + STAGES * stageFloats<DK>();
+    // the state, the stages, and for BV = 16 the second halves of U's split k sums
+    return lines(DK * (BV + 4)) + STAGES * stageFloats<DK, BV>() + (BV == 16 ? lines(C * (BV + 4)) : 0);
 }
 
-template <int DK, int P, int STAGES>
+template <int DK, int BV, int P, int STAGES>
 __global__ void __launch_bounds__(kThreads, 1) chunkState(
     la::Params const p, LinearAttentionIO const io, la::ChunkLayout const l, int const len, float const* past, float* ws)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    constexpr int BV = kStateColumns, LK = DK + 4, LS = BV + 4;
-    // state tiles (DK / 16) x 2 over 8 warps: DK = 128, warp w holds row block w, both columns;
-    // else row block w / 2, column w % 2 (DK = 32: warps 4..7 hold none)
-    constexpr int NS = DK == 128 ? 2 : 1;
+    constexpr int LK = DK + 4, LS = BV + 4;
+    // state tiles (DK / 16) x (BV / 16), NS consecutive ones (one row block) a warp; warps past
+    // the last tile hold none
+    constexpr int tiles = DK / 16 * (BV / 16), NS = tiles > kWarps ? tiles / kWarps : 1;
+    // U = U0 - W S: (C / 16) x (BV / 16) tiles; with fewer tiles than warps, KS warps share one
+    // tile's k sum
+    constexpr int utiles = C / 16 * (BV / 16), KS = kWarps / utiles;
+    static_assert(NS <= BV / 16 && (KS == 1 || KS == 2), "tile split");
     extern __shared__ __align__(128) float sm[];
     float* sS = sm;                      // [DK][LS]
     float* sStage = sS + lines(DK * LS); // STAGES x {W [C][LK], K~ [C][LK], U [C][LS], G tail [4]}
+    float* sPart = sStage + STAGES * stageFloats<DK, BV>(); // KS = 2: [C][LS]
     int const tid = threadIdx.x, warp = tid / kWarp;
     int const v0 = blockIdx.x * BV, h = blockIdx.y, b = blockIdx.z;
     int const chunks = (len + C - 1) / C;
     bool const delta = la::isDelta(p.rule);
-    int const ri = DK == 128 ? warp : warp / 2;
-    int const ci = DK == 128 ? 0 : warp % 2;
-    bool const holds = ri < DK / 16;
+    int const ri = warp * NS / (BV / 16);
+    int const ci = warp * NS % (BV / 16);
+    bool const holds = warp * NS < tiles;
 
     for (int i = tid; i < DK * BV; i += kThreads)
     {
@@ -371,13 +379,13 @@ __global__ void __launch_bounds__(kThreads, 1) chunkState(
         fetch(0, sStage);
     for (int c = 0; c < chunks; ++c)
     {
-        float* st = sStage + (STAGES == 2 ? (c & 1) * stageFloats<DK>() : 0);
+        float* st = sStage + (STAGES == 2 ? (c & 1) * stageFloats<DK, BV>() : 0);
         __syncthreads(); // the buffer the next fetch fills and sS are free
         if constexpr (STAGES == 2)
         {
             if (c + 1 < chunks)
             {
-                fetch(c + 1, sStage + ((c + 1) & 1) * stageFloats<DK>());
+                fetch(c + 1, sStage + ((c + 1) & 1) * stageFloats<DK, BV>());
                 copyWait<1>();
             }
             else
@@ -400,14 +408,37 @@ __global__ void __launch_bounds__(kThreads, 1) chunkState(
         float* sU = st + 2 * lines(C * LK);
         if (delta)
         {
-            // U = U0 - W S: (C / 16) x 2 tiles, one a warp
-            int const mi = warp / 2, ni = warp % 2;
+            // U = U0 - W S: tile (mi, ni), k part kp of KS
+            int const ut = warp % utiles, kp = warp / utiles;
+            int const mi = ut / (BV / 16), ni = ut % (BV / 16);
+            constexpr int KK = DK / KS;
             Acc u[1];
-            wm::load_matrix_sync(u[0], sU + mi * 16 * LS + ni * 16, LS, wm::mem_row_major);
-            rowTiles<P, DK, 1, RowA, RowB>(u, sW + mi * 16 * LK, LK, 8, sS + ni * 16, LS, 8 * LS, 0, DK, -1.0f);
-            wm::store_matrix_sync(sU + mi * 16 * LS + ni * 16, u[0], LS, wm::mem_row_major);
-            wm::store_matrix_sync(ws + l.u + (l.row(p, b, h, c * C) + mi * 16) * l.dv + v0 + ni * 16, u[0], l.dv,
-                wm::mem_row_major);
+            if (kp == 0)
+                wm::load_matrix_sync(u[0], sU + mi * 16 * LS + ni * 16, LS, wm::mem_row_major);
+            else
+                zero(u);
+            rowTiles<P, KK, 1, RowA, RowB>(
+                u, sW + mi * 16 * LK + kp * KK, LK, 8, sS + kp * KK * LS + ni * 16, LS, 8 * LS, 0, KK, -1.0f);
+            if constexpr (KS == 2)
+            {
+                if (kp == 1)
+                    wm::store_matrix_sync(sPart + mi * 16 * LS + ni * 16, u[0], LS, wm::mem_row_major);
+                __syncthreads();
+                if (kp == 0)
+                {
+                    Acc v[1];
+                    wm::load_matrix_sync(v[0], sPart + mi * 16 * LS + ni * 16, LS, wm::mem_row_major);
+                    EM_UNROLL
+                    for (int i = 0; i < u[0].num_elements; ++i)
+                        u[0].x[i] += v[0].x[i];
+                }
+            }
+            if (kp == 0)
+            {
+                wm::store_matrix_sync(sU + mi * 16 * LS + ni * 16, u[0], LS, wm::mem_row_major);
+                wm::store_matrix_sync(ws + l.u + (l.row(p, b, h, c * C) + mi * 16) * l.dv + v0 + ni * 16, u[0], l.dv,
+                    wm::mem_row_major);
+            }
             __syncthreads();
         }
         if (holds)
@@ -530,10 +561,11 @@ __global__ void __launch_bounds__(kThreads, 2) chunkOutput(
 #endif
 }
 
-// Opt-in shared memory per block of the current device, and whether it runs the chunked form.
+// Opt-in shared memory per block and SMs of the current device, and whether it runs the chunked form.
 struct Device
 {
     int smem = 0;
+    int sms = 0;
     bool tensorCores = false;
 };
 
@@ -543,7 +575,8 @@ Device currentDevice()
     int dev = 0, major = 0;
     if (cudaGetDevice(&dev) != cudaSuccess
         || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess
-        || cudaDeviceGetAttribute(&d.smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+        || cudaDeviceGetAttribute(&d.smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess
+        || cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
         return Device{};
     d.tensorCores = major >= 8;
     return d;
@@ -561,13 +594,22 @@ int runChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout
 {
     constexpr int P = std::is_same<T, float>::value ? 3 : 1;
     constexpr size_t prep = prepareFloats<DK>() * sizeof(float);
-    bool const two = stateFloats<DK, 2>() * sizeof(float) <= size_t(dev.smem);
-    size_t const state = (two ? stateFloats<DK, 2>() : stateFloats<DK, 1>()) * sizeof(float);
+    // 32 value columns a state block unless that leaves SMs idle
+    bool const narrow = int64_t(l.dv / 32) * p.kv_heads * p.batch < dev.sms;
+    int const bv = narrow ? 16 : 32;
+    auto stateBytes = [&](int stages) {
+        return size_t(narrow ? (stages == 2 ? stateFloats<DK, 16, 2>() : stateFloats<DK, 16, 1>())
+                             : (stages == 2 ? stateFloats<DK, 32, 2>() : stateFloats<DK, 32, 1>()))
+            * sizeof(float);
+    };
+    bool const two = stateBytes(2) <= size_t(dev.smem);
+    size_t const state = stateBytes(two ? 2 : 1);
     bool const wide = outputFloats<DK, 64>() * sizeof(float) <= size_t(dev.smem);
-    int const bv = wide ? 64 : 32;
+    int const ov = wide ? 64 : 32;
     size_t const out = (wide ? outputFloats<DK, 64>() : outputFloats<DK, 32>()) * sizeof(float);
     auto prepare = chunkPrepare<T, DK, P>;
-    auto walk = two ? chunkState<DK, P, 2> : chunkState<DK, P, 1>;
+    auto walk = narrow ? (two ? chunkState<DK, 16, P, 2> : chunkState<DK, 16, P, 1>)
+                       : (two ? chunkState<DK, 32, P, 2> : chunkState<DK, 32, P, 1>);
     auto output = wide ? chunkOutput<T, DK, P, 64> : chunkOutput<T, DK, P, 32>;
     if (prep > size_t(dev.smem) || state > size_t(dev.smem) || out > size_t(dev.smem))
         return kUnsupported;
@@ -579,9 +621,9 @@ int runChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout
         unsigned const chunks = unsigned((len + C - 1) / C);
         float const* past = s0 == 0 ? io.past_state : io.present_state;
         prepare<<<dim3(chunks, unsigned(p.kv_heads), unsigned(p.batch)), kThreads, prep, stream>>>(p, io, l, s0, len, ws);
-        walk<<<dim3(unsigned(l.dv / kStateColumns), unsigned(p.kv_heads), unsigned(p.batch)), kThreads, state, stream>>>(
+        walk<<<dim3(unsigned(l.dv / bv), unsigned(p.kv_heads), unsigned(p.batch)), kThreads, state, stream>>>(
             p, io, l, len, past, ws);
-        output<<<dim3(chunks, unsigned(p.q_heads), unsigned(p.batch) * unsigned(l.dv / bv)), kThreads, out, stream>>>(
+        output<<<dim3(chunks, unsigned(p.q_heads), unsigned(p.batch) * unsigned(l.dv / ov)), kThreads, out, stream>>>(
             p, io, l, s0, len, ws);
         if (int const st = launchStatus())
             return st;

@@ -83,6 +83,10 @@ class Native:
                                                           c_void_p]
             self.lib.em_cuda_linear_attention_workspace.argtypes = [p(LAParams), c_int32]
             self.lib.em_cuda_linear_attention_workspace.restype = c_size_t
+            self.lib.em_cuda_window_attention.argtypes = [p(WindowParams), p(c_int32), p(WindowIO), c_int32, c_int32,
+                                                          c_int32, c_void_p, c_size_t, c_void_p]
+            self.lib.em_cuda_window_attention_workspace.argtypes = [p(WindowParams)]
+            self.lib.em_cuda_window_attention_workspace.restype = c_size_t
         else:
             self.lib.em_ref_linear_attention_chunked.argtypes = [p(LAParams), p(LAIO), c_int64]
             self.lib.em_ref_linear_attention_chunked.restype = c_int32
@@ -156,11 +160,14 @@ class Native:
 
     def window_attention(self, query, key, value, past_key, past_value, position, persistent_key,
                          persistent_value, *, num_heads, window, dilation, scale, output=None,
-                         present_key=None, present_value=None):
-        """The `edgemem::WindowAttention` node: position int64 [B], persistent [B, H, P, D]."""
+                         present_key=None, present_value=None, workspace=None):
+        """The `edgemem::WindowAttention` node: position int64 [B], persistent [B, H, P, D].
+
+        CUDA: `workspace` (a uint8 device tensor) lets a one-token call split its keys over blocks; default:
+        as large as the kernels ask for; an empty tensor runs one block per head."""
         b, t, _ = query.shape
-        d, dv = query.shape[2] // num_heads, value.shape[2] // num_heads
-        params = WindowParams(b, t, num_heads, d, dv, window, past_key.shape[2], persistent_key.shape[2], scale)
+        dv = value.shape[2] // num_heads
+        params = self._window_params(query, value, past_key, persistent_key, num_heads, window, scale)
         dil = (c_int32 * num_heads)(*dilation)
         output = query.new_empty(b, t, num_heads * dv) if output is None else output
         present_key = torch.empty_like(past_key) if present_key is None else present_key
@@ -168,8 +175,30 @@ class Native:
         io = WindowIO(*(_ptr(x) for x in (query, key, value, past_key, past_value, position, persistent_key,
                                           persistent_value, output, present_key, present_value)))
         dtypes = (self._check_dtype(query), self._check_dtype(past_key), self._check_dtype(persistent_key))
-        self._call("window_attention", ctypes.byref(params), dil, ctypes.byref(io), dtypes=dtypes)
+        if not self.cuda:
+            self._call("window_attention", ctypes.byref(params), dil, ctypes.byref(io), dtypes=dtypes)
+            return output, present_key, present_value
+        if workspace is None:
+            workspace = torch.empty(self.window_attention_workspace(query, value, past_key, persistent_key,
+                                                                    num_heads=num_heads, window=window),
+                                    dtype=torch.uint8, device=query.device)
+        status = self.lib.em_cuda_window_attention(
+            ctypes.byref(params), dil, ctypes.byref(io), *dtypes, _ptr(workspace) if workspace.numel() else None,
+            workspace.numel(), c_void_p(torch.cuda.current_stream().cuda_stream))
+        if status:
+            raise NativeError(f"em_cuda_window_attention: {STATUS.get(status, status)}")
         return output, present_key, present_value
+
+    def window_attention_workspace(self, query, value, past_key, persistent_key, *, num_heads, window) -> int:
+        """CUDA: bytes of workspace a call with these shapes can use (0: it runs one block per head)."""
+        params = self._window_params(query, value, past_key, persistent_key, num_heads, window, 1.0)
+        return self.lib.em_cuda_window_attention_workspace(ctypes.byref(params)) if self.cuda else 0
+
+    @staticmethod
+    def _window_params(query, value, past_key, persistent_key, num_heads, window, scale):
+        b, t, _ = query.shape
+        return WindowParams(b, t, num_heads, query.shape[2] // num_heads, value.shape[2] // num_heads, window,
+                            past_key.shape[2], persistent_key.shape[2], scale)
 
     def banded_attention(self, query, key, value, global_mask, persistent_key, persistent_value, *,
                          num_heads, window, dilation, causal, scale, output=None):

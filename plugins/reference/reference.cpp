@@ -12,7 +12,7 @@ using namespace edgemem;
 namespace
 {
 
-constexpr int kAbiVersion = 2;
+constexpr int kAbiVersion = 3;
 
 float const* F(void const* p) { return static_cast<float const*>(p); }
 float* F(void* p) { return static_cast<float*>(p); }

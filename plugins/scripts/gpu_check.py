@@ -209,6 +209,8 @@ def check_linear_attention(h: Harness, quick: bool) -> None:
 WA_CASES = [  # name, b, t, heads, d, dv, window, dilation, persistent, positions
     ("step small", 2, 1, 3, 5, 7, 4, (1, 2, 3), 2, (0, 41)),
     ("step 64", 2, 1, 4, 64, 64, 64, (1, 1, 1, 1), 4, (10, 300)),
+    ("step 512", 2, 1, 4, 128, 96, 512, (1, 2, 1, 1), 3, (5, 2000)),
+    ("step d 256", 1, 1, 2, 256, 200, 40, (1, 3), 2, (90,)),
     ("prefill wrap", 2, 37, 3, 32, 48, 8, (1, 2, 1), 0, (3, 100)),
     ("d 128 dv 96", 1, 5, 2, 128, 96, 16, (2, 1), 3, (7,)),
     ("d 256", 1, 3, 1, 256, 256, 5, (1,), 1, (2,)),
@@ -243,6 +245,11 @@ def check_window_attention(h: Harness, quick: bool) -> None:
                 case = f"{name} ring {_dt(rdtype)}"
                 got = h.dev.window_attention(*args, **kw)
                 h.record("WindowAttention", case, dtype, "prefill", got, want, ref, storage=rdtype)
+                if t == 1 and h.dev.window_attention_workspace(*args[:1], args[2], args[3], args[6], num_heads=heads,
+                                                               window=window):
+                    got = h.dev.window_attention(*args, **kw, workspace=torch.empty(0, dtype=torch.uint8,
+                                                                                    device=args[0].device))
+                    h.record("WindowAttention", case, dtype, "one block per head", got, want, storage=rdtype)
                 rk2, rv2 = args[3].clone(), args[4].clone()
                 got = h.dev.window_attention(*args[:3], rk2, rv2, *args[5:], present_key=rk2, present_value=rv2, **kw)
                 h.record("WindowAttention", case, dtype, "in-place", got, want, storage=rdtype)
@@ -463,11 +470,16 @@ def time_decode(h: Harness, peak: float) -> list[Timing]:
         o = torch.empty_like(q)
         kw = dict(num_heads=heads, window=window, dilation=[1] * heads, scale=d**-0.5, output=o, present_key=rk,
                   present_value=rv)
-        step = lambda: h.dev.window_attention(q, k, v, rk, rv, pos, pk, pv, **kw)  # noqa: E731
-        us, graph_us = _time_us(step), _graph_us(step)
         ring = 2 * rk.numel() * e  # every slot is read once (window keys) and one slot written
         io = (4 * q.numel() + 2 * pk.numel()) * e
-        out.append(Timing("WindowAttention", case, _dt(dtype), us, ring + io, ring, peak, copy, graph_us))
+        forms = [("one block per head", torch.empty(0, dtype=torch.uint8, device=dev))]
+        if nbytes := h.dev.window_attention_workspace(q, v, rk, pk, num_heads=heads, window=window):
+            forms.append(("keys split over blocks", torch.empty(nbytes, dtype=torch.uint8, device=dev)))
+        for form, ws in forms:
+            step = lambda: h.dev.window_attention(q, k, v, rk, rv, pos, pk, pv, **kw, workspace=ws)  # noqa: E731,B023
+            us, graph_us = _time_us(step), _graph_us(step)
+            out.append(Timing("WindowAttention", f"{case}, {form}", _dt(dtype), us, ring + io, ring, peak, copy,
+                              graph_us))
 
     def nm(case, b, heads, d, e_, depth, dtype):
         el = torch.tensor([], dtype=dtype).element_size()

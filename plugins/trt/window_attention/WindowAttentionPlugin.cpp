@@ -140,20 +140,37 @@ std::string WindowAttentionPlugin::checkShapes(PluginTensorDesc const* in, int32
     return {};
 }
 
-int32_t WindowAttentionPlugin::launch(
-    PluginTensorDesc const* inputDesc, void const* const* inputs, void* const* outputs, void*, cudaStream_t stream)
+attn::WindowParams WindowAttentionPlugin::params(Dims const& q, Dims const& v, Dims const& ring, Dims const& persistent) const
 {
-    Dims const& q = inputDesc[kQuery].dims;
     attn::WindowParams p{};
     p.batch = int32_t(q.d[0]);
     p.seq = int32_t(q.d[1]);
     p.heads = mHeads;
     p.d = int32_t(q.d[2] / mHeads);
-    p.dv = int32_t(inputDesc[kValue].dims.d[2] / mHeads);
+    p.dv = int32_t(v.d[2] / mHeads);
     p.window = mWindow;
-    p.ring = int32_t(inputDesc[kPastKey].dims.d[2]);
-    p.persistent = int32_t(inputDesc[kPersistentKey].dims.d[2]);
+    p.ring = int32_t(ring.d[2]);
+    p.persistent = int32_t(persistent.d[2]);
     p.scale = mScale != 0.0f ? mScale : 1.0f / std::sqrt(float(p.d));
+    return p;
+}
+
+// The decode split's partial softmaxes at the profile's largest batch (one token a call).
+size_t WindowAttentionPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* in, int32_t nbInputs,
+    DynamicPluginTensorDesc const*, int32_t) const noexcept
+{
+    if (nbInputs != kInputs)
+        return 0;
+    attn::WindowParams p = params(in[kQuery].max, in[kValue].max, in[kPastKey].max, in[kPersistentKey].max);
+    p.seq = 1;
+    return cuda::windowAttentionWorkspace(p);
+}
+
+int32_t WindowAttentionPlugin::launch(
+    PluginTensorDesc const* inputDesc, void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream)
+{
+    attn::WindowParams const p = params(
+        inputDesc[kQuery].dims, inputDesc[kValue].dims, inputDesc[kPastKey].dims, inputDesc[kPersistentKey].dims);
     WindowAttentionIO io{};
     io.query = inputs[kQuery];
     io.key = inputs[kKey];
@@ -167,7 +184,8 @@ int32_t WindowAttentionPlugin::launch(
     io.present_key = outputs[1];
     io.present_value = outputs[2];
     return status(cuda::windowAttention(p, mDilation.data(), io, DType(dtypeOf(inputDesc[kQuery].type)),
-        DType(dtypeOf(inputDesc[kPastKey].type)), DType(dtypeOf(inputDesc[kPersistentKey].type)), stream));
+        DType(dtypeOf(inputDesc[kPastKey].type)), DType(dtypeOf(inputDesc[kPersistentKey].type)), workspace,
+        workspace ? cuda::windowAttentionWorkspace(p) : 0, stream));
 }
 
 } // namespace trt

@@ -39,27 +39,11 @@ from edgemem_native import Native, NativeError  # noqa: E402
 from edgemem.ops import banded_attention, neural_memory_step, window_attention_prefill  # noqa: E402
 from edgemem.ops.linear_attention import UPDATE_RULES, linear_attention  # noqa: E402
 
+from plugin_build import cmake_build as _cmake_build  # noqa: E402
+from plugin_build import run as _run  # noqa: E402
+
 ARCHS = ("87", "89", "90")  # Orin, Ada, Hopper: the default CUDA architectures of the CMake build
 FP32_TOL = 2e-6  # max |reference - truth| / max(1, max |truth|), truth = edgemem.ops in float64
-JOBS = str(os.cpu_count() or 2)
-
-
-def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
-    if proc.returncode:
-        raise AssertionError(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return proc
-
-
-def _cmake_build(build: Path, *args: str, targets: tuple[str, ...] = ()) -> dict[str, str]:
-    """Configure `plugins/` into `build` (once) and build `targets` (default: all); returns edgemem_build.txt."""
-    if not (build / "CMakeCache.txt").exists():
-        _run(["cmake", "-S", str(PLUGINS), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", *args])
-    cmd = ["cmake", "--build", str(build), "-j", JOBS]
-    for t in targets:
-        cmd += ["--target", t]
-    _run(cmd)
-    return dict(line.split("=", 1) for line in (build / "edgemem_build.txt").read_text().splitlines() if "=" in line)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,8 +30,8 @@ constexpr int kLaThreads = kLaWarps * kWarp;
 constexpr int kLaStage = 32;                  // tokens staged at a time, at most
 constexpr int kLaStageFloats = 48 * 1024 / 4; // and at most 48 KiB of shared memory
 // Resident blocks per SM the register budget is sized for: 4 caps a thread at 128 registers,
-// which the d_k > 64 tiles fit up to sm_90 (120); Blackwell's code for them needs ~150 and
-// spilled at 128 (ptxas, sm_100/110/120/121), so 3 there (cap 168).
+// which the d_k > 64 tiles fit up to sm_90; Blackwell's code for them spills under that cap
+// (ptxas counts in plugins/README.md), so 3 there (cap 168).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 constexpr int kLaMinBlocks = 3;
 #else

@@ -39,27 +39,11 @@ from edgemem_native import Native, NativeError  # noqa: E402
 from edgemem.ops import banded_attention, neural_memory_step, window_attention_prefill  # noqa: E402
 from edgemem.ops.linear_attention import UPDATE_RULES, linear_attention  # noqa: E402
 
+from plugin_build import cmake_build as _cmake_build  # noqa: E402
+from plugin_build import run as _run  # noqa: E402
+
 ARCHS = ("87", "89", "90")  # Orin, Ada, Hopper: the default CUDA architectures of the CMake build
 FP32_TOL = 2e-6  # max |reference - truth| / max(1, max |truth|), truth = edgemem.ops in float64
-JOBS = str(os.cpu_count() or 2)
-
-
-def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
-    if proc.returncode:
-        raise AssertionError(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return proc
-
-
-def _cmake_build(build: Path, *args: str, targets: tuple[str, ...] = ()) -> dict[str, str]:
-    """Configure `plugins/` into `build` (once) and build `targets` (default: all); returns edgemem_build.txt."""
-    if not (build / "CMakeCache.txt").exists():
-        _run(["cmake", "-S", str(PLUGINS), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", *args])
-    cmd = ["cmake", "--build", str(build), "-j", JOBS]
-    for t in targets:
-        cmd += ["--target", t]
-    _run(cmd)
-    return dict(line.split("=", 1) for line in (build / "edgemem_build.txt").read_text().splitlines() if "=" in line)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,8 +65,10 @@ def ref(build_dir) -> Native:
     if not cxx:
         pytest.skip("neither cmake nor a C++ compiler (g++) is installed")
     lib = build_dir / "libedgemem_reference.so"
-    _run([cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", f"-I{PLUGINS / 'include'}",
-          str(PLUGINS / "reference" / "reference.cpp"), "-o", str(lib)])
+    ops = re.findall(r"^EM_OP\(\w+, *(\w+)\)", (PLUGINS / "ops.def").read_text(), re.M)
+    sources = [PLUGINS / "core" / "reference.cpp", *(PLUGINS / op / "reference.cpp" for op in ops)]
+    _run([cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", f"-I{PLUGINS}", f"-I{PLUGINS / 'core'}",
+          *map(str, sources), "-o", str(lib)])
     return Native(lib)
 
 
@@ -135,6 +121,20 @@ LA_SHAPES = {  # b, t, hq, hkv, dk, dv
     "wide-dk": (1, 4, 2, 1, 160, 9),
     "dk128": (1, 3, 1, 1, 128, 64),
 }
+
+
+def test_ctypes_mirror_matches_the_c_structs(ref):
+    """edgemem_native's ctypes structs have the size and field offsets of the compiled C structs (the
+    reference library reports them), and a mirror that drifts is named, not used."""
+    import edgemem_native
+
+    layout = ref.lib.em_ref_abi_layout().decode()
+    assert edgemem_native.layout_mismatches(layout) == []
+    structs = {line.split(" ")[0] for line in layout.splitlines() if "." not in line.split(" ")[0]}
+    assert structs == {s.c_name for s in edgemem_native.STRUCTS} and len(structs) == 8
+    drifted = layout.replace("la::Params.scale 28", "la::Params.scale 32").replace("nm::Params 40", "nm::Params 44")
+    wrong = edgemem_native.layout_mismatches(drifted)
+    assert len(wrong) == 2 and wrong[0].startswith("la::Params: fields") and "nm::Params: 40 bytes in Python, 44 in C" in wrong[1]
 
 
 @pytest.mark.parametrize("shape", list(LA_SHAPES))
@@ -463,7 +463,7 @@ def trt_libs(tmp_path_factory) -> dict[Path, Path | str]:
             continue
         build = tmp_path_factory.mktemp(f"trt_{root.name}")
         info = _cmake_build(build, f"-DTensorRT_ROOT={root}", "-DCMAKE_CUDA_ARCHITECTURES=87",
-                            targets=("edgemem_trt_plugins",))
+                            targets=("edgemem_trt_plugins", "edgemem_plugin_harness"))
         out[root] = build / "libedgemem_trt_plugins.so" if info.get("tensorrt") else f"no TensorRT headers under {root}"
     return out
 
@@ -487,6 +487,26 @@ def test_trt_glue_builds_without_libnvinfer(trt_libs, root):
     ldd = shutil.which("ldd")
     if ldd:
         assert "nvinfer" not in _run([ldd, str(lib)]).stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not TRT_ROOTS, reason=NO_TRT)
+@pytest.mark.parametrize("root", TRT_ROOTS, ids=_trt_id)
+def test_plugin_harness_drives_every_plugin_through_tensorrts_calls(trt_libs, root):
+    """plugins/tests/plugin_harness.cpp, built against this TensorRT's headers (no TensorRT library): every
+    op of ops.def through creator fields, createPlugin, output types and shapes (its own IExprBuilder),
+    formats, configure, workspace, metadata, clone, serialize -> createPlugin, attach, onShapeChange and
+    the logged refusals. enqueue runs in plugins/scripts/gpu_check.sh on a GPU."""
+    harness = _lib_for(trt_libs, root).parent / "edgemem_plugin_harness"
+    proc = subprocess.run([str(harness)], capture_output=True, text=True, timeout=60)
+    summary = json.loads(proc.stdout.strip().splitlines()[-1].split("harness: ", 1)[1])
+    assert proc.returncode == 0 and summary["failed"] == 0, proc.stdout
+    ops = re.findall(r"^EM_OP\((\w+),", (PLUGINS / "ops.def").read_text(), re.M)
+    assert summary["plugins"] == len(ops) == 4 and not summary["enqueue"]
+    calls = summary["by_entry_point"]
+    for entry in ("createPlugin", "getOutputDataTypes", "getOutputShapes", "supportsFormatCombination", "configurePlugin",
+                  "getWorkspaceSize", "clone", "getFieldsToSerialize", "attachToContext", "onShapeChange"):
+        assert calls.get(entry, 0) >= len(ops), (entry, calls)
 
 
 # every edgemem node of trt exports covering the four ops: (arch, graph kind, overrides)

@@ -37,6 +37,9 @@ from pathlib import Path
 
 import pytest
 
+from plugin_build import cmake_build
+from plugin_build import run as _run
+
 if importlib.util.find_spec("tensorrt_rtx") is None:
     pytest.skip("tensorrt_rtx is not installed (pip install tensorrt-rtx-cu13==1.7.1.116)", allow_module_level=True)
 
@@ -48,13 +51,6 @@ HEADERS = Path(os.environ.get("EDGEMEM_RTX_TENSORRT_ROOT") or ROOT.parent / "sha
 OPS = {"LinearAttention", "NeuralMemory", "WindowAttention", "BandedAttention"}
 ARCHS = ("deltanet", "gated-deltanet", "titans-mag", "ttt-linear", "longformer", "longformer-encoder")
 SM = (86, 120)  # two RTX generations (Ampere, Blackwell): the plugin kernels and the engines target both
-
-
-def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
-    if proc.returncode:
-        raise AssertionError(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return proc
 
 
 def _cuda_home() -> Path | None:
@@ -105,9 +101,8 @@ def edgemem_plugins(tmp_path_factory, headers) -> Path:
     if not shutil.which("cmake") or not (shutil.which("nvcc") or Path("/usr/local/cuda/bin/nvcc").exists()):
         pytest.skip("cmake and nvcc are needed to build libedgemem_trt_plugins.so")
     build = tmp_path_factory.mktemp("rtx_plugins")
-    _run(["cmake", "-S", str(PLUGINS), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", f"-DTensorRT_ROOT={headers}",
-          f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(map(str, SM))}"])
-    _run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", "edgemem_trt_plugins"])
+    cmake_build(build, f"-DTensorRT_ROOT={headers}", f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(map(str, SM))}",
+                targets=("edgemem_trt_plugins",))
     return build / "libedgemem_trt_plugins.so"
 
 

@@ -16,7 +16,7 @@ MAX_PREFILL_LOG2 = 20
 
 def _exp(x: torch.Tensor) -> torch.Tensor:
     """e^x for x ≤ 0, flushed to 0 below e^−80 (invisible next to the max term's 1; CPU exp is
-    ~100× slower on arguments that underflow, as empty slots and large logit gaps give)."""
+    much slower on arguments that underflow, as empty slots and large logit gaps give: benchmarks/README.md)."""
     return x.clamp(min=_FLOOR).exp().masked_fill(x < _FLOOR, 0.0)
 
 

@@ -35,7 +35,7 @@ def save_checkpoint(model: LM, path: str | Path, tokenizer: Sequence[str | Path]
 
 
 def _save_tokenizer(files: list[Path], path: Path) -> dict[str, str]:
-    from edgemem.models.hf import TOKENIZER_FILES
+    from edgemem.models.hf.importer import TOKENIZER_FILES
 
     folder = tokenizer_dir(path)
     if folder.exists() and (not folder.is_dir() or any(p.name not in TOKENIZER_FILES for p in folder.iterdir())):

@@ -195,12 +195,10 @@ class OrtEngine(Engine):
         kv = manifest.kv_cache or {}
         self._in_place = frozenset(kv.get("states", ()) if target in kv.get("in_place", ()) else ())
         # A growing cache asks for larger tensors at every chunk. onnxruntime's CPU arena keeps its
-        # high-water mark and fragments on ever-larger requests (prefilling in chunks to 100k tokens
-        # grew it past 24 GB; with arena shrinkage, RSS still rose ~10x faster than the cache), so the
-        # prefill graph of such a model allocates from the system. A step grows its tensors by one row:
-        # over 20k steps of the softmax preset, RSS rose 4.3x its cache with the arena and 4.4x without,
-        # and without it every tensor of a step is fresh pages (at 16k positions of a 0.75B hybrid,
-        # 295k more page faults per step, 1.2 GB). The step graph always keeps the arena.
+        # high-water mark and fragments on ever-larger requests, so the prefill graph of such a model
+        # allocates from the system. A step grows its tensors by one row: the arena costs it no more
+        # memory, and without it every tensor of a step is fresh pages. The step graph always keeps the
+        # arena (benchmarks/README.md, "Figures behind choices in the code").
         self._sessions = {kind: self._session(kind, self._options(kind, arena=kind == "step" or not self.grows))
                           for kind in ("step", "prefill") if manifest.graphs.get(kind)}
         self._step_session = self._sessions["step"]
@@ -254,7 +252,7 @@ class OrtEngine(Engine):
             providers = [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
         # In a QDQ graph, common-subexpression elimination merges the QuantizeLinear nodes of
         # projections that read one input, and the merged node no longer fuses into an integer
-        # MatMul: static INT8 then ran ~4x slower than float on CPU.
+        # MatMul: static INT8 then runs slower than float on CPU (benchmarks/README.md).
         static_int8 = (self.manifest.quantization or {}).get("method") == "static"
         disabled = ["CommonSubexpressionElimination"] if static_int8 else None
         try:

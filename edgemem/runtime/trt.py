@@ -105,7 +105,7 @@ class Device(Protocol):
     def copy(self, dst: int, src: int, nbytes: int) -> None: ...
 
 
-class Graph(Protocol):
+class EngineContext(Protocol):
     """One engine and its execution context (`_TrtGraph`; tests pass a stand-in)."""
 
     inputs: frozenset[str]
@@ -202,7 +202,7 @@ class TrtEngine(Engine):
     target = "trt"
     threads = None
 
-    def __init__(self, directory: Path, manifest: Manifest, info: Mapping[str, Any], graphs: Mapping[str, Graph],
+    def __init__(self, directory: Path, manifest: Manifest, info: Mapping[str, Any], graphs: Mapping[str, EngineContext],
                  device: Device, chunk_size: int):
         super().__init__(directory, manifest, chunk_size, has_prefill="prefill" in graphs)
         self.info = info

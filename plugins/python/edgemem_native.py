@@ -1,11 +1,15 @@
 """ctypes bindings of edgemem's native libraries, shared by the tests and scripts/gpu_check.py.
 
-Two libraries expose the same C ABI over the same structs (include/edgemem/{io.h, *.h}):
+Two libraries expose the same C ABI over the same structs (each op's `launch.h` in plugins/):
 `libedgemem_reference.so` (`em_ref_*`: the CPU reference, float32 host tensors) and
 `libedgemem_kernels.so` (`em_cuda_*`: the CUDA kernels, float32/float16 device tensors, run on
 torch's current stream). `Native(path)` picks the prefix from the library it loads; every op
 takes torch tensors in the ONNX node's layout and returns new output tensors, or writes into
 `present_*` tensors given by the caller (pass the past tensors themselves to run in place).
+
+The ctypes structs below mirror the C structs of each op's `launch.h`; loading the reference library
+compares them with the compiled layout (`em_ref_abi_layout`: every struct's size and every field's
+offset) and refuses a mismatch, so the mirror cannot drift from the headers silently.
 """
 
 from __future__ import annotations
@@ -22,34 +26,62 @@ STATUS = {1: "bad argument", 2: "unsupported", 3: "CUDA error"}
 LA_PATHS = {"auto": 0, "sequential": 1, "chunked": 2}  # edgemem::cuda::LaPath
 
 
-def _struct(name, fields):
-    return type(name, (ctypes.Structure,), {"_fields_": fields})
+def _struct(name, c_name, fields):
+    return type(name, (ctypes.Structure,), {"_fields_": fields, "c_name": c_name})
 
 
-LAParams = _struct("LAParams", [(n, c_int32) for n in ("batch", "seq", "q_heads", "kv_heads", "dk", "dv", "rule")]
+LAParams = _struct("LAParams", "la::Params", [(n, c_int32) for n in ("batch", "seq", "q_heads", "kv_heads", "dk", "dv", "rule")]
                    + [("scale", c_float), ("decay_per_key", c_int32), ("beta_per_head", c_int32)])
-LAIO = _struct("LAIO", [(n, c_void_p) for n in (
+LAIO = _struct("LAIO", "LinearAttentionIO", [(n, c_void_p) for n in (
     "query", "key", "value", "past_state", "decay", "beta", "output", "present_state")])
-WindowParams = _struct("WindowParams", [(n, c_int32) for n in (
+WindowParams = _struct("WindowParams", "attn::WindowParams", [(n, c_int32) for n in (
     "batch", "seq", "heads", "d", "dv", "window", "ring", "persistent")] + [("scale", c_float)])
-WindowIO = _struct("WindowIO", [(n, c_void_p) for n in (
+WindowIO = _struct("WindowIO", "WindowAttentionIO", [(n, c_void_p) for n in (
     "query", "key", "value", "past_key", "past_value", "position", "persistent_key", "persistent_value",
     "output", "present_key", "present_value")])
-BandedParams = _struct("BandedParams", [(n, c_int32) for n in (
+BandedParams = _struct("BandedParams", "attn::BandedParams", [(n, c_int32) for n in (
     "batch", "seq", "heads", "d", "dv", "window", "causal", "persistent")] + [("scale", c_float)])
-BandedIO = _struct("BandedIO", [(n, c_void_p) for n in (
+BandedIO = _struct("BandedIO", "BandedAttentionIO", [(n, c_void_p) for n in (
     "query", "key", "value", "global_mask", "persistent_key", "persistent_value", "output")])
-NMParams = _struct("NMParams", [(n, c_int32) for n in (
+NMParams = _struct("NMParams", "nm::Params", [(n, c_int32) for n in (
     "batch", "seq", "heads", "d", "e", "depth", "chunk", "activation", "residual_norm", "position_per_batch")])
-NMIO = _struct("NMIO", [(n, c_void_p) for n in (
+NMIO = _struct("NMIO", "NeuralMemoryIO", [(n, c_void_p) for n in (
     "query", "key", "value", "theta", "eta", "alpha", "position", "norm_weight", "norm_bias")]
     + [(n, c_void_p * 2) for n in ("weights", "momentum", "chunk_weights")]
     + [(n, c_void_p) for n in ("output", "present_position")]
     + [(n, c_void_p * 2) for n in ("present_weights", "present_momentum", "present_chunk_weights")])
 
 
+STRUCTS = (LAParams, LAIO, WindowParams, WindowIO, BandedParams, BandedIO, NMParams, NMIO)
+
+
 class NativeError(RuntimeError):
     pass
+
+
+def layout_mismatches(layout: str) -> list[str]:
+    """What differs between the ctypes mirror and `layout` (em_ref_abi_layout's text); empty when they agree."""
+    compiled: dict[str, list[tuple[str, int]]] = {}
+    sizes: dict[str, int] = {}
+    for line in layout.splitlines():
+        name, value = line.rsplit(" ", 1)
+        struct, _, field = name.partition(".")
+        if field:
+            compiled.setdefault(struct, []).append((field, int(value)))
+        else:
+            sizes[struct] = int(value)
+    out = []
+    for s in STRUCTS:
+        if s.c_name not in sizes:
+            out.append(f"{s.c_name}: not in the library")
+            continue
+        mirror = [(name, getattr(s, name).offset) for name, _ in s._fields_]
+        if mirror != compiled.get(s.c_name, []):
+            out.append(f"{s.c_name}: fields {mirror} in Python, {compiled.get(s.c_name)} in C")
+        if ctypes.sizeof(s) != sizes[s.c_name]:
+            out.append(f"{s.c_name}: {ctypes.sizeof(s)} bytes in Python, {sizes[s.c_name]} in C")
+    out += [f"{name}: in the library, not in Python" for name in sizes.keys() - {s.c_name for s in STRUCTS}]
+    return out
 
 
 def _ptr(x: torch.Tensor | None) -> int | None:
@@ -67,6 +99,12 @@ class Native:
         self.lib = ctypes.CDLL(str(path))
         self.cuda = hasattr(self.lib, "em_cuda_abi_version")
         self.prefix = "em_cuda_" if self.cuda else "em_ref_"
+        if not self.cuda:
+            self.lib.em_ref_abi_layout.restype = ctypes.c_char_p
+            wrong = layout_mismatches(self.lib.em_ref_abi_layout().decode())
+            if wrong:
+                raise NativeError(f"{path}: the ctypes structs of edgemem_native.py do not match the C ABI: "
+                                  + "; ".join(wrong))
         p = POINTER
         sigs = {
             "linear_attention": [p(LAParams), p(LAIO)],

@@ -5,7 +5,8 @@
 #
 # Needs an NVIDIA GPU with its driver, nvcc, CMake >= 3.25, and a Python with PyTorch (CUDA build)
 # and edgemem importable (e.g. the repository's virtual environment: PYTHON=.venv/bin/python).
-# TensorRT is not needed. Steps:
+# TensorRT's library is not needed; with TensorRT headers (TensorRT_ROOT, else the newest under
+# ../shared/third_party/tensorrt beside the repository) step 4 runs as well. Steps:
 #   1. builds plugins/ for this GPU's architecture (CUDA_ARCH=87 etc. to override);
 #   2. gpu_check.py: every op, float32 and float16 I/O, odd shapes, in-place state, step-by-step
 #      vs prefill, LinearAttention's chunked form, against edgemem.ops (float64) and the CPU
@@ -13,6 +14,9 @@
 #      flash-linear-attention where it is installed;
 #   3. compute-sanitizer memcheck and racecheck over the quick case set (skipped with a note if
 #      compute-sanitizer is not installed);
+#   4. the plugin harness with --enqueue (tests/plugin_harness.cpp): every plugin through TensorRT's
+#      build and runtime calls, then enqueue against the op's kernel and the CPU reference (skipped
+#      with a note without TensorRT headers);
 # and writes BUILD_DIR/gpu_check_report.md. Exit status 0 only if every step passed.
 set -uo pipefail
 
@@ -34,10 +38,16 @@ if [ -z "$cap" ]; then
 fi
 arch=${CUDA_ARCH:-$cap}
 
-note "build (sm_$arch) in $build"
+trt=${TensorRT_ROOT:-}
+if [ -z "$trt" ]; then
+    trt=$(ls -d "$repo"/../shared/third_party/tensorrt/v* 2>/dev/null | sort -V | tail -n1)
+fi
+if [ -n "$trt" ]; then trt_args=(-DEDGEMEM_BUILD_TRT=ON "-DTensorRT_ROOT=$trt"); else trt_args=(-DEDGEMEM_BUILD_TRT=OFF); fi
+
+note "build (sm_$arch) in $build${trt:+, TensorRT headers $trt}"
 mkdir -p "$build"
 if ! cmake -S "$plugins" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$arch" \
-        -DEDGEMEM_BUILD_TRT=OFF >"$build/configure.log" 2>&1 \
+        "${trt_args[@]}" >"$build/configure.log" 2>&1 \
    || ! cmake --build "$build" -j "$(nproc)" >"$build/build.log" 2>&1; then
     tail -n 40 "$build/configure.log" "$build/build.log" >&2
     echo "error: build failed (logs in $build)" >&2
@@ -82,6 +92,24 @@ else
             grep -m 20 -E "=========" "$log" >&2 || true
         fi
     done
+fi
+
+{
+    echo
+    echo "## plugin harness (enqueue)"
+    echo
+} >>"$report"
+if [ ! -x "$build/edgemem_plugin_harness" ]; then
+    echo "no TensorRT headers (set TensorRT_ROOT): the plugin harness was not built" | tee -a "$report"
+else
+    note "plugin harness --enqueue"
+    if "$build/edgemem_plugin_harness" --enqueue >"$build/plugin_harness.log" 2>&1; then
+        echo "- plugin harness: passed" | tee -a "$report"
+    else
+        status=1
+        echo "- plugin harness: FAILED (log: $build/plugin_harness.log)" | tee -a "$report"
+    fi
+    { echo '```'; grep -E "^(enqueue|FAIL|harness:)" "$build/plugin_harness.log"; echo '```'; } >>"$report"
 fi
 
 note "report: $report"

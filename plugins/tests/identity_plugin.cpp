@@ -1,7 +1,7 @@
 // The smallest IPluginV3 plugin library TensorRT's ONNX parser can import: one op, `Identity`
 // in namespace `edgemem_test`, version "1", one float input copied to one output, no fields.
 // It shares no code with the edgemem plugins: tests/test_rtx.py uses it to tell a fault of a
-// TensorRT parser from a fault of edgemem's plugin glue (plugins/trt/common).
+// TensorRT parser from a fault of edgemem's plugin glue (plugins/core).
 //
 //   g++ -std=c++17 -shared -fPIC -I<TensorRT include> -I<CUDA include> identity_plugin.cpp
 //       -L<CUDA lib64> -lcudart_static -ldl -lrt -lpthread -o libidentity_plugin.so

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from edgemem.errors import ConfigError
-from edgemem.models.hf import load_table, new_lm, require, tied_ignore
+from edgemem.models.hf.importer import load_table, new_lm, require, tied_ignore
 from edgemem.models.lm import LM, LMConfig
 
 MODEL_TYPES = ("gated_deltanet", "delta_net")

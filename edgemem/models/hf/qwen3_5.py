@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from edgemem.errors import ConfigError
-from edgemem.models.hf import load_table, new_lm, require, tied_ignore
+from edgemem.models.hf.importer import load_table, new_lm, require, tied_ignore
 from edgemem.models.lm import LM, LMConfig
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5")

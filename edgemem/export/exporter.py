@@ -1,0 +1,207 @@
+"""The exporter (`edgemem.export.export`): any module following the stateful protocol → an export directory.
+
+    DIR/edgemem.json                 the manifest (edgemem.manifest)
+    DIR/<target>/prefill.onnx        prompt of any length, from and to a state (a Loop over segments
+                                     for Titans MAC, edgemem.export.segments; absent when the model's
+                                     prefill is a data-dependent loop without segments: prompts are stepped)
+    DIR/<target>/step.onnx           one token (absent for bidirectional models)
+    DIR/<target>/weights.data        the weights of the target's graphs, each tensor once (edgemem.weights)
+    DIR/state_init.safetensors       initial values of the states that do not start at zero
+    DIR/tokenizer/                   the model's tokenizer files, when given (config["tokenizer"]
+                                     names the tokenizer.json the runtime reads)
+
+The directory is built beside DIR under a temporary name and renamed into place, so an
+interrupted export never leaves a half-written DIR.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save as save_safetensors
+from torch import nn
+
+from edgemem import weights
+from edgemem.config import fits_memory, size_text
+from edgemem.errors import ConfigError, EdgememError, named
+from edgemem.export import genai
+from edgemem.export.graphs import TRACE_TOKENS, export_graph, graph_io, growing_dims, input_name, output_name
+from edgemem.export.lower import lower
+from edgemem.export.segments import loop_over_segments, position_input, prefill_segment
+from edgemem.files import check_output_dir, save_onnx, sha256, staged_directory, write_atomic
+from edgemem.manifest import MANIFEST, STATE_INIT, TARGETS, TOKENIZER_DIR, Manifest, StateSpec
+
+log = logging.getLogger(__name__)
+
+OPSET = 20
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+_ONNX_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.float64: "float64", torch.int64: "int64"}
+
+
+def _check_protocol(model: nn.Module) -> None:
+    missing = [m for m in ("init_state", "prefill", "step") if not callable(getattr(model, m, None))]
+    if missing:
+        raise EdgememError(
+            f"{type(model).__name__} does not follow the stateful protocol: missing {', '.join(missing)} "
+            "(see edgemem.layers.base.StatefulLayer)"
+        )
+    if not isinstance(getattr(getattr(model, "config", None), "vocab_size", None), int):
+        raise EdgememError(f"{type(model).__name__} needs `config.vocab_size` (an int) to be exported")
+
+
+def state_specs(model: nn.Module, dtype: torch.dtype | None = None) -> list[StateSpec]:
+    """Manifest entries for the model's state: names, shapes (with "batch" / "past_sequence"), init."""
+    state = model.init_state(1, dtype=dtype)
+    growing = growing_dims(model, dtype)
+    specs = []
+    for key, tensor in state.items():
+        shape: list[int | str] = ["batch", *tensor.shape[1:]]
+        for d in growing.get(key, []):
+            shape[d] = "past_sequence"
+        layer, _, kind = key.partition(".")
+        specs.append(
+            StateSpec(
+                input=input_name(key), output=output_name(key), shape=shape, dtype=_ONNX_DTYPES[tensor.dtype],
+                layer=layer if kind else "", kind=kind or key, init="zeros" if not tensor.any() else "file",
+            )
+        )
+    return specs
+
+
+def _config(model: nn.Module) -> dict[str, Any]:
+    config = model.config
+    data = config.to_dict() if hasattr(config, "to_dict") else {}
+    return {**data, "vocab_size": config.vocab_size}
+
+
+def _kv_cache(model: nn.Module, targets: Sequence[str]) -> dict[str, Any] | None:
+    """The manifest's `kv_cache` entry from the model's (`model.kv_cache`, e.g. `LM.kv_cache`)."""
+    kv = getattr(model, "kv_cache", None)
+    if kv is None:
+        return None
+    window = kv["sinks"] is not None
+    return {
+        "max_length": kv["max_length"], "overflow": "sink_window" if window else "error", "sinks": kv["sinks"] or 0,
+        "states": [input_name(k) for k in kv["states"]],
+        "in_place": [] if window or "ort" not in targets else ["ort"],  # GroupQueryAttention (export.lower)
+    }
+
+
+def check_cache_length(max_length: int, sinks: int | None) -> None:
+    """A preallocated KV cache without a sliding window must hold the streams the export traces its graphs on."""
+    if sinks is None and max_length < TRACE_TOKENS:
+        option = named("max_length", "--max-length")
+        raise ConfigError(f"{option} {max_length} is too short: the export traces its graphs on streams of "
+                          f"{TRACE_TOKENS} tokens, so the KV cache needs {option} {TRACE_TOKENS} or more "
+                          f"(or a sliding window: {named('sinks', '--sinks')})")
+
+
+TRACE_COPIES = 8  # streams' worth of state the export holds at once while tracing (batch-2 examples, outputs, copies)
+
+
+def _check_state_fits(model: nn.Module) -> None:
+    """Refuse, before tracing, a state (a KV cache of --max-length, a window) too large for this machine's memory."""
+    try:
+        state = model.init_state(1, device="meta")
+    except Exception:  # noqa: BLE001 - a model whose state cannot be sized without memory: the export finds out
+        return
+    per_stream = sum(t.numel() * t.element_size() for t in state.values())
+    arch = getattr(getattr(model, "config", None), "arch", "the model")
+    fits_memory(TRACE_COPIES * per_stream, f"exporting {arch} (its state is {size_text(per_stream)} per stream; "
+                "the export traces several streams at once)")
+
+
+def export(
+    model: nn.Module,
+    out_dir: str | Path,
+    *,
+    targets: Sequence[str] = ("generic", "ort", "trt"),
+    dtype: str = "fp32",
+    force: bool = False,
+    extra_config: dict[str, Any] | None = None,
+    tokenizer: Sequence[str | Path] = (),
+) -> Manifest:
+    """Export `model` (stateful protocol, `config.vocab_size`) to `out_dir` for `targets`; `tokenizer`:
+    files that travel with it (a tokenizer.json among them is what the runtime encodes text with)."""
+    _check_protocol(model)
+    tokenizer = [Path(p) for p in tokenizer]
+    missing = [str(p) for p in tokenizer if not p.is_file()]
+    if missing:
+        raise EdgememError(f"tokenizer file(s) not found: {', '.join(missing)}")
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown or not targets:
+        raise EdgememError(f"unknown target(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(TARGETS)}")
+    if dtype not in DTYPES:
+        raise EdgememError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    if len(set(targets)) != len(targets):
+        raise EdgememError(f"targets repeat: {', '.join(targets)}; name each at most once")
+    kv = getattr(model, "kv_cache", None)
+    if kv is not None:
+        check_cache_length(kv["max_length"], kv["sinks"])
+    _check_state_fits(model)
+    source = (extra_config or {}).get("checkpoint")
+    out_dir = check_output_dir(out_dir, force=force, inputs=[source] if source else [])
+
+    model = model.eval()
+    if dtype == "fp16":
+        model = copy.deepcopy(model).half()
+    state_dtype = torch.float32  # state stays fp32 whatever the weights
+    segment = prefill_segment(model)
+    position = position_input(model) if segment else ""
+    graphs = {"prefill": segment is not None, "step": bool(getattr(model, "streaming", True))}
+    with staged_directory(out_dir) as tmp:
+        files: dict[str, str] = {}
+        written: dict[str, list[Path]] = {target: [] for target in targets}
+        for kind in [k for k, present in graphs.items() if present]:
+            log.info("exporting the %s graph", kind)
+            proto = export_graph(model, kind, OPSET, state_dtype)
+            for target in targets:
+                path = tmp / target / f"{kind}.onnx"
+                path.parent.mkdir(exist_ok=True)
+                lowered = lower(proto, target)
+                if kind == "prefill" and segment:  # lowered first: the Loop body holds the lowered nodes
+                    lowered = loop_over_segments(lowered, segment, position, ["input_ids", *graph_io(model)[0]])
+                save_onnx(lowered, path)
+                written[target].append(path)
+        stores = {}
+        for target, paths in written.items():
+            if (store := weights.share(tmp / target, paths)) is not None:
+                stores[target] = store
+                files[store["file"]] = sha256(tmp / store["file"])
+            for path in paths:
+                files[f"{target}/{path.name}"] = sha256(path)
+        specs = state_specs(model, state_dtype)
+        initial = {s.input: t.contiguous() for s, t in zip(specs, model.init_state(1, dtype=state_dtype).values()) if s.init == "file"}
+        if initial:
+            write_atomic(tmp / STATE_INIT, save_safetensors(initial))
+            files[STATE_INIT] = sha256(tmp / STATE_INIT)
+        config = {**_config(model), **(extra_config or {}), "dtype": dtype}
+        for path in tokenizer:
+            (tmp / TOKENIZER_DIR).mkdir(exist_ok=True)
+            shutil.copyfile(path, tmp / TOKENIZER_DIR / path.name)
+            files[f"{TOKENIZER_DIR}/{path.name}"] = sha256(tmp / TOKENIZER_DIR / path.name)
+            if path.name == "tokenizer.json":
+                config["tokenizer"] = f"{TOKENIZER_DIR}/{path.name}"
+        extras, output = graph_io(model)
+        manifest = Manifest(
+            arch=str(getattr(model.config, "arch", "custom")), config=config, opset=OPSET, targets=list(targets),
+            state=specs, graphs=graphs, files=files,
+            inputs={"tokens": "input_ids", **{name: name for name in extras}}, outputs={output: output},
+            kv_cache=_kv_cache(model, targets), weights=stores or None,
+        )
+        manifest.genai, genai_config = genai.entry(manifest)
+        if genai_config is not None:
+            write_atomic(tmp / genai.GENAI_CONFIG, genai_config)
+            files[genai.GENAI_CONFIG] = sha256(tmp / genai.GENAI_CONFIG)
+        write_atomic(tmp / MANIFEST, manifest.to_json().encode())
+    log.info("wrote %s", out_dir)
+    return manifest
+
+
+__all__ = ["OPSET", "check_cache_length", "export", "lower", "state_specs"]

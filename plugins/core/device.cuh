@@ -1,0 +1,72 @@
+// Device-side helpers shared by the kernels: typed loads/stores (float32 / float16 I/O,
+// float32 math) and the warp all-reduce that plugs into the math headers.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/common.h"
+
+namespace edgemem
+{
+namespace cuda
+{
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+__device__ __forceinline__ float toFloat(float x) { return x; }
+__device__ __forceinline__ float toFloat(__half x) { return __half2float(x); }
+
+template <typename T>
+__device__ __forceinline__ T fromFloat(float x);
+template <>
+__device__ __forceinline__ float fromFloat<float>(float x)
+{
+    return x;
+}
+template <>
+__device__ __forceinline__ __half fromFloat<__half>(float x)
+{
+    return __float2half_rn(x);
+}
+
+template <typename T>
+__device__ __forceinline__ float load(void const* base, int64_t i)
+{
+    return toFloat(static_cast<T const*>(base)[i]);
+}
+
+template <typename T>
+__device__ __forceinline__ void store(void* base, int64_t i, float x)
+{
+    static_cast<T*>(base)[i] = fromFloat<T>(x);
+}
+
+// Sum over the 32 lanes of a warp; every lane gets the total. All lanes must call it.
+struct WarpSum
+{
+    __device__ __forceinline__ float operator()(float x) const
+    {
+        EM_UNROLL
+        for (int offset = kWarp / 2; offset > 0; offset >>= 1)
+            x += __shfl_xor_sync(kFullMask, x, offset);
+        return x;
+    }
+};
+
+// Per-head dilations passed by value (kernel parameter space), so no device allocation.
+constexpr int kMaxHeads = 128;
+struct Dilation
+{
+    int32_t v[kMaxHeads];
+};
+
+inline int launchStatus()
+{
+    return cudaGetLastError() == cudaSuccess ? kOk : kCudaError;
+}
+
+} // namespace cuda
+} // namespace edgemem

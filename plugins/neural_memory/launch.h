@@ -1,0 +1,45 @@
+// NeuralMemory: the node's tensors, the CUDA launcher (raw device pointers, a cudaStream_t) and the
+// C ABI of the kernel (libedgemem_kernels.so) and of the CPU reference (libedgemem_reference.so).
+// Each launcher returns an edgemem::Status (0 = launched). Outputs may alias the matching state
+// inputs (present_* == past_*): every kernel reads a state element before it writes it, and each
+// state element is read and written by one owner only, so state-in and state-out may be one buffer.
+#pragma once
+
+#include "core/attention.h"
+#include "core/io.h"
+#include "neural_memory/neural_memory.h"
+
+namespace edgemem
+{
+
+struct NeuralMemoryIO
+{
+    void const* query;         // T
+    void const* key;           // T
+    void const* value;         // T
+    void const* theta;         // T
+    void const* eta;           // T
+    void const* alpha;         // T
+    int64_t const* position;   // [B] or [1]
+    float const* norm_weight;  // [H, D]
+    float const* norm_bias;    // [H, D]
+    float const* weights[2];   // layer 1, layer 2 (unused for depth 1)
+    float const* momentum[2];
+    float const* chunk_weights[2];
+    void* output;              // T
+    int64_t* present_position; // may equal position
+    float* present_weights[2]; // each may equal its input
+    float* present_momentum[2];
+    float* present_chunk_weights[2];
+};
+
+namespace cuda
+{
+// T >= 1 tokens. Depth 1 reads and writes the first layer only.
+int neuralMemory(nm::Params const& p, NeuralMemoryIO const& io, DType dtype, cudaStream_t stream);
+} // namespace cuda
+} // namespace edgemem
+
+EM_CUDA_API int em_cuda_neural_memory(
+    edgemem::nm::Params const* p, edgemem::NeuralMemoryIO const* io, int dtype, int, int, void* stream);
+EM_REF_API int em_ref_neural_memory(edgemem::nm::Params const* params, edgemem::NeuralMemoryIO const* io);

@@ -1,0 +1,338 @@
+// WindowAttention kernel: streaming decode / prefill over a ring buffer (core/attention.h).
+//
+// A block per (batch, head) owns that head's ring; its 16 warps split the window+1+P keys of a
+// token (each warp's online softmax, core/warp_attention.cuh, is a serial chain, so more warps
+// mean shorter chains), merge their partial softmaxes in shared memory, and only then is the
+// token's key/value written into ring slot position mod L (that slot may still hold a key the
+// token attends). Tokens run in order; the ring may be updated in place.
+// A single token (decode) with a workspace splits the keys over several blocks instead
+// (flash-decoding): each block writes its partial softmax (m, l, sum p v) to the workspace, and a
+// second kernel merges them, writes the output and only then the ring slot.
+#include "core/warp_attention.cuh"
+#include "launch.h"
+
+namespace edgemem
+{
+namespace cuda
+{
+namespace
+{
+
+constexpr int kWaWarps = 16;
+constexpr int kWaThreads = kWaWarps * kWarp;
+
+// Loads key idx of token t (at position pos): 0 is the token itself, 1..window the ring
+// (ring_key/ring_value: the ring as it was before this token), then the persistent keys.
+// False for a window key before position 0, which does not exist.
+template <typename T, typename S, typename P, int N>
+__device__ __forceinline__ bool fetchWindowKey(WarpAttention<N> const& a, KeyRow<N>& x, attn::WindowParams const& p,
+    WindowAttentionIO const& io, void const* ring_key, void const* ring_value, int b, int h, int dil, int64_t pos, int t,
+    int idx)
+{
+    if (idx == 0)
+        a.template fetch<T>(x, io.key, attn::rowOffset(p.seq, p.heads, p.d, b, t, h), io.value,
+            attn::rowOffset(p.seq, p.heads, p.dv, b, t, h));
+    else if (idx <= p.window)
+    {
+        int64_t const at = attn::windowKeyPosition(pos, idx, dil);
+        if (at < 0)
+            return false;
+        int64_t const slot = attn::ringSlot(at, p.ring);
+        a.template fetch<S>(x, ring_key, attn::headRowOffset(p.heads, p.ring, p.d, b, h, 0) + slot * p.d, ring_value,
+            attn::headRowOffset(p.heads, p.ring, p.dv, b, h, 0) + slot * p.dv);
+    }
+    else
+    {
+        int const r = idx - p.window - 1;
+        a.template fetch<P>(x, io.persistent_key, attn::headRowOffset(p.heads, p.persistent, p.d, b, h, r),
+            io.persistent_value, attn::headRowOffset(p.heads, p.persistent, p.dv, b, h, r));
+    }
+    return true;
+}
+
+// Adds keys first, first + stride, ... (< keys) to a warp's softmax, loading kKeysPerWarp of them
+// before using any: each key is a round trip to memory, so in flight together they cost one.
+constexpr int kKeysPerWarp = 2;
+template <typename T, typename S, typename P, int N>
+__device__ __forceinline__ void addWindowKeys(WarpAttention<N>& a, attn::WindowParams const& p, WindowAttentionIO const& io,
+    void const* ring_key, void const* ring_value, int b, int h, int dil, int64_t pos, int t, int first, int stride)
+{
+    int const keys = p.window + 1 + p.persistent;
+    for (int idx = first; idx < keys; idx += kKeysPerWarp * stride)
+    {
+        KeyRow<N> x[kKeysPerWarp];
+        bool ok[kKeysPerWarp];
+        EM_UNROLL
+        for (int u = 0; u < kKeysPerWarp; ++u)
+            ok[u] = idx + u * stride < keys
+                && fetchWindowKey<T, S, P, N>(a, x[u], p, io, ring_key, ring_value, b, h, dil, pos, t, idx + u * stride);
+        EM_UNROLL
+        for (int u = 0; u < kKeysPerWarp; ++u)
+            if (ok[u])
+                a.add(x[u]);
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void savePartial(
+    WarpAttention<N> const& a, SoftmaxState* part_st, float (*part_acc)[kMaxHeadDim], int warp, int lane)
+{
+    if (lane == 0)
+        part_st[warp] = a.st;
+    EM_UNROLL
+    for (int r = 0; r < N; ++r)
+        if (lane + r * kWarp < a.dv)
+            part_acc[warp][lane + r * kWarp] = a.acc[r];
+}
+
+// Column j of n partial softmaxes (acc rows `ld` floats apart) merged: returns sum p v
+// relative to total.m; total.l is the matching sum of weights.
+__device__ __forceinline__ float mergePartials(
+    SoftmaxState const* st, float const* acc, int ld, int n, int j, SoftmaxState& total)
+{
+    total = softmax_empty();
+    float o = 0.0f;
+    for (int w = 0; w < n; ++w)
+    {
+        float fa, fb;
+        softmax_merge(total, st[w], fa, fb);
+        o = o * fa + acc[w * ld + j] * fb;
+    }
+    return o;
+}
+
+// The token's key and value into ring slot pos mod L, after every read of that slot.
+template <typename T, typename S>
+__device__ __forceinline__ void writeSlot(
+    attn::WindowParams const& p, WindowAttentionIO const& io, int b, int h, int64_t pos, int t)
+{
+    int64_t const slot = attn::ringSlot(pos, p.ring);
+    int64_t const kr = attn::headRowOffset(p.heads, p.ring, p.d, b, h, 0) + slot * p.d;
+    int64_t const vr = attn::headRowOffset(p.heads, p.ring, p.dv, b, h, 0) + slot * p.dv;
+    int64_t const q_row = attn::rowOffset(p.seq, p.heads, p.d, b, t, h);
+    int64_t const v_row = attn::rowOffset(p.seq, p.heads, p.dv, b, t, h);
+    for (int i = threadIdx.x; i < p.d; i += blockDim.x)
+        store<S>(io.present_key, kr + i, load<T>(io.key, q_row + i));
+    for (int j = threadIdx.x; j < p.dv; j += blockDim.x)
+        store<S>(io.present_value, vr + j, load<T>(io.value, v_row + j));
+}
+
+template <typename T, typename S, typename P, int N>
+__global__ void __launch_bounds__(kWaThreads, 1) windowAttentionKernel(
+    attn::WindowParams const p, Dilation const dilation, WindowAttentionIO const io)
+{
+    __shared__ SoftmaxState part_st[kWaWarps];
+    __shared__ float part_acc[kWaWarps][kMaxHeadDim];
+
+    int const lane = threadIdx.x & (kWarp - 1);
+    int const warp = threadIdx.x / kWarp;
+    int const b = blockIdx.x / p.heads;
+    int const h = blockIdx.x % p.heads;
+    int const dil = dilation.v[h];
+    int64_t const key_ring = attn::headRowOffset(p.heads, p.ring, p.d, b, h, 0);
+    int64_t const value_ring = attn::headRowOffset(p.heads, p.ring, p.dv, b, h, 0);
+
+    // present ring = past ring, then updated in place token by token
+    if (io.present_key != io.past_key)
+        for (int64_t i = threadIdx.x; i < int64_t(p.ring) * p.d; i += blockDim.x)
+            static_cast<S*>(io.present_key)[key_ring + i] = static_cast<S const*>(io.past_key)[key_ring + i];
+    if (io.present_value != io.past_value)
+        for (int64_t i = threadIdx.x; i < int64_t(p.ring) * p.dv; i += blockDim.x)
+            static_cast<S*>(io.present_value)[value_ring + i] = static_cast<S const*>(io.past_value)[value_ring + i];
+    __syncthreads();
+
+    for (int t = 0; t < p.seq; ++t)
+    {
+        int64_t const pos = io.position[b] + t;
+        int64_t const q_row = attn::rowOffset(p.seq, p.heads, p.d, b, t, h);
+        int64_t const v_row = attn::rowOffset(p.seq, p.heads, p.dv, b, t, h);
+        WarpAttention<N> a{};
+        a.template init<T>(io.query, q_row, lane, p.d, p.dv, p.scale);
+        addWindowKeys<T, S, P, N>(a, p, io, io.present_key, io.present_value, b, h, dil, pos, t, warp, kWaWarps);
+        savePartial(a, part_st, part_acc, warp, lane);
+        __syncthreads(); // every read of the ring for this token is done
+
+        for (int j = threadIdx.x; j < p.dv; j += blockDim.x)
+        {
+            SoftmaxState total;
+            float const o = mergePartials(part_st, &part_acc[0][0], kMaxHeadDim, kWaWarps, j, total);
+            store<T>(io.output, v_row + j, o / total.l);
+        }
+        writeSlot<T, S>(p, io, b, h, pos, t);
+        __syncthreads(); // the slot is written and part_* may be reused
+    }
+}
+
+// Decode split over blocks: block (s, h, b) takes keys s, s + splits, ... of the one token
+// (strided, so every split gets near the same share of window, self and persistent keys) and
+// writes its merged partial to ws[((b * heads + h) * splits + s) * (dv + 2)]: dv sums, then m, l.
+template <typename T, typename S, typename P, int N>
+__global__ void __launch_bounds__(kWaThreads, 1) windowSplitKernel(
+    attn::WindowParams const p, Dilation const dilation, WindowAttentionIO const io, float* ws)
+{
+    __shared__ SoftmaxState part_st[kWaWarps];
+    __shared__ float part_acc[kWaWarps][kMaxHeadDim];
+
+    int const lane = threadIdx.x & (kWarp - 1);
+    int const warp = threadIdx.x / kWarp;
+    int const s = blockIdx.x, splits = gridDim.x, h = blockIdx.y, b = blockIdx.z;
+    WarpAttention<N> a{};
+    a.template init<T>(io.query, attn::rowOffset(1, p.heads, p.d, b, 0, h), lane, p.d, p.dv, p.scale);
+    addWindowKeys<T, S, P, N>(
+        a, p, io, io.past_key, io.past_value, b, h, dilation.v[h], io.position[b], 0, s + warp * splits, kWaWarps * splits);
+    savePartial(a, part_st, part_acc, warp, lane);
+    __syncthreads();
+    float* out = ws + ((int64_t(b) * p.heads + h) * splits + s) * (p.dv + 2);
+    SoftmaxState total{};
+    for (int j = threadIdx.x; j < p.dv; j += blockDim.x)
+        out[j] = mergePartials(part_st, &part_acc[0][0], kMaxHeadDim, kWaWarps, j, total);
+    if (threadIdx.x == 0) // thread 0 merged column 0 (dv >= 1)
+    {
+        out[p.dv] = total.m;
+        out[p.dv + 1] = total.l;
+    }
+}
+
+// Merges the splits of one (batch, head), writes the output, then the token's ring slot (the
+// present ring is the past one where they differ, copied by the split kernel's launcher). The
+// first warp turns the splits' (m, l) into weights exp(m_s - M) / L, so each output column is
+// a plain weighted sum with its loads all in flight.
+constexpr int kMaxSplits = 64;
+template <typename T, typename S>
+__global__ void __launch_bounds__(kMaxHeadDim) windowMergeKernel(
+    attn::WindowParams const p, WindowAttentionIO const io, float const* ws, int const splits)
+{
+    __shared__ float weight[kMaxSplits];
+    int const h = blockIdx.x, b = blockIdx.y;
+    float const* part = ws + (int64_t(b) * p.heads + h) * splits * (p.dv + 2);
+    if (threadIdx.x < kWarp)
+    {
+        constexpr int kPer = kMaxSplits / kWarp;
+        float m[kPer], l[kPer], w[kPer];
+        float top = -INFINITY, total = 0.0f;
+        EM_UNROLL
+        for (int i = 0; i < kPer; ++i)
+        {
+            int const s = threadIdx.x + i * kWarp;
+            m[i] = s < splits ? part[int64_t(s) * (p.dv + 2) + p.dv] : -INFINITY;
+            l[i] = s < splits ? part[int64_t(s) * (p.dv + 2) + p.dv + 1] : 0.0f;
+            top = l[i] > 0.0f ? em_max(top, m[i]) : top;
+        }
+        EM_UNROLL
+        for (int o = kWarp / 2; o > 0; o >>= 1)
+            top = em_max(top, __shfl_xor_sync(kFullMask, top, o));
+        EM_UNROLL
+        for (int i = 0; i < kPer; ++i)
+        {
+            w[i] = l[i] > 0.0f ? em_exp(m[i] - top) : 0.0f;
+            total += w[i] * l[i];
+        }
+        total = WarpSum()(total); // > 0: the token's own key is in some split
+        EM_UNROLL
+        for (int i = 0; i < kPer; ++i)
+            if (threadIdx.x + i * kWarp < splits)
+                weight[threadIdx.x + i * kWarp] = w[i] / total;
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < p.dv; j += blockDim.x)
+    {
+        float o = 0.0f;
+#pragma unroll 8
+        for (int s = 0; s < splits; ++s)
+            o += weight[s] * part[int64_t(s) * (p.dv + 2) + j];
+        store<T>(io.output, attn::rowOffset(1, p.heads, p.dv, b, 0, h) + j, o);
+    }
+    writeSlot<T, S>(p, io, b, h, io.position[b], 0);
+}
+
+// Decode splits: about kKeysPerWarp keys for each warp of each split.
+int windowSplits(attn::WindowParams const& p)
+{
+    int const keys = p.window + 1 + p.persistent;
+    int const n = (keys + kWaWarps * kKeysPerWarp - 1) / (kWaWarps * kKeysPerWarp);
+    return p.seq == 1 && p.heads <= 65535 && p.batch <= 65535 ? (n < kMaxSplits ? n : kMaxSplits) : 1;
+}
+
+template <typename T, typename S, typename P, int N>
+int launchWindow(attn::WindowParams const& p, Dilation const& dil, WindowAttentionIO const& io, float* ws,
+    size_t ws_bytes, cudaStream_t stream)
+{
+    int const splits = windowSplits(p);
+    if (splits > 1 && ws != nullptr && ws_bytes >= windowAttentionWorkspace(p))
+    {
+        size_t const ring = size_t(p.batch) * p.heads * p.ring * sizeof(S);
+        if (io.present_key != io.past_key
+            && cudaMemcpyAsync(io.present_key, io.past_key, ring * p.d, cudaMemcpyDeviceToDevice, stream) != cudaSuccess)
+            return kCudaError;
+        if (io.present_value != io.past_value
+            && cudaMemcpyAsync(io.present_value, io.past_value, ring * p.dv, cudaMemcpyDeviceToDevice, stream)
+                != cudaSuccess)
+            return kCudaError;
+        windowSplitKernel<T, S, P, N>
+            <<<dim3(unsigned(splits), unsigned(p.heads), unsigned(p.batch)), kWaThreads, 0, stream>>>(p, dil, io, ws);
+        windowMergeKernel<T, S><<<dim3(unsigned(p.heads), unsigned(p.batch)), kMaxHeadDim, 0, stream>>>(p, io, ws, splits);
+        return launchStatus();
+    }
+    windowAttentionKernel<T, S, P, N><<<unsigned(p.batch) * unsigned(p.heads), kWaThreads, 0, stream>>>(p, dil, io);
+    return launchStatus();
+}
+
+// Head dims up to 128 keep 4 per lane in registers, up to 256 8.
+template <typename T, typename S>
+int launchWindow(attn::WindowParams const& p, Dilation const& dil, WindowAttentionIO const& io, DType pd, float* ws,
+    size_t ws_bytes, cudaStream_t stream)
+{
+    bool const narrow = p.d <= kMaxHeadDim / 2 && p.dv <= kMaxHeadDim / 2;
+    if (pd == kFloat32)
+        return narrow ? launchWindow<T, S, float, kPerLane / 2>(p, dil, io, ws, ws_bytes, stream)
+                      : launchWindow<T, S, float, kPerLane>(p, dil, io, ws, ws_bytes, stream);
+    return narrow ? launchWindow<T, S, __half, kPerLane / 2>(p, dil, io, ws, ws_bytes, stream)
+                  : launchWindow<T, S, __half, kPerLane>(p, dil, io, ws, ws_bytes, stream);
+}
+
+} // namespace
+
+size_t windowAttentionWorkspace(attn::WindowParams const& p)
+{
+    int const splits = windowSplits(p);
+    return splits > 1 ? size_t(p.batch) * p.heads * splits * (p.dv + 2) * sizeof(float) : 0;
+}
+
+int windowAttention(attn::WindowParams const& p, int32_t const* dilation, WindowAttentionIO const& io, DType dtype,
+    DType ring_dtype, DType persistent_dtype, void* workspace, size_t workspace_bytes, cudaStream_t stream)
+{
+    if (int const st = attn::check(p, dilation))
+        return st;
+    if (p.heads > kMaxHeads || !validDType(dtype) || !validDType(ring_dtype) || !validDType(persistent_dtype))
+        return kUnsupported;
+    if (p.batch == 0)
+        return kOk;
+    Dilation dil{};
+    for (int h = 0; h < p.heads; ++h)
+        dil.v[h] = dilation[h];
+    float* ws = reinterpret_cast<uintptr_t>(workspace) % 256 == 0 ? static_cast<float*>(workspace) : nullptr;
+    if (dtype == kFloat32)
+        return ring_dtype == kFloat32
+            ? launchWindow<float, float>(p, dil, io, persistent_dtype, ws, workspace_bytes, stream)
+            : launchWindow<float, __half>(p, dil, io, persistent_dtype, ws, workspace_bytes, stream);
+    return ring_dtype == kFloat32
+        ? launchWindow<__half, float>(p, dil, io, persistent_dtype, ws, workspace_bytes, stream)
+        : launchWindow<__half, __half>(p, dil, io, persistent_dtype, ws, workspace_bytes, stream);
+}
+
+} // namespace cuda
+} // namespace edgemem
+
+EM_CUDA_API int em_cuda_window_attention(edgemem::attn::WindowParams const* p, int32_t const* dilation,
+    edgemem::WindowAttentionIO const* io, int dtype, int ring_dtype, int persistent_dtype, void* workspace,
+    size_t workspace_bytes, void* stream)
+{
+    using edgemem::DType;
+    return edgemem::cuda::windowAttention(*p, dilation, *io, DType(dtype), DType(ring_dtype), DType(persistent_dtype),
+        workspace, workspace_bytes, static_cast<cudaStream_t>(stream));
+}
+
+EM_CUDA_API size_t em_cuda_window_attention_workspace(edgemem::attn::WindowParams const* p)
+{
+    return edgemem::cuda::windowAttentionWorkspace(*p);
+}

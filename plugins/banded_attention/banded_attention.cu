@@ -17,7 +17,7 @@ constexpr int kBaWarps = 4;
 constexpr int kBaThreads = kBaWarps * kWarp;
 
 template <typename T, typename P>
-__global__ void __launch_bounds__(kBaThreads, 1) bandedAttentionKernel(
+__global__ void __launch_bounds__(kBaThreads) bandedAttentionKernel(
     attn::BandedParams const p, Dilation const dilation, BandedAttentionIO const io)
 {
     int const lane = threadIdx.x & (kWarp - 1);
@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(kBaThreads, 1) bandedAttentionKernel(
     bool const causal = p.causal != 0;
     bool const* mask = io.global_mask + int64_t(b) * p.seq;
     int64_t const q_row = attn::rowOffset(p.seq, p.heads, p.d, b, i, h);
-    WarpAttention<> a{};
+    WarpAttention a{};
     a.init<T>(io.query, q_row, lane, p.d, p.dv, p.scale);
     auto key = [&](int j) {
         a.add<T>(io.key, attn::rowOffset(p.seq, p.heads, p.d, b, j, h), io.value,

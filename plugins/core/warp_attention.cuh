@@ -1,8 +1,6 @@
 // The attention ops' device building block: a warp scores keys one at a time (lanes split the
-// head dim: lane l holds dims l, l+32, ...; D, D_v <= 256 so at most 8 per lane), a warp
-// all-reduce gives q.k, and an online softmax (common.h) accumulates the values, so no score
-// vector is materialised. A key's rows can be loaded (fetch) before they are used (add), so a
-// warp keeps several keys' loads in flight.
+// head dim: lane l holds dims l, l+32, ...; D, D_v <= 256 so 8 per lane), a warp all-reduce gives
+// q.k, and an online softmax (common.h) accumulates the values, so no score vector is materialised.
 #pragma once
 
 #include "core/device.cuh"
@@ -15,20 +13,11 @@ namespace cuda
 
 constexpr int kPerLane = kMaxHeadDim / kWarp; // 8
 
-// One key and its value in a lane's registers (the lane's dims: N of them, dims up to 32 N).
-template <int N>
-struct KeyRow
-{
-    float k[N];
-    float v[N];
-};
-
-// A warp's running softmax over keys and its weighted sum of values, head dims up to 32 N.
-template <int N = kPerLane>
+// A warp's running softmax over keys and its weighted sum of values.
 struct WarpAttention
 {
-    float q[N];
-    float acc[N];
+    float q[kPerLane];
+    float acc[kPerLane];
     SoftmaxState st;
     int lane;
     int d;
@@ -44,7 +33,7 @@ struct WarpAttention
         scale = scale_;
         st = softmax_empty();
         EM_UNROLL
-        for (int r = 0; r < N; ++r)
+        for (int r = 0; r < kPerLane; ++r)
         {
             int const i = lane + r * kWarp;
             q[r] = i < d ? load<T>(query, row + i) : 0.0f;
@@ -52,42 +41,28 @@ struct WarpAttention
         }
     }
 
-    // key row k_base[k_row .. k_row + d) and value row v_base[v_row .. v_row + dv), this lane's dims
+    // key row k_base[k_row .. k_row + d), value row v_base[v_row .. v_row + dv)
     template <typename K>
-    __device__ __forceinline__ void fetch(
-        KeyRow<N>& x, void const* k_base, int64_t k_row, void const* v_base, int64_t v_row) const
-    {
-        EM_UNROLL
-        for (int r = 0; r < N; ++r)
-        {
-            int const i = lane + r * kWarp;
-            x.k[r] = r * kWarp < d && i < d ? load<K>(k_base, k_row + i) : 0.0f;
-            x.v[r] = r * kWarp < dv && i < dv ? load<K>(v_base, v_row + i) : 0.0f;
-        }
-    }
-
-    __device__ __forceinline__ void add(KeyRow<N> const& x)
+    __device__ __forceinline__ void add(void const* k_base, int64_t k_row, void const* v_base, int64_t v_row)
     {
         float dot = 0.0f;
         EM_UNROLL
-        for (int r = 0; r < N; ++r)
-            if (r * kWarp < d)
-                dot += q[r] * x.k[r];
+        for (int r = 0; r < kPerLane; ++r)
+        {
+            int const i = lane + r * kWarp;
+            if (r * kWarp < d && i < d)
+                dot += q[r] * load<K>(k_base, k_row + i);
+        }
         dot = WarpSum()(dot);
         float rescale;
         float const p = softmax_add(st, scale * dot, rescale);
         EM_UNROLL
-        for (int r = 0; r < N; ++r)
+        for (int r = 0; r < kPerLane; ++r)
+        {
+            int const j = lane + r * kWarp;
             if (r * kWarp < dv)
-                acc[r] = acc[r] * rescale + p * x.v[r];
-    }
-
-    template <typename K>
-    __device__ __forceinline__ void add(void const* k_base, int64_t k_row, void const* v_base, int64_t v_row)
-    {
-        KeyRow<N> x;
-        fetch<K>(x, k_base, k_row, v_base, v_row);
-        add(x);
+                acc[r] = acc[r] * rescale + (j < dv ? p * load<K>(v_base, v_row + j) : 0.0f);
+        }
     }
 };
 

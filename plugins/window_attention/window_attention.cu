@@ -21,66 +21,40 @@ namespace
 constexpr int kWaWarps = 16;
 constexpr int kWaThreads = kWaWarps * kWarp;
 
-// Loads key idx of token t (at position pos): 0 is the token itself, 1..window the ring
-// (ring_key/ring_value: the ring as it was before this token), then the persistent keys.
-// False for a window key before position 0, which does not exist.
-template <typename T, typename S, typename P, int N>
-__device__ __forceinline__ bool fetchWindowKey(WarpAttention<N> const& a, KeyRow<N>& x, attn::WindowParams const& p,
-    WindowAttentionIO const& io, void const* ring_key, void const* ring_value, int b, int h, int dil, int64_t pos, int t,
-    int idx)
+// Adds key idx of token t (at position pos) to a warp's softmax: 0 is the token itself,
+// 1..window the ring (ring_key/ring_value: the ring as it was before this token), then the
+// persistent keys. A window key before position 0 does not exist.
+template <typename T, typename S, typename P>
+__device__ __forceinline__ void addWindowKey(WarpAttention& a, attn::WindowParams const& p, WindowAttentionIO const& io,
+    void const* ring_key, void const* ring_value, int b, int h, int dil, int64_t pos, int t, int idx)
 {
     if (idx == 0)
-        a.template fetch<T>(x, io.key, attn::rowOffset(p.seq, p.heads, p.d, b, t, h), io.value,
+        a.add<T>(io.key, attn::rowOffset(p.seq, p.heads, p.d, b, t, h), io.value,
             attn::rowOffset(p.seq, p.heads, p.dv, b, t, h));
     else if (idx <= p.window)
     {
         int64_t const at = attn::windowKeyPosition(pos, idx, dil);
         if (at < 0)
-            return false;
+            return;
         int64_t const slot = attn::ringSlot(at, p.ring);
-        a.template fetch<S>(x, ring_key, attn::headRowOffset(p.heads, p.ring, p.d, b, h, 0) + slot * p.d, ring_value,
+        a.add<S>(ring_key, attn::headRowOffset(p.heads, p.ring, p.d, b, h, 0) + slot * p.d, ring_value,
             attn::headRowOffset(p.heads, p.ring, p.dv, b, h, 0) + slot * p.dv);
     }
     else
     {
         int const r = idx - p.window - 1;
-        a.template fetch<P>(x, io.persistent_key, attn::headRowOffset(p.heads, p.persistent, p.d, b, h, r),
-            io.persistent_value, attn::headRowOffset(p.heads, p.persistent, p.dv, b, h, r));
-    }
-    return true;
-}
-
-// Adds keys first, first + stride, ... (< keys) to a warp's softmax, loading kKeysPerWarp of them
-// before using any: each key is a round trip to memory, so in flight together they cost one.
-constexpr int kKeysPerWarp = 2;
-template <typename T, typename S, typename P, int N>
-__device__ __forceinline__ void addWindowKeys(WarpAttention<N>& a, attn::WindowParams const& p, WindowAttentionIO const& io,
-    void const* ring_key, void const* ring_value, int b, int h, int dil, int64_t pos, int t, int first, int stride)
-{
-    int const keys = p.window + 1 + p.persistent;
-    for (int idx = first; idx < keys; idx += kKeysPerWarp * stride)
-    {
-        KeyRow<N> x[kKeysPerWarp];
-        bool ok[kKeysPerWarp];
-        EM_UNROLL
-        for (int u = 0; u < kKeysPerWarp; ++u)
-            ok[u] = idx + u * stride < keys
-                && fetchWindowKey<T, S, P, N>(a, x[u], p, io, ring_key, ring_value, b, h, dil, pos, t, idx + u * stride);
-        EM_UNROLL
-        for (int u = 0; u < kKeysPerWarp; ++u)
-            if (ok[u])
-                a.add(x[u]);
+        a.add<P>(io.persistent_key, attn::headRowOffset(p.heads, p.persistent, p.d, b, h, r), io.persistent_value,
+            attn::headRowOffset(p.heads, p.persistent, p.dv, b, h, r));
     }
 }
 
-template <int N>
 __device__ __forceinline__ void savePartial(
-    WarpAttention<N> const& a, SoftmaxState* part_st, float (*part_acc)[kMaxHeadDim], int warp, int lane)
+    WarpAttention const& a, SoftmaxState* part_st, float (*part_acc)[kMaxHeadDim], int warp, int lane)
 {
     if (lane == 0)
         part_st[warp] = a.st;
     EM_UNROLL
-    for (int r = 0; r < N; ++r)
+    for (int r = 0; r < kPerLane; ++r)
         if (lane + r * kWarp < a.dv)
             part_acc[warp][lane + r * kWarp] = a.acc[r];
 }
@@ -117,7 +91,7 @@ __device__ __forceinline__ void writeSlot(
         store<S>(io.present_value, vr + j, load<T>(io.value, v_row + j));
 }
 
-template <typename T, typename S, typename P, int N>
+template <typename T, typename S, typename P>
 __global__ void __launch_bounds__(kWaThreads, 1) windowAttentionKernel(
     attn::WindowParams const p, Dilation const dilation, WindowAttentionIO const io)
 {
@@ -141,14 +115,16 @@ __global__ void __launch_bounds__(kWaThreads, 1) windowAttentionKernel(
             static_cast<S*>(io.present_value)[value_ring + i] = static_cast<S const*>(io.past_value)[value_ring + i];
     __syncthreads();
 
+    int const keys = p.window + 1 + p.persistent;
     for (int t = 0; t < p.seq; ++t)
     {
         int64_t const pos = io.position[b] + t;
         int64_t const q_row = attn::rowOffset(p.seq, p.heads, p.d, b, t, h);
         int64_t const v_row = attn::rowOffset(p.seq, p.heads, p.dv, b, t, h);
-        WarpAttention<N> a{};
-        a.template init<T>(io.query, q_row, lane, p.d, p.dv, p.scale);
-        addWindowKeys<T, S, P, N>(a, p, io, io.present_key, io.present_value, b, h, dil, pos, t, warp, kWaWarps);
+        WarpAttention a{};
+        a.init<T>(io.query, q_row, lane, p.d, p.dv, p.scale);
+        for (int idx = warp; idx < keys; idx += kWaWarps)
+            addWindowKey<T, S, P>(a, p, io, io.present_key, io.present_value, b, h, dil, pos, t, idx);
         savePartial(a, part_st, part_acc, warp, lane);
         __syncthreads(); // every read of the ring for this token is done
 
@@ -166,7 +142,7 @@ __global__ void __launch_bounds__(kWaThreads, 1) windowAttentionKernel(
 // Decode split over blocks: block (s, h, b) takes keys s, s + splits, ... of the one token
 // (strided, so every split gets near the same share of window, self and persistent keys) and
 // writes its merged partial to ws[((b * heads + h) * splits + s) * (dv + 2)]: dv sums, then m, l.
-template <typename T, typename S, typename P, int N>
+template <typename T, typename S, typename P>
 __global__ void __launch_bounds__(kWaThreads, 1) windowSplitKernel(
     attn::WindowParams const p, Dilation const dilation, WindowAttentionIO const io, float* ws)
 {
@@ -176,10 +152,12 @@ __global__ void __launch_bounds__(kWaThreads, 1) windowSplitKernel(
     int const lane = threadIdx.x & (kWarp - 1);
     int const warp = threadIdx.x / kWarp;
     int const s = blockIdx.x, splits = gridDim.x, h = blockIdx.y, b = blockIdx.z;
-    WarpAttention<N> a{};
-    a.template init<T>(io.query, attn::rowOffset(1, p.heads, p.d, b, 0, h), lane, p.d, p.dv, p.scale);
-    addWindowKeys<T, S, P, N>(
-        a, p, io, io.past_key, io.past_value, b, h, dilation.v[h], io.position[b], 0, s + warp * splits, kWaWarps * splits);
+    int64_t const pos = io.position[b];
+    int const keys = p.window + 1 + p.persistent;
+    WarpAttention a{};
+    a.init<T>(io.query, attn::rowOffset(1, p.heads, p.d, b, 0, h), lane, p.d, p.dv, p.scale);
+    for (int idx = s + warp * splits; idx < keys; idx += kWaWarps * splits)
+        addWindowKey<T, S, P>(a, p, io, io.past_key, io.past_value, b, h, dilation.v[h], pos, 0, idx);
     savePartial(a, part_st, part_acc, warp, lane);
     __syncthreads();
     float* out = ws + ((int64_t(b) * p.heads + h) * splits + s) * (p.dv + 2);
@@ -194,58 +172,32 @@ __global__ void __launch_bounds__(kWaThreads, 1) windowSplitKernel(
 }
 
 // Merges the splits of one (batch, head), writes the output, then the token's ring slot (the
-// present ring is the past one where they differ, copied by the split kernel's launcher). The
-// first warp turns the splits' (m, l) into weights exp(m_s - M) / L, so each output column is
-// a plain weighted sum with its loads all in flight.
-constexpr int kMaxSplits = 64;
+// present ring is the past one where they differ, copied by the split kernel's launcher).
 template <typename T, typename S>
 __global__ void __launch_bounds__(kMaxHeadDim) windowMergeKernel(
     attn::WindowParams const p, WindowAttentionIO const io, float const* ws, int const splits)
 {
-    __shared__ float weight[kMaxSplits];
     int const h = blockIdx.x, b = blockIdx.y;
     float const* part = ws + (int64_t(b) * p.heads + h) * splits * (p.dv + 2);
-    if (threadIdx.x < kWarp)
-    {
-        constexpr int kPer = kMaxSplits / kWarp;
-        float m[kPer], l[kPer], w[kPer];
-        float top = -INFINITY, total = 0.0f;
-        EM_UNROLL
-        for (int i = 0; i < kPer; ++i)
-        {
-            int const s = threadIdx.x + i * kWarp;
-            m[i] = s < splits ? part[int64_t(s) * (p.dv + 2) + p.dv] : -INFINITY;
-            l[i] = s < splits ? part[int64_t(s) * (p.dv + 2) + p.dv + 1] : 0.0f;
-            top = l[i] > 0.0f ? em_max(top, m[i]) : top;
-        }
-        EM_UNROLL
-        for (int o = kWarp / 2; o > 0; o >>= 1)
-            top = em_max(top, __shfl_xor_sync(kFullMask, top, o));
-        EM_UNROLL
-        for (int i = 0; i < kPer; ++i)
-        {
-            w[i] = l[i] > 0.0f ? em_exp(m[i] - top) : 0.0f;
-            total += w[i] * l[i];
-        }
-        total = WarpSum()(total); // > 0: the token's own key is in some split
-        EM_UNROLL
-        for (int i = 0; i < kPer; ++i)
-            if (threadIdx.x + i * kWarp < splits)
-                weight[threadIdx.x + i * kWarp] = w[i] / total;
-    }
-    __syncthreads();
     for (int j = threadIdx.x; j < p.dv; j += blockDim.x)
     {
+        SoftmaxState total = softmax_empty();
         float o = 0.0f;
-#pragma unroll 8
         for (int s = 0; s < splits; ++s)
-            o += weight[s] * part[int64_t(s) * (p.dv + 2) + j];
-        store<T>(io.output, attn::rowOffset(1, p.heads, p.dv, b, 0, h) + j, o);
+        {
+            float const* x = part + int64_t(s) * (p.dv + 2);
+            float fa, fb;
+            softmax_merge(total, SoftmaxState{x[p.dv], x[p.dv + 1]}, fa, fb);
+            o = o * fa + x[j] * fb;
+        }
+        store<T>(io.output, attn::rowOffset(1, p.heads, p.dv, b, 0, h) + j, o / total.l);
     }
     writeSlot<T, S>(p, io, b, h, io.position[b], 0);
 }
 
 // Decode splits: about kKeysPerWarp keys for each warp of each split.
+constexpr int kKeysPerWarp = 2;
+constexpr int kMaxSplits = 64;
 int windowSplits(attn::WindowParams const& p)
 {
     int const keys = p.window + 1 + p.persistent;
@@ -253,8 +205,8 @@ int windowSplits(attn::WindowParams const& p)
     return p.seq == 1 && p.heads <= 65535 && p.batch <= 65535 ? (n < kMaxSplits ? n : kMaxSplits) : 1;
 }
 
-template <typename T, typename S, typename P, int N>
-int launchWindow(attn::WindowParams const& p, Dilation const& dil, WindowAttentionIO const& io, float* ws,
+template <typename T, typename S>
+int launchWindow(attn::WindowParams const& p, Dilation const& dil, WindowAttentionIO const& io, DType pd, float* ws,
     size_t ws_bytes, cudaStream_t stream)
 {
     int const splits = windowSplits(p);
@@ -268,26 +220,20 @@ int launchWindow(attn::WindowParams const& p, Dilation const& dil, WindowAttenti
             && cudaMemcpyAsync(io.present_value, io.past_value, ring * p.dv, cudaMemcpyDeviceToDevice, stream)
                 != cudaSuccess)
             return kCudaError;
-        windowSplitKernel<T, S, P, N>
-            <<<dim3(unsigned(splits), unsigned(p.heads), unsigned(p.batch)), kWaThreads, 0, stream>>>(p, dil, io, ws);
+        dim3 const grid(unsigned(splits), unsigned(p.heads), unsigned(p.batch));
+        if (pd == kFloat32)
+            windowSplitKernel<T, S, float><<<grid, kWaThreads, 0, stream>>>(p, dil, io, ws);
+        else
+            windowSplitKernel<T, S, __half><<<grid, kWaThreads, 0, stream>>>(p, dil, io, ws);
         windowMergeKernel<T, S><<<dim3(unsigned(p.heads), unsigned(p.batch)), kMaxHeadDim, 0, stream>>>(p, io, ws, splits);
         return launchStatus();
     }
-    windowAttentionKernel<T, S, P, N><<<unsigned(p.batch) * unsigned(p.heads), kWaThreads, 0, stream>>>(p, dil, io);
-    return launchStatus();
-}
-
-// Head dims up to 128 keep 4 per lane in registers, up to 256 8.
-template <typename T, typename S>
-int launchWindow(attn::WindowParams const& p, Dilation const& dil, WindowAttentionIO const& io, DType pd, float* ws,
-    size_t ws_bytes, cudaStream_t stream)
-{
-    bool const narrow = p.d <= kMaxHeadDim / 2 && p.dv <= kMaxHeadDim / 2;
+    dim3 const grid(unsigned(p.batch) * unsigned(p.heads));
     if (pd == kFloat32)
-        return narrow ? launchWindow<T, S, float, kPerLane / 2>(p, dil, io, ws, ws_bytes, stream)
-                      : launchWindow<T, S, float, kPerLane>(p, dil, io, ws, ws_bytes, stream);
-    return narrow ? launchWindow<T, S, __half, kPerLane / 2>(p, dil, io, ws, ws_bytes, stream)
-                  : launchWindow<T, S, __half, kPerLane>(p, dil, io, ws, ws_bytes, stream);
+        windowAttentionKernel<T, S, float><<<grid, kWaThreads, 0, stream>>>(p, dil, io);
+    else
+        windowAttentionKernel<T, S, __half><<<grid, kWaThreads, 0, stream>>>(p, dil, io);
+    return launchStatus();
 }
 
 } // namespace

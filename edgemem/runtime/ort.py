@@ -56,8 +56,9 @@ import numpy as np
 import onnxruntime as ort
 
 from edgemem.config import positive_int
-from edgemem.errors import EdgememError
-from edgemem.manifest import Manifest, StateSpec
+from edgemem.config import threads as check_threads
+from edgemem.errors import EdgememError, named
+from edgemem.manifest import Manifest, StateSpec, check_io
 from edgemem.runtime.base import BatchSlot, Engine, Stream
 from edgemem.runtime.errors import BackendError, BatchError
 from edgemem.runtime.state import GROWING, concrete_shape
@@ -213,7 +214,7 @@ class OrtEngine(Engine):
     def _open(cls, directory: Path, manifest: Manifest, target: str | None, threads: int | None, chunk_size: int, *,
               backend: str) -> OrtEngine:
         if threads is not None:
-            positive_int(threads, "threads")
+            check_threads(threads, named("threads", "--threads"))
         if target is None:
             target = next((t for t in ("ort", "generic", "onnx27") if t in manifest.targets), None)
             if target is None:
@@ -271,6 +272,8 @@ class OrtEngine(Engine):
         if inputs != want_in or not want_out <= outputs:
             raise BackendError(f"{path} does not match edgemem.json: inputs {sorted(inputs ^ want_in)} or outputs "
                                f"{sorted(want_out - outputs)} differ")
+        check_io(self.manifest, path, *({v.name: (v.type.removeprefix("tensor(").rstrip(")"), v.shape) for v in values}
+                                        for values in (session.get_inputs(), session.get_outputs())))
         return session
 
     # ------------------------------------------------------------------ bindings and runs

@@ -603,6 +603,7 @@ def calibrate_command(directory, method, block_size, recipe, out_dir, report_pat
     if not no_drift:  # the report's data must fit the model before anything is written
         source = load_manifest(directory)
         recipe.check_vocabulary(source.arch, source.vocab_size)
+        recipe.check_memory(source.state_bytes(), calibration=False, drift=True)
     out = Path(out_dir) if out_dir else default_out(directory, method)
     with track(f"calibrate ({method}, recipe {recipe.name})") as bar:
         manifest = calibrate(directory, method, recipe, out, force=force, threads=threads, block_size=block_size,

@@ -88,6 +88,17 @@ class Manifest:
                 del data[optional]
         return json.dumps(data, indent=2) + "\n"
 
+    def state_bytes(self) -> int:
+        """Bytes of one stream's state (a growing cache counted at one token)."""
+        itemsize = {"float32": 4, "float16": 2, "float64": 8, "int64": 8}
+        total = 0
+        for spec in self.state:
+            count = 1
+            for d in spec.shape:
+                count *= d if isinstance(d, int) else 1
+            total += count * itemsize[spec.dtype]
+        return total
+
     def identity(self) -> str:
         """A hash of the model files: what a state checkpoint must match."""
         return hashlib.sha256(json.dumps(sorted(self.files.items())).encode()).hexdigest()

@@ -243,6 +243,12 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
     state_names = {n for s in manifest.state for n in (s.input, s.output)}
     sources = {(t, k): directory / t / f"{k}.onnx" for t in targets for k in kinds}
     found, selected = _select(sources, state_names, recipe, matmul_only=method == "int4")
+    if not any(selected.values()):
+        why = f"quantize.exclude ({', '.join(recipe.exclude)}) keeps every one float" if recipe.exclude else \
+            "the export has none outside state and edgemem's ops"
+        raise RecipeError(f"{recipe.source or recipe.name}: nothing to quantize: {why}; the result would be the float "
+                          "export")
+    recipe.check_memory(manifest.state_bytes(), calibration=method == "static", drift=False)
     feeds = calibration_feeds(directory, manifest, recipe, threads, progress) if method == "static" else None
 
     with staged_directory(out) as tmp:

@@ -327,7 +327,9 @@ class OrtEngine(Engine):
                 raise BatchError(
                     f"{self.manifest.arch}'s state grows (KV cache): a batch needs streams with caches of equal length, "
                     f"got lengths {', '.join(map(str, lengths[:6]))}{'…' if len(lengths) > 6 else ''}; batch streams at "
-                    "the same position or step them one by one"
+                    "the same position, step them one by one, or re-export with "
+                    f"{named('set_kv_cache(model, max_length=N)', '`edgemem export --max-length N`')} (a preallocated cache: "
+                    "streams at any positions batch together)"
                 )
         return streams, tokens
 

@@ -89,17 +89,6 @@ def onnx_reasons(manifest: Manifest) -> list[str]:
 CANDIDATES = 16  # sequences the onnxruntime model's batcher holds per batch slot
 
 
-def state_bytes(manifest: Manifest) -> int:
-    """Bytes of one stream's fixed-size state (a growing cache counted at one token)."""
-    total = 0
-    for spec in manifest.state:
-        count = 1
-        for d in spec.shape:
-            count *= d if isinstance(d, int) else 1
-        total += count * np.dtype(spec.dtype).itemsize
-    return total
-
-
 def _check_runnable(manifest: Manifest, export_dir: Path) -> None:
     """The Python model streams through edgemem.runtime on onnxruntime: a step graph and a target it runs."""
     if not manifest.graphs.get("step"):
@@ -125,7 +114,7 @@ def write_repository(export_dir: str | Path, out: str | Path, *, name: str | Non
         raise RepositoryError("max_live, threads and max_batch_size must be at least 1 and idle_seconds positive")
     check_threads(threads, named("threads", "--threads"), limit=MAX_THREADS, error=RepositoryError)
     _check_runnable(manifest, export_dir)
-    per_stream = state_bytes(manifest)
+    per_stream = manifest.state_bytes()
     fits_memory(max_live * per_stream, f"{named('max_live', '--max-live')} {max_live:,} streams of "
                 f"{size_text(per_stream)} state", error=RepositoryError)
     if max_batch_size * CANDIDATES > 2**31 - 1:

@@ -173,7 +173,7 @@ def check_io(manifest: Manifest, where: str | Path, inputs: dict[str, tuple[str,
              outputs: dict[str, tuple[str, list]]) -> None:
     """The manifest against one graph's inputs and outputs (name → (element type as onnxruntime names it,
     e.g. "float", and dims: ints, or names/None for symbolic ones)): the state tensors by name, dtype and fixed
-    sizes, the token input, and logits as wide as config.vocab_size. A cheap check, no hashing."""
+    sizes, the token input, the outputs, and logits as wide as config.vocab_size. A cheap check, no hashing."""
     def differ(what: str, spec: StateSpec, graph: tuple[str, list]) -> str | None:
         kind, dims = graph
         if kind != ONNX_DTYPES[spec.dtype]:
@@ -192,10 +192,9 @@ def check_io(manifest: Manifest, where: str | Path, inputs: dict[str, tuple[str,
                 problems.append(why)
     if manifest.inputs.get("tokens") not in inputs:
         problems.append(f"token input {manifest.inputs.get('tokens')!r} is not in the graph")
-    logits = outputs.get(manifest.outputs.get("logits", "logits"))
-    if logits is None:
-        problems.append("the logits output is not in the graph")
-    elif logits[1] and isinstance(logits[1][-1], int) and logits[1][-1] != manifest.vocab_size:
+    problems += [f"output {name!r} is not in the graph" for name in manifest.outputs.values() if name not in outputs]
+    logits = outputs.get(manifest.outputs.get("logits", ""))
+    if logits and logits[1] and isinstance(logits[1][-1], int) and logits[1][-1] != manifest.vocab_size:
         problems.append(f"logits are {logits[1][-1]} wide in the graph, config.vocab_size is {manifest.vocab_size}")
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""

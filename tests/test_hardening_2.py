@@ -107,7 +107,8 @@ def test_an_hf_vocabulary_that_cannot_fit_is_refused(hf_dir, tmp_path):
     big = edit_config(shutil.copytree(hf_dir, tmp_path / "big"), vocab_size=10**12)
     refused(run("export", "--hf", big, "--out", tmp_path / "out", "--target", "ort"), "vocab_size=1000000000000",
             "would need about", "this machine has")
-    assert not (tmp_path / "out").exists()
+    refused(run("linearize", "--hf", big, "--out", tmp_path / "l.safetensors"), "would need about")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "l.safetensors").exists()
 
 
 @pytest.mark.parametrize("edit, words", [
@@ -121,6 +122,7 @@ def test_a_checkpoint_whose_metadata_cannot_be_built_is_refused(tmp_path, edit, 
     path = checkpoint_with(tmp_path, edit)
     start = time.monotonic()
     refused(run("export", "--checkpoint", path, "--out", tmp_path / "out", "--target", "generic"), *words)
+    refused(run("train", "--init", path, "--task", "copy", "--steps", 1, "--out", tmp_path / "t.safetensors"), *words)
     with pytest.raises(EdgememError, match="does not fit its own config"):
         load_checkpoint(path)
     assert time.monotonic() - start < 10 and not (tmp_path / "out").exists()
@@ -165,8 +167,9 @@ def test_build_checks_the_export_and_its_output_before_tensorrt(export_dir, tmp_
     library.write_bytes(b"plugins")
     refused(run("build", export_dir, "--plugins", library, "--out", "/proc/engines"), "--out /proc/engines",
             "cannot write")
-    refused(run("build", export_dir, "--plugins", library, "--max-sequence", 10**11), "2**31 elements",
-            "--max-sequence 8,388,607")
+    for rtx in ([], ["--rtx"]):
+        refused(run("build", export_dir, "--plugins", library, "--max-sequence", 10**11, *rtx), "2**31 elements",
+                "--max-sequence 8,388,607")
     stale = edited(export_dir, tmp_path / "edited", lambda m: m["state"][0]["shape"].__setitem__(2, 9))
     refused(run("build", stale, "--plugins", library), "does not match edgemem.json")
     assert not (export_dir / "engines").exists()
@@ -183,6 +186,11 @@ def test_build_refuses_a_growing_cache_and_a_sequence_past_the_cache(export_dir,
     refused(run("build", fixed, "--plugins", library, "--max-sequence", 65), "--max-length 64",
             "--max-sequence 64 or less")
     assert not (growing / "engines").exists() and not (fixed / "engines").exists()
+
+
+def test_sinks_past_the_cache_name_the_options(tmp_path):
+    refused(run("export", "--arch", "softmax", *SMALL, "--max-length", 64, "--sinks", 100, "--out", tmp_path / "o"),
+            "--sinks", "[0, --max-length)", "got --sinks 100, --max-length 64")
 
 
 # ------------------------------------------------------------------ NaN, foreign tokenizers
@@ -231,6 +239,17 @@ def test_a_tokenizer_larger_than_the_vocabulary_or_corrupt_is_refused(hf_dir, tm
     refused(run("export", "--hf", corrupt, "--out", tmp_path / "o2", "--target", "ort"), "not a valid tokenizer file")
     (corrupt / "tokenizer.json").write_text('{"model": ')
     refused(run("export", "--hf", corrupt, "--out", tmp_path / "o2", "--target", "ort"), "not a valid tokenizer file")
+
+
+def test_run_prompt_refuses_a_corrupt_tokenizer_in_an_export(export_dir, tmp_path):
+    def corrupt(manifest):
+        path = tmp_path / "e" / "tokenizer" / "tokenizer.json"
+        path.parent.mkdir()
+        path.write_text('{"model": ')
+        manifest["files"]["tokenizer/tokenizer.json"] = hashlib.sha256(path.read_bytes()).hexdigest()
+        manifest["config"]["tokenizer"] = "tokenizer/tokenizer.json"
+
+    refused(run("run", edited(export_dir, tmp_path / "e", corrupt), "--prompt", "hello"), "not a readable tokenizer.json")
 
 
 # ------------------------------------------------------------------ a missing extra is one line naming it

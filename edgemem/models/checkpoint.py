@@ -78,7 +78,8 @@ def _check_layers(config: LMConfig, tensors: dict) -> None:
     """The layer count the config states is the one the weights hold (before a model of that many layers is made)."""
     held = {int(k.split(".")[1]) for k in tensors if k.startswith("blocks.") and k.split(".")[1].isdigit()}
     if not isinstance(config.n_layers, int) or len(held) != config.n_layers or held != set(range(len(held))):
-        raise ConfigError(f"its config says n_layers={config.n_layers!r} but it holds the weights of {len(held)} layer{'' if len(held) == 1 else 's'}")
+        layers = f"{len(held)} layer{'' if len(held) == 1 else 's'}"
+        raise ConfigError(f"its config says n_layers={config.n_layers!r} but it holds the weights of {layers}")
 
 
 def load_checkpoint(path: str | Path) -> LM:

@@ -60,7 +60,15 @@ from edgemem.manifest import Manifest
 from edgemem.manifest import load as load_manifest
 from edgemem.runtime.errors import BackendError, BatchError, StateFileError, TokenError
 from edgemem.runtime.sampling import check_sampling, sample
-from edgemem.runtime.state import check_position, check_state, concrete_shape, decode_checkpoint, initial_state, is_growing, save_checkpoint
+from edgemem.runtime.state import (
+    check_position,
+    check_state,
+    concrete_shape,
+    decode_checkpoint,
+    initial_state,
+    is_growing,
+    save_checkpoint,
+)
 
 TokenIds = Sequence[int] | np.ndarray | bytes | bytearray
 # backend → "module:class" of its engine, imported when asked for (each needs its own library)

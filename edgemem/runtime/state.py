@@ -105,7 +105,8 @@ def check_position(manifest: Manifest, position: object, name: str = "position",
                    error: type[Exception] = StateFileError) -> int:
     """`position` if it is a place a stream of this export can be at: an integer in [0, MAX_POSITION), and no
     later than the end of a preallocated KV cache without a window."""
-    if isinstance(position, (bool, np.bool_)) or not isinstance(position, (int, np.integer)) or not 0 <= position < MAX_POSITION:
+    integer = isinstance(position, (int, np.integer)) and not isinstance(position, (bool, np.bool_))
+    if not integer or not 0 <= position < MAX_POSITION:
         raise error(f"{name} must be an integer in [0, 2**62); got {position!r}")
     kv = manifest.kv_cache
     if kv and kv["overflow"] == "error" and position > kv["max_length"]:

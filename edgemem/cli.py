@@ -12,13 +12,20 @@ from pathlib import Path
 import click
 
 from edgemem import __version__
-from edgemem.config import finite, parse_overrides, seed
+from edgemem.config import MAX_THREADS, finite, parse_overrides, seed, threads
 from edgemem.errors import EdgememError, cli_names
+
+
+# optional modules → the extra that installs them (pyproject.toml)
+EXTRAS = {"torch": "export", "onnx": "export", "onnxscript": "export", "onnx_graphsurgeon": "export",
+          "transformers": "hf", "tokenizers": "text", "matplotlib": "bench", "tritonclient": "serve",
+          "pytriton": "serve", "onnxruntime_genai": "serve", "google": "serve"}
 
 
 class _Group(click.Group):
     """Turns EdgememError into one line on stderr and exit code 2, never a traceback; messages name
-    the command's options, not the Python arguments behind them."""
+    the command's options, not the Python arguments behind them. A missing optional module is one line
+    naming the extra that installs it."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -26,6 +33,14 @@ class _Group(click.Group):
                 return super().invoke(ctx)
         except EdgememError as e:
             click.secho(f"error: {e}", fg="red", err=True)
+            sys.exit(2)
+        except ModuleNotFoundError as e:
+            top = (e.name or "").partition(".")[0]
+            if top not in EXTRAS:
+                raise
+            command = ctx.invoked_subcommand or ""
+            click.secho(f"error: `edgemem {command}` needs {top}, which is not installed: "
+                        f"pip install 'edgemem-toolkit[{EXTRAS[top]}]'", fg="red", err=True)
             sys.exit(2)
 
 
@@ -53,6 +68,8 @@ def _checked(check, **options):
 
 
 _SEED = _checked(seed)
+_THREADS = _checked(threads)  # this machine's limit
+_REMOTE_THREADS = _checked(threads, limit=MAX_THREADS)  # for another machine (a Triton server)
 
 
 def _size(n: int) -> str:
@@ -196,7 +213,7 @@ def _numel(shape) -> int:
 @main.command("verify")
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--checkpoint", type=click.Path(dir_okay=False), help="Weights the export came from, if not recorded.")
-@click.option("--threads", type=click.IntRange(min=1), help="onnxruntime intra-op threads.")
+@click.option("--threads", type=click.IntRange(min=1), callback=_THREADS, help="onnxruntime intra-op threads.")
 @click.option("-v", "--verbose", is_flag=True, help="Print every check, and every reason the export does not fit "
               "onnxruntime-genai.")
 def verify_command(directory, checkpoint, threads, verbose) -> None:
@@ -312,7 +329,7 @@ def _rate(n: int, seconds: float) -> str:
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True),
               help="Sample from the smallest set of tokens with this much probability (needs --temperature > 0).")
 @click.option("--seed", type=int, callback=_SEED, help="Seed of the sampler (default: fresh randomness).")
-@click.option("--threads", type=click.IntRange(min=1), help="onnxruntime intra-op threads.")
+@click.option("--threads", type=click.IntRange(min=1), callback=_THREADS, help="onnxruntime intra-op threads.")
 @click.option("--target", help="Lowered graphs to run (default: ort if exported, else generic).")
 @click.option("--backend", type=click.Choice(["ort", "ort-cuda", "trt"]), default="ort", show_default=True,
               help="trt: the engines of `edgemem build` in DIRECTORY/engines.")
@@ -402,7 +419,7 @@ def run_command(directory, prompt, ids_text, ids_file, print_ids, max_new_tokens
 @click.option("--batch", "batches", default="1,8,64", show_default=True, help="Comma-separated batch sizes.")
 @click.option("--steps", default=100, show_default=True, type=click.IntRange(min=3), help="Timed steps per configuration, at most.")
 @click.option("--time-limit", default=2.0, show_default=True, type=float, callback=_checked(finite, positive=True), help="Seconds of timed steps per configuration, at most.")
-@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), help="onnxruntime and torch threads.")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), callback=_THREADS, help="onnxruntime and torch threads.")
 @click.option("--target", help="Lowered graphs to run (default: ort if exported, else generic).")
 @click.option("--chunk-size", default=512, show_default=True, type=click.IntRange(min=1), help="Prefill chunk to reach a position.")
 @click.option("--no-eager", is_flag=True, help="Skip the PyTorch eager baseline (and torch).")
@@ -566,7 +583,7 @@ def build_command(directory, fp16, plugins, max_batch, max_sequence, out_dir, rt
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Save the drift plot as PNG (default with --report: beside it, .png).")
 @click.option("--no-drift", is_flag=True, help="Quantize only; skip the drift report.")
-@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), help="onnxruntime intra-op threads.")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), callback=_THREADS, help="onnxruntime intra-op threads.")
 @click.option("--force", is_flag=True, help="Replace a non-empty output directory.")
 def calibrate_command(directory, method, block_size, recipe, out_dir, report_path, plot_path, no_drift, threads,
                       force) -> None:
@@ -586,6 +603,7 @@ def calibrate_command(directory, method, block_size, recipe, out_dir, report_pat
     if not no_drift:  # the report's data must fit the model before anything is written
         source = load_manifest(directory)
         recipe.check_vocabulary(source.arch, source.vocab_size)
+        recipe.check_memory(source.state_bytes(), calibration=False, drift=True)
     out = Path(out_dir) if out_dir else default_out(directory, method)
     with track(f"calibrate ({method}, recipe {recipe.name})") as bar:
         manifest = calibrate(directory, method, recipe, out, force=force, threads=threads, block_size=block_size,
@@ -637,7 +655,7 @@ def calibrate_command(directory, method, block_size, recipe, out_dir, report_pat
 @click.option("--batch", default=64, show_default=True, type=click.IntRange(min=1), help="Sequences per step.")
 @click.option("--lr", default=3e-3, show_default=True, type=float, callback=_checked(finite, positive=True),
               help="Peak learning rate.")
-@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), help="torch threads.")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), callback=_THREADS, help="torch threads.")
 @click.option("--device", default="cpu", show_default=True, help="torch device to train on (cpu, cuda).")
 def train_command(arch, init, task_name, steps, out, overrides, task_set, seed, batch, lr, threads, device) -> None:
     """Train a preset (or fine-tune a checkpoint) on a task (AdamW, warmup + cosine) and save a
@@ -715,7 +733,7 @@ def linearize_command(checkpoint, hf_dir, out, window, update_rule, gate_init) -
 @click.option("--task-set", "task_set", multiple=True, metavar="KEY=VALUE", help="Task parameter, as given to train.")
 @click.option("--batch", default=128, show_default=True, type=click.IntRange(min=1), help="Held-out streams.")
 @click.option("--seed", default=0, show_default=True, callback=_SEED, help="Seed of the held-out streams.")
-@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), help="torch threads.")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), callback=_THREADS, help="torch threads.")
 @click.option("--json", "as_json", is_flag=True,
               help='Print a JSON list, one object per length: {"task", "arch", "length", "accuracy" | "bits_per_byte"}.')
 @click.option("--no-memory", "no_memory", is_flag=True,
@@ -758,7 +776,7 @@ def eval_command(checkpoint, task_name, length, task_set, batch, seed, threads, 
               help="Python model: checkpoint a sequence idle this long; onnxruntime model: sequence idle timeout.")
 @click.option("--checkpoints", default="checkpoints", show_default=True,
               help="Python model: directory for evicted sequences (relative to the model directory, or absolute).")
-@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), help="onnxruntime threads per model.")
+@click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), callback=_REMOTE_THREADS, help="onnxruntime threads per model.")
 @click.option("--max-batch-size", default=8, show_default=True, type=click.IntRange(min=1),
               help="onnxruntime model: sequences batched per run by the sequence batcher.")
 @click.option("--force", is_flag=True, help="Replace a non-empty output directory (and the checkpoints inside it).")

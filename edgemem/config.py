@@ -68,6 +68,23 @@ def seed(value: Any, name: str = "seed", error: type[ConfigError] = ConfigError)
     return value
 
 
+MAX_THREADS = 256  # past this a thread pool only adds start-up and contention, whatever the machine
+
+
+def thread_limit() -> int:
+    """The most threads a command runs here: four per core, at most MAX_THREADS."""
+    return min(MAX_THREADS, 4 * (os.cpu_count() or 1))
+
+
+def threads(value: Any, name: str = "threads", limit: int | None = None, error: type[ConfigError] = ConfigError) -> int:
+    """`value` if it is an integer in [1, limit] (default `thread_limit()`), else `error` naming `name`."""
+    why = f"four per core of this machine, at most {MAX_THREADS}" if limit is None else "more only add contention"
+    limit = thread_limit() if limit is None else limit
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+        raise error(f"{name} must be an integer from 1 to {limit} ({why}); got {value!r}")
+    return value
+
+
 def memory_bytes() -> int:
     """Physical memory of this machine in bytes (0 where the system does not say)."""
     try:
@@ -98,9 +115,12 @@ POSITIVE_SETTINGS = frozenset({
 })
 
 
+LAYER_BYTES = 32 * 1024  # what one layer's modules and parameter objects cost in Python before any weight
+
+
 def check_settings(settings: dict[str, Any], name: str = "model") -> None:
     """Range checks of a model's settings before it is built: finite numbers, > 0 or ≥ 0 as the key
-    needs (`POSITIVE_SETTINGS`), and weights that fit this machine's memory."""
+    needs (`POSITIVE_SETTINGS`), and weights (with each layer's objects) that fit this machine's memory."""
     for key, value in settings.items():
         for v in value if isinstance(value, list) else [value]:
             if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -115,4 +135,5 @@ def check_settings(settings: dict[str, Any], name: str = "model") -> None:
     mlp, vocab, expansion = settings.get("mlp_hidden", 0), settings.get("vocab_size", 256), settings.get("expansion", 1)
     if all(isinstance(v, int) and not isinstance(v, bool) for v in (d, layers, mlp, vocab, expansion)):
         params = 2 * vocab * d + layers * (4 * d * d * max(1, expansion) + 2 * d * mlp)  # a lower bound, fp32
-        fits_memory(4 * params, f"{name} with d_model={d}, n_layers={layers}, mlp_hidden={mlp}")
+        fits_memory(4 * params + LAYER_BYTES * layers,
+                    f"{name} with d_model={d}, n_layers={layers}, mlp_hidden={mlp}, vocab_size={vocab}")

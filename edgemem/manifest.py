@@ -38,6 +38,9 @@ STATE_DTYPES = ("float32", "float16", "float64", "int64")
 STATE_INIT = "state_init.safetensors"
 TOKENIZER_DIR = "tokenizer"  # the tokenizer files an export carries
 TARGETS = ("generic", "ort", "onnx27", "trt")
+DTYPES = ("fp32", "fp16")  # of the weights and activations (config.dtype)
+MIN_OPSET, MAX_OPSET = 18, 27  # what edgemem's graphs are written at (edgemem.export.OPSET, onnx27's LinearAttention)
+ONNX_DTYPES = {"float32": "float", "float16": "float16", "float64": "double", "int64": "int64"}  # as onnxruntime names them
 
 
 class ManifestError(EdgememError):
@@ -85,6 +88,17 @@ class Manifest:
                 del data[optional]
         return json.dumps(data, indent=2) + "\n"
 
+    def state_bytes(self) -> int:
+        """Bytes of one stream's state (a growing cache counted at one token)."""
+        itemsize = {"float32": 4, "float16": 2, "float64": 8, "int64": 8}
+        total = 0
+        for spec in self.state:
+            count = 1
+            for d in spec.shape:
+                count *= d if isinstance(d, int) else 1
+            total += count * itemsize[spec.dtype]
+        return total
+
     def identity(self) -> str:
         """A hash of the model files: what a state checkpoint must match."""
         return hashlib.sha256(json.dumps(sorted(self.files.items())).encode()).hexdigest()
@@ -104,7 +118,19 @@ def load(directory: str | Path, *, check_files: bool = True) -> Manifest:
         manifest = Manifest(**raw)
     except (json.JSONDecodeError, TypeError, KeyError, AttributeError) as e:
         raise ManifestError(f"{path} is not a valid edgemem manifest: {e}") from None
-    vocab = manifest.config.get("vocab_size") if isinstance(manifest.config, dict) else None
+    if not isinstance(manifest.config, dict):
+        raise ManifestError(f"{path}: config must be an object; got {manifest.config!r}")
+    if manifest.config.get("dtype", "fp32") not in DTYPES:
+        raise ManifestError(f"{path}: config.dtype is {manifest.config.get('dtype')!r}; expected one of {', '.join(DTYPES)}")
+    if manifest.config.get("arch", manifest.arch) != manifest.arch:
+        raise ManifestError(f"{path}: arch is {manifest.arch!r} but config.arch is {manifest.config['arch']!r} "
+                            "(edited by hand?); re-export the model")
+    if type(manifest.opset) is not int or not MIN_OPSET <= manifest.opset <= MAX_OPSET:
+        raise ManifestError(f"{path}: opset is {manifest.opset!r}; expected an integer in {MIN_OPSET}..{MAX_OPSET}")
+    bad = [t for t in manifest.targets if t not in TARGETS] if isinstance(manifest.targets, list) else [manifest.targets]
+    if bad or not manifest.targets:
+        raise ManifestError(f"{path}: targets {manifest.targets!r}; expected a list of {', '.join(TARGETS)}")
+    vocab = manifest.config.get("vocab_size")
     if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
         raise ManifestError(f"{path}: config.vocab_size must be a positive integer; got {vocab!r}")
     for spec in manifest.state:
@@ -141,3 +167,65 @@ def load(directory: str | Path, *, check_files: bool = True) -> Manifest:
             if sha256(file) != digest:
                 raise ManifestError(f"{directory}: {name} does not match its sha256 in {MANIFEST} (modified or corrupt)")
     return manifest
+
+
+def check_io(manifest: Manifest, where: str | Path, inputs: dict[str, tuple[str, list]],
+             outputs: dict[str, tuple[str, list]]) -> None:
+    """The manifest against one graph's inputs and outputs (name → (element type as onnxruntime names it,
+    e.g. "float", and dims: ints, or names/None for symbolic ones)): the state tensors by name, dtype and fixed
+    sizes, the token input, the outputs, and logits as wide as config.vocab_size. A cheap check, no hashing."""
+    def differ(what: str, spec: StateSpec, graph: tuple[str, list]) -> str | None:
+        kind, dims = graph
+        if kind != ONNX_DTYPES[spec.dtype]:
+            return f"{what} is {kind} in the graph, {spec.dtype} in {MANIFEST}"
+        fixed = [(d, g) for d, g in zip(spec.shape, dims) if isinstance(d, int) and isinstance(g, int)]
+        if len(dims) != len(spec.shape) or any(d != g for d, g in fixed):
+            return f"{what} has shape {dims} in the graph, {spec.shape} in {MANIFEST}"
+        return None
+
+    problems = []
+    for spec in manifest.state:
+        for name, side in ((spec.input, inputs), (spec.output, outputs)):
+            if name not in side:
+                problems.append(f"state {name} is not in the graph")
+            elif (why := differ(name, spec, side[name])) is not None:
+                problems.append(why)
+    if manifest.inputs.get("tokens") not in inputs:
+        problems.append(f"token input {manifest.inputs.get('tokens')!r} is not in the graph")
+    problems += [f"output {name!r} is not in the graph" for name in manifest.outputs.values() if name not in outputs]
+    logits = outputs.get(manifest.outputs.get("logits", ""))
+    if logits and logits[1] and isinstance(logits[1][-1], int) and logits[1][-1] != manifest.vocab_size:
+        problems.append(f"logits are {logits[1][-1]} wide in the graph, config.vocab_size is {manifest.vocab_size}")
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ManifestError(f"{where} does not match {MANIFEST}: {problems[0]}{more}; edited by hand? re-export the model")
+
+
+_ELEMENT = {1: "float", 10: "float16", 11: "double", 7: "int64"}
+
+
+def check_graph_file(manifest: Manifest, path: Path, target: str) -> None:
+    """One graph file (read without its weights, needs onnx) against the manifest: it parses, its ONNX opset is
+    the manifest's (27 for the onnx27 target) and its inputs and outputs are the manifest's (`check_io`)."""
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, OSError, ValueError) as e:
+        raise ManifestError(f"{path} is not a readable ONNX graph (truncated or corrupt?): {str(e).splitlines()[0]}") from None
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    want = 27 if target == "onnx27" else manifest.opset
+    if opset != want:
+        raise ManifestError(f"{path} is written at ONNX opset {opset}, {MANIFEST} says {want} (edited by hand?); "
+                            "re-export the model")
+
+    def values(items) -> dict[str, tuple[str, list]]:
+        found = {}
+        for v in items:
+            t = v.type.tensor_type
+            dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in t.shape.dim]
+            found[v.name] = (_ELEMENT.get(t.elem_type, onnx.TensorProto.DataType.Name(t.elem_type).lower()), dims)
+        return found
+
+    check_io(manifest, path, values(model.graph.input), values(model.graph.output))

@@ -46,10 +46,11 @@ from typing import Any
 
 from edgemem.errors import EdgememError, named
 from edgemem.files import check_output_dir, engine_files, staged_directory, write_atomic
-from edgemem.manifest import MANIFEST, Manifest
+from edgemem.manifest import MANIFEST, Manifest, check_graph_file
 from edgemem.manifest import load as load_manifest
 from edgemem.opset import DOMAIN
 from edgemem.runtime import engines as engines_json
+from edgemem.runtime.state import is_growing
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,26 @@ def _check_precision(manifest: Manifest, directory: Path, fp16: bool) -> None:
             f"(no builder flag turns them into FP16); re-export with `edgemem export --dtype fp16 --target trt`, "
             "or build without --fp16"
         )
+
+
+VOLUME = 2**31 - 1  # TensorRT indexes a tensor's elements with 32-bit integers
+
+
+def _check_shapes(manifest: Manifest, max_batch: int, max_sequence: int) -> None:
+    """Before any work: the engines can hold the largest shapes asked for, and the trt runtime can run them."""
+    growing = [s.input for s in manifest.state if is_growing(s)]
+    if growing:
+        raise EdgememError(f"{manifest.arch}'s KV cache grows ({growing[0]}), and the trt runtime runs fixed-size state "
+                           "only: export with --max-length N (a preallocated cache) and build that")
+    kv = manifest.kv_cache
+    if kv and kv["overflow"] == "error" and max_sequence > kv["max_length"]:
+        raise EdgememError(f"--max-sequence {max_sequence:,} is past the export's KV cache of --max-length "
+                           f"{kv['max_length']:,} tokens; give --max-sequence {kv['max_length']} or less")
+    if max_batch * max_sequence * manifest.vocab_size > VOLUME:
+        most = VOLUME // (max_batch * manifest.vocab_size)
+        hint = f"--max-sequence {most:,} or less" if most else "a smaller --max-batch"
+        raise EdgememError(f"--max-batch {max_batch} × --max-sequence {max_sequence:,} × a vocabulary of "
+                           f"{manifest.vocab_size:,} logits is past TensorRT's 2**31 elements per tensor; give {hint}")
 
 
 def _import_library(module: str) -> Any:
@@ -299,13 +320,16 @@ def build_engines(
         raise EdgememError("--max-batch and the maximum sequence must be at least 1")
     if sm and not rtx:
         raise EdgememError("--sm picks TensorRT for RTX's target GPUs: add --rtx (TensorRT builds for the GPU it runs on)")
-    module = RTX if rtx else "tensorrt"
-    trt = _import_library(module)
+    _check_shapes(manifest, max_batch, max_sequence)
+    for graph in graphs:
+        check_graph_file(manifest, graph, "trt")
     library = engines_json.plugin_library(plugins)
-    targets = [c.name for c in compute_capabilities(trt, sm)] if rtx else []
     inputs = [library, directory / MANIFEST, *(directory / name for name in manifest.files)]
     out_dir = check_output_dir(Path(out) if out else directory / engines_json.ENGINES_DIR, force=force, inputs=inputs,
                                what=named("out", "--out"), own=engine_files)
+    module = RTX if rtx else "tensorrt"
+    trt = _import_library(module)
+    targets = [c.name for c in compute_capabilities(trt, sm)] if rtx else []
     with staged_directory(out_dir) as tmp:
         if rtx:
             engines = _build_rtx(directory, graphs, library, tmp, max_batch, max_sequence, sm)

@@ -17,6 +17,7 @@ interrupted export never leaves a half-written DIR.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import shutil
 from collections.abc import Sequence
@@ -117,6 +118,38 @@ def _check_state_fits(model: nn.Module) -> None:
                 "the export traces several streams at once)")
 
 
+def _check_finite(model: nn.Module, where: str = "") -> None:
+    """Every floating-point weight and buffer is finite: a NaN would export fine and then generate nonsense."""
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise EdgememError(f"weight {name} holds {bad} NaN or infinite value{'s' if bad > 1 else ''}{where}; "
+                               "nothing was exported")
+
+
+def _check_tokenizer(files: Sequence[Path], vocab_size: int) -> None:
+    """A tokenizer.json that travels with the export parses and gives no id past the model's vocabulary."""
+    path = next((p for p in files if p.name == "tokenizer.json"), None)
+    if path is None:
+        return
+    try:
+        json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise EdgememError(f"{path} is not a valid tokenizer file: {e}") from None
+    try:
+        from tokenizers import Tokenizer
+    except ModuleNotFoundError:  # the runtime then refuses it as `run --prompt` reads it
+        return
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception for a malformed file
+        raise EdgememError(f"{path} is not a valid tokenizer file: {str(e).splitlines()[0]}") from None
+    largest = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+    if largest >= vocab_size:
+        raise EdgememError(f"{path} has token ids up to {largest}, past the model's vocab_size {vocab_size}: "
+                           "the model cannot take them (a tokenizer of another model?)")
+
+
 def export(
     model: nn.Module,
     out_dir: str | Path,
@@ -145,12 +178,15 @@ def export(
     if kv is not None:
         check_cache_length(kv["max_length"], kv["sinks"])
     _check_state_fits(model)
+    _check_finite(model)
+    _check_tokenizer(tokenizer, model.config.vocab_size)
     source = (extra_config or {}).get("checkpoint")
     out_dir = check_output_dir(out_dir, force=force, inputs=[source] if source else [])
 
     model = model.eval()
     if dtype == "fp16":
         model = copy.deepcopy(model).half()
+        _check_finite(model, " in float16 (a value past ±65504: export at fp32)")
     state_dtype = torch.float32  # state stays fp32 whatever the weights
     segment = prefill_segment(model)
     position = position_input(model) if segment else ""

@@ -103,6 +103,8 @@ def export_graph(model: nn.Module, kind: str, opset: int, dtype: torch.dtype | N
                 dynamic_shapes=dynamic_shapes,
                 verbose=False,
             )
+        except ModuleNotFoundError:  # a missing optional module (onnxscript): the CLI names its extra
+            raise
         except Exception as e:  # the exporter's own errors are long reports; keep the cause
             raise EdgememError(f"exporting the {kind} graph failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
     proto = program.model_proto

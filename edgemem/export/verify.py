@@ -20,7 +20,7 @@ import torch
 from edgemem.errors import EdgememError
 from edgemem.export.genai import unfit_reasons
 from edgemem.export.graphs import graph_io
-from edgemem.manifest import Manifest, load
+from edgemem.manifest import Manifest, check_graph_file, load
 from edgemem.models import LM, LMConfig, load_checkpoint
 from edgemem.models.lm import set_kv_cache
 from edgemem.runtime.state import initial_state  # one definition of a fresh stream's state, shared with the runtime
@@ -62,6 +62,27 @@ def rebuild(manifest: Manifest, checkpoint: str | Path | None = None) -> LM:
     return model.eval()
 
 
+def _check_config(manifest: Manifest, model: LM) -> None:
+    """The model the manifest's config describes has the state the graphs take (a hand-edited width, arch or
+    head count shows here)."""
+    from edgemem.export import state_specs
+
+    built = {s.input: s.shape for s in state_specs(model)}
+    recorded = {s.input: s.shape for s in manifest.state}
+    if built != recorded:
+        name = next((n for n in sorted(built.keys() | recorded.keys()) if built.get(n) != recorded.get(n)))
+        raise EdgememError(f"the config in edgemem.json does not describe these graphs: state {name} is "
+                           f"{recorded.get(name, 'absent')} in the graphs, {built.get(name, 'absent')} for the config "
+                           "(edited by hand?); re-export the model")
+
+
+def _session(path: Path, options: ort.SessionOptions) -> ort.InferenceSession:
+    try:
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001 - onnxruntime raises its own, varied exception types
+        raise EdgememError(f"onnxruntime cannot load {path}: {str(e).strip().splitlines()[0]}") from None
+
+
 def _compare(a: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
     diff = np.abs(a.astype(np.float64) - ref.astype(np.float64))
     scale = max(float(np.abs(ref).max()) if ref.size else 0.0, 1e-6)
@@ -101,7 +122,11 @@ def verify(
     unfit = unfit_reasons(manifest)
     if unfit:  # `edgemem verify` says so itself
         log.info("%s does not fit onnxruntime-genai: %s", directory, "; ".join(unfit))
+    for target in manifest.targets:
+        for kind in (k for k, present in manifest.graphs.items() if present):
+            check_graph_file(manifest, directory / target / f"{kind}.onnx", target)
     model = rebuild(manifest, checkpoint)
+    _check_config(manifest, model)
     kv = manifest.kv_cache
     if kv and kv["overflow"] == "error" and prompt + steps > kv["max_length"]:  # a short cache: a shorter stream
         steps = min(steps, max(1, kv["max_length"] // 3))
@@ -134,10 +159,8 @@ def verify(
     for target in manifest.targets:
         if target in skipped:
             continue
-        sessions = {
-            kind: ort.InferenceSession(str(directory / target / f"{kind}.onnx"), options, providers=["CPUExecutionProvider"])
-            for kind, present in manifest.graphs.items() if present
-        }
+        sessions = {kind: _session(directory / target / f"{kind}.onnx", options)
+                    for kind, present in manifest.graphs.items() if present}
 
         def prefill(ids: np.ndarray, state: dict[str, np.ndarray]) -> list[np.ndarray]:
             """The prefill graph, or token by token through the step graph when there is none."""

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgemem.errors import CacheFullError, ConfigError
+from edgemem.errors import CacheFullError, ConfigError, named
 from edgemem.layers.base import State, StatefulLayer
 from edgemem.layers.common import rms_norm, rope
 from edgemem.ops.cache_attention import cache_attention
@@ -107,11 +107,12 @@ class SoftmaxAttention(AttentionProjections):
 
     def set_cache(self, max_length: int | None, sinks: int | None = None) -> None:
         """The cache layout (module docstring): growing (None), or `max_length` slots with `sinks` (None: error past it)."""
+        length, sink = named("max_length", "--max-length"), named("sinks", "--sinks")
         if max_length is not None and (type(max_length) is not int or max_length < 1):
-            raise ConfigError(f"max_length must be a positive integer; got {max_length!r}")
+            raise ConfigError(f"{length} must be a positive integer; got {max_length!r}")
         if sinks is not None and (max_length is None or type(sinks) is not int or not 0 <= sinks < max_length):
-            raise ConfigError(f"sinks (attention sinks of the sliding window) must be an integer in [0, max_length) "
-                              f"with max_length set; got sinks={sinks!r}, max_length={max_length!r}")
+            raise ConfigError(f"{sink} (attention sinks of the sliding window) must be an integer in [0, {length}) "
+                              f"with {length} set; got {sink} {sinks!r}, {length} {max_length!r}")
         self.max_length, self.sinks = max_length, sinks
 
     def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> State:

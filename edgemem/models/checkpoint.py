@@ -74,6 +74,14 @@ def _metadata(path: Path, data: bytes | None = None) -> dict[str, str]:
         raise EdgememError(f"cannot read checkpoint {path}: {e}") from None
 
 
+def _check_layers(config: LMConfig, tensors: dict) -> None:
+    """The layer count the config states is the one the weights hold (before a model of that many layers is made)."""
+    held = {int(k.split(".")[1]) for k in tensors if k.startswith("blocks.") and k.split(".")[1].isdigit()}
+    if not isinstance(config.n_layers, int) or len(held) != config.n_layers or held != set(range(len(held))):
+        layers = f"{len(held)} layer{'' if len(held) == 1 else 's'}"
+        raise ConfigError(f"its config says n_layers={config.n_layers!r} but it holds the weights of {layers}")
+
+
 def load_checkpoint(path: str | Path) -> LM:
     """The model saved at `path`; a clear EdgememError for anything else."""
     path = as_path(path, "a checkpoint")
@@ -86,8 +94,10 @@ def load_checkpoint(path: str | Path) -> LM:
     if metadata.get("format") != FORMAT:
         raise EdgememError(f"{path} is not an edgemem checkpoint (no {FORMAT!r} metadata)")
     try:
-        model = LM(LMConfig(**json.loads(metadata["config"])))
+        config = LMConfig(**json.loads(metadata["config"]))
+        _check_layers(config, tensors)
+        model = LM(config)
         model.load_state_dict(tensors)
-    except (TypeError, KeyError, ValueError, RuntimeError, ConfigError) as e:
+    except (TypeError, KeyError, ValueError, RuntimeError, AttributeError, ArithmeticError, ConfigError) as e:
         raise EdgememError(f"checkpoint {path} does not fit its own config: {str(e).splitlines()[0]}") from None
     return model

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from edgemem.config import check_settings
 from edgemem.errors import ConfigError, EdgememError
 from edgemem.layers import (
     AFT,
@@ -117,6 +118,9 @@ class LM(nn.Module):
     def __init__(self, config: LMConfig):
         super().__init__()
         self.config = config
+        for options in [config.mixer_options, *config.layer_type_options.values()]:  # before any allocation
+            check_settings({"d_model": config.d_model, "n_layers": config.n_layers, "mlp_hidden": config.mlp_hidden,
+                            "vocab_size": config.vocab_size, "norm_eps": config.norm_eps, **options}, config.arch)
         if config.layer_types and len(config.layer_types) != config.n_layers:
             raise ConfigError(f"layer_types has {len(config.layer_types)} entries for {config.n_layers} layers")
         unknown = sorted({t for t in [config.mixer, *config.layer_types] if t not in MIXERS})

@@ -1,7 +1,7 @@
 """`calibrate`: an fp32 export directory → an INT8 or INT4 export directory (projections only, state float).
 
 dynamic: onnxruntime `quantize_dynamic` (MatMulInteger with per-channel INT8 weights, activations
-  quantized at run time); no calibration data. Targets: the onnxruntime-runnable ones (ort, generic,
+  quantized at run time), inside a prefill's segment Loop as in the step graph; no calibration data. Targets: the onnxruntime-runnable ones (ort, generic,
   onnx27). The trt target is left out: TensorRT takes explicit Q/DQ, not MatMulInteger.
 static: onnxruntime `quantize_static` in QDQ format, symmetric INT8 activations, symmetric per-channel
   INT8 weights (a layout TensorRT's explicit quantization accepts), MinMax ranges from states that the
@@ -49,6 +49,7 @@ from edgemem.quant.graph import (
     Projection,
     boundary_violations,
     fold_transposed_weights,
+    graph_bodies,
     isolate_inputs,
     projections,
     quantized_projections,
@@ -63,6 +64,10 @@ DEFAULT_BLOCK = 32
 ACCURACY_LEVEL = 4  # MatMulNBits on CPU: int8 activations per block inside the kernel (the fast path)
 RUNNABLE = ("ort", "generic", "onnx27")  # targets onnxruntime runs, in order of preference
 GRAPHS = ("prefill", "step")
+# methods that quantize the projections inside Loop bodies too (the segment loop of a MAC or HOPE prefill), so
+# that prefill and step run the same quantized projections; static QDQ cannot calibrate inside a Loop: there the
+# loop's projections stay float, and the record and a warning say so
+SUBGRAPH_METHODS = ("dynamic", "int4")
 
 
 def default_out(directory: str | Path, method: str) -> Path:
@@ -125,13 +130,25 @@ def calibration_feeds(directory: Path, manifest: Manifest, recipe: Recipe, threa
     return feeds
 
 
-def _select(paths: dict[tuple[str, str], Path], state_names: set[str], recipe: Recipe, *, matmul_only: bool = False
-            ) -> tuple[dict[tuple[str, str], list[Projection]], dict[tuple[str, str], list[str]]]:
+def _loop_projections(paths: dict[tuple[str, str], Path], state_names: set[str]) -> dict[str, int]:
+    """Per graph file, the projections inside Loop bodies (a MAC or HOPE prefill's segment loop)."""
+    found = {}
+    for (target, kind), path in paths.items():
+        model = onnx.load(str(path), load_external_data=False)
+        every = sum(p.quantizable for p in projections(model, state_names, subgraphs=True))
+        if (inside := every - sum(p.quantizable for p in projections(model, state_names))):
+            found[f"{target}/{kind}.onnx"] = inside
+    return found
+
+
+def _select(paths: dict[tuple[str, str], Path], state_names: set[str], recipe: Recipe, *, matmul_only: bool = False,
+            subgraphs: bool = False) -> tuple[dict[tuple[str, str], list[Projection]], dict[tuple[str, str], list[str]]]:
     """Every projection per (target, graph) and the node names to quantize (with `matmul_only`, for MatMulNBits:
     MatMul only, it has no Gemm form, and a weight read through a Transpose counts); each recipe exclusion must
     name a projection of some graph."""
     found: dict[tuple[str, str], list[Projection]] = {
-        key: projections(onnx.load(str(path), load_external_data=False), state_names, transposed=matmul_only)
+        key: projections(onnx.load(str(path), load_external_data=False), state_names, transposed=matmul_only,
+                         subgraphs=subgraphs)
         for key, path in paths.items()
     }
     everything = [p for ps in found.values() for p in ps]
@@ -172,7 +189,7 @@ def _int4(source: Path, dest: Path, nodes: list[str], block_size: int) -> None:
         model = onnx.load(str(source))
         fold_transposed_weights(model, nodes)  # a tied output head: MatMulNBits needs the weight as an initializer
         chosen = set(nodes)
-        others = [n.name for n in model.graph.node if n.op_type == "MatMul" and n.name not in chosen]
+        others = [n.name for nodes in graph_bodies(model) for n in nodes if n.op_type == "MatMul" and n.name not in chosen]
         quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=block_size, is_symmetric=False, accuracy_level=ACCURACY_LEVEL,
                                          nodes_to_exclude=others, op_types_to_quantize=("MatMul",))
         quantizer.process()
@@ -193,7 +210,7 @@ def _quantize(method: str, source: Path, dest: Path, nodes: list[str], feeds: li
             _int4(source, dest, nodes, block_size or DEFAULT_BLOCK)
             return
         if method == "dynamic":
-            quantize_dynamic(source, dest, extra_options={"MatMulConstBOnly": True}, **common)
+            quantize_dynamic(source, dest, extra_options={"MatMulConstBOnly": True, "EnableSubgraph": True}, **common)
             return
         quantize_static(
             source, dest, _Reader(feeds) if feeds is not None else None, quant_format=QuantFormat.QDQ,
@@ -242,7 +259,19 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
 
     state_names = {n for s in manifest.state for n in (s.input, s.output)}
     sources = {(t, k): directory / t / f"{k}.onnx" for t in targets for k in kinds}
-    found, selected = _select(sources, state_names, recipe, matmul_only=method == "int4")
+    found, selected = _select(sources, state_names, recipe, matmul_only=method == "int4",
+                              subgraphs=method in SUBGRAPH_METHODS)
+    if not any(selected.values()):
+        why = f"quantize.exclude ({', '.join(recipe.exclude)}) keeps every one float" if recipe.exclude else \
+            "the export has none outside state and edgemem's ops"
+        raise RecipeError(f"{recipe.source or recipe.name}: nothing to quantize: {why}; the result would be the float "
+                          "export")
+    recipe.check_memory(manifest.state_bytes(), calibration=method == "static", drift=False)
+    loop_float = {} if method in SUBGRAPH_METHODS else _loop_projections(sources, state_names)
+    if loop_float:
+        log.warning("%s keeps the %d projections inside the prefill's segment Loop float (onnxruntime calibrates no "
+                    "Loop body): prefill runs them float, steps INT8; %s quantizes both", method,
+                    sum(loop_float.values()), named('method="dynamic"', "--method dynamic"))
     feeds = calibration_feeds(directory, manifest, recipe, threads, progress) if method == "static" else None
 
     with staged_directory(out) as tmp:
@@ -292,6 +321,8 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
             kv_cache=manifest.kv_cache, weights=stores or None,
             quantization=_record(directory, manifest, method, recipe, found, selected, counts, block_size),
         )
+        if loop_float:
+            quantized.quantization["excluded"]["loop_projections_kept_float"] = loop_float
         if method == "int4":  # weight-only MatMulNBits is onnxruntime-genai's own format: it runs the int4 export
             from edgemem.export import genai
 

@@ -93,6 +93,7 @@ def drift_report(reference: str | Path, quantized: str | Path, recipe: str | Rec
             window_start = max(start, h - recipe.window)
             for begin in range(start, h, chunk):
                 end = min(begin + chunk, h)
+                progress(f"stream {b + 1}/{len(sample.tokens)}: position {begin:,} of {h:,}")
                 lf, lq = sf.prefill(tokens[begin:end]), sq.prefill(tokens[begin:end])
                 scored = int((targets[begin:end] >= 0).sum())
                 if scored:

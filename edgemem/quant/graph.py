@@ -1,6 +1,6 @@
 """Which nodes of an exported graph are INT8/INT4 projections, and the float boundary around state.
 
-A projection is a MatMul/Gemm of the main graph whose B is a weight (an initializer) and whose
+A projection is a MatMul/Gemm of the main graph (or of a Loop body, for dynamic INT8) whose B is a weight (an initializer) and whose
 activation input is neither a state tensor nor a tensor that a custom node (edgemem's ops, or
 their com.microsoft lowering) reads or writes. Everything else stays float: state inputs and
 outputs, the recurrence inside custom nodes and their local-function bodies, decays, gates, norms.
@@ -91,17 +91,27 @@ def _transposed_weights(model: onnx.ModelProto) -> dict[str, str]:
             if n.op_type == "Transpose" and n.domain in _STANDARD_DOMAINS and shapes.get(n.input[0]) == 2}
 
 
-def projections(model: onnx.ModelProto, state_names: set[str], *, transposed: bool = False) -> list[Projection]:
-    """Every MatMul/Gemm of the main graph, marked quantizable or not (see the module docstring). With
-    `transposed`, a weight read transposed (a Transpose, or the tied head's Gemm; see `fold_transposed_weights`)
-    counts as a weight."""
+def graph_bodies(model: onnx.ModelProto) -> Iterator[list[onnx.NodeProto]]:
+    """The nodes of the main graph and of every subgraph a node holds (a Loop's body: the segment loop of a
+    MAC or HOPE prefill), local functions left out."""
+    for where, nodes in all_graphs(model):
+        if not where.startswith("function"):
+            yield nodes
+
+
+def projections(model: onnx.ModelProto, state_names: set[str], *, transposed: bool = False,
+                subgraphs: bool = False) -> list[Projection]:
+    """Every MatMul/Gemm of the main graph (with `subgraphs`, of the Loop bodies too: their weights are the
+    main graph's), marked quantizable or not (see the module docstring). With `transposed`, a weight read
+    transposed (a Transpose, or the tied head's Gemm; see `fold_transposed_weights`) counts as a weight."""
     weights = {i.name for i in model.graph.initializer}
-    weights |= {n.output[0] for n in model.graph.node if n.op_type == "Constant" and n.domain in _STANDARD_DOMAINS}
+    weights |= {n.output[0] for nodes in graph_bodies(model) for n in nodes
+                if n.op_type == "Constant" and n.domain in _STANDARD_DOMAINS}
     if transposed:
         weights |= set(_transposed_weights(model))
     protected = protected_tensors(model, state_names)
     found = []
-    for node in model.graph.node:
+    for node in (n for nodes in graph_bodies(model) for n in nodes) if subgraphs else model.graph.node:
         if node.op_type not in PROJECTION_OPS or node.domain not in _STANDARD_DOMAINS:
             continue
         ok = len(node.input) >= 2 and node.input[1] in weights and node.input[0] not in weights
@@ -129,9 +139,10 @@ def boundary_violations(model: onnx.ModelProto, state_names: set[str]) -> list[s
 
 def quantized_projections(model: onnx.ModelProto) -> int:
     """Quantized projections: MatMul/Gemm fed by a DequantizeLinear (QDQ), integer matmuls (dynamic), MatMulNBits (int4)."""
-    produced_by = {o: n.op_type for n in model.graph.node for o in n.output}
+    nodes = [n for body in graph_bodies(model) for n in body]
+    produced_by = {o: n.op_type for n in nodes for o in n.output}
     count = 0
-    for node in model.graph.node:
+    for node in nodes:
         if node.op_type in ("MatMulInteger", "DynamicQuantizeMatMul", "QLinearMatMul", "QGemm", "MatMulNBits"):
             count += 1
         elif node.op_type in PROJECTION_OPS and node.input and produced_by.get(node.input[0]) == "DequantizeLinear":

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from edgemem.config import positive_int, read_toml
+from edgemem.config import fits_memory, positive_int, read_toml
 from edgemem.errors import ConfigError
 from edgemem.tasks import VOCAB, Task, get_task
 
@@ -71,6 +71,17 @@ class Recipe:
             raise RecipeError(f"recipe {self.name!r} feeds byte ids 0-{VOCAB - 1} (edgemem.tasks) but {arch} has a "
                               f"vocabulary of {vocab_size}: calibration data and drift reports need a model of at least "
                               f"{VOCAB} tokens (dynamic and int4 need no data: calibrate --no-drift)")
+
+    def check_memory(self, state_bytes: int, *, calibration: bool, drift: bool) -> None:
+        """The data the recipe rolls out fits this machine's memory: token ids and, for static calibration, a
+        batch of states per position (the feeds); the drift report's streams of token ids and targets."""
+        if calibration:
+            length = max(self.positions) + self.prefill_tokens
+            fits_memory(self.streams * (8 * length + 3 * state_bytes * len(self.positions)),
+                        f"recipe {self.name!r}: {self.streams:,} calibration streams of {length:,} tokens", RecipeError)
+        if drift:
+            fits_memory(16 * self.drift_streams * max(self.horizons), f"recipe {self.name!r}: {self.drift_streams:,} "
+                        f"drift streams of {max(self.horizons):,} tokens", RecipeError)
 
     def to_dict(self) -> dict[str, Any]:
         """The recipe as recorded in a quantized export's manifest."""

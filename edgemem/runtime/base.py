@@ -60,7 +60,15 @@ from edgemem.manifest import Manifest
 from edgemem.manifest import load as load_manifest
 from edgemem.runtime.errors import BackendError, BatchError, StateFileError, TokenError
 from edgemem.runtime.sampling import check_sampling, sample
-from edgemem.runtime.state import check_state, concrete_shape, decode_checkpoint, initial_state, is_growing, save_checkpoint
+from edgemem.runtime.state import (
+    check_position,
+    check_state,
+    concrete_shape,
+    decode_checkpoint,
+    initial_state,
+    is_growing,
+    save_checkpoint,
+)
 
 TokenIds = Sequence[int] | np.ndarray | bytes | bytearray
 # backend → "module:class" of its engine, imported when asked for (each needs its own library)
@@ -70,6 +78,7 @@ BACKENDS = {
     "trt": "edgemem.runtime.trt:TrtEngine",
 }
 DEFAULT_CHUNK = 512  # tokens per prefill-graph run
+LONG_PREFILL = 16  # chunks past which a prefill without a progress callback logs its progress
 BATCH_SLOTS = 4  # batch sizes whose [n, ...] buffers an engine keeps
 
 
@@ -173,6 +182,7 @@ class Engine:
         """A stream from numpy state tensors of batch 1 (names as in edgemem.json), checked like a checkpoint."""
         if isinstance(position, (bool, np.bool_)) or not isinstance(position, (int, np.integer)) or position < 0:
             raise ConfigError(f"position must be a non-negative integer; got {position!r}")
+        position = check_position(self.manifest, position, error=ConfigError)
         check_state(self.manifest, state)
         if logits is not None:
             logits = np.asarray(logits)
@@ -448,11 +458,17 @@ class Stream:
         Runs the prefill graph on chunks of `chunk_size` tokens (default: the engine's), or steps
         through the tokens when the export has no prefill graph. Prefilling in chunks equals prefilling
         at once (the stateful protocol's law), and keeps activations and logits bounded.
-        `progress(n)` is called after each chunk (or token) with the number of tokens it consumed.
+        `progress(n)` is called after each chunk (or token) with the number of tokens it consumed; without
+        it, a prefill of more than LONG_PREFILL chunks reports on the `edgemem.progress` logger.
         """
         engine = self._engine
         ids = engine._tokens(token_ids)
         chunk = positive_int(engine.chunk_size if chunk_size is None else chunk_size, "chunk_size")
+        if progress is None and ids.size > LONG_PREFILL * chunk:
+            from edgemem.progress import track
+
+            with track(f"prefill of {ids.size:,} tokens", ids.size, terminal=False) as bar:
+                return self.prefill(ids, chunk_size=chunk, all_logits=all_logits, progress=lambda n: bar.update(advance=n))
         rows: list[np.ndarray] = []
         with self._lock:
             engine._check_room(self._position, ids.size)

@@ -56,8 +56,9 @@ import numpy as np
 import onnxruntime as ort
 
 from edgemem.config import positive_int
-from edgemem.errors import EdgememError
-from edgemem.manifest import Manifest, StateSpec
+from edgemem.config import threads as check_threads
+from edgemem.errors import EdgememError, named
+from edgemem.manifest import Manifest, StateSpec, check_io
 from edgemem.runtime.base import BatchSlot, Engine, Stream
 from edgemem.runtime.errors import BackendError, BatchError
 from edgemem.runtime.state import GROWING, concrete_shape
@@ -211,7 +212,7 @@ class OrtEngine(Engine):
     def _open(cls, directory: Path, manifest: Manifest, target: str | None, threads: int | None, chunk_size: int, *,
               backend: str) -> OrtEngine:
         if threads is not None:
-            positive_int(threads, "threads")
+            check_threads(threads, named("threads", "--threads"))
         if target is None:
             target = next((t for t in ("ort", "generic", "onnx27") if t in manifest.targets), None)
             if target is None:
@@ -269,6 +270,8 @@ class OrtEngine(Engine):
         if inputs != want_in or not want_out <= outputs:
             raise BackendError(f"{path} does not match edgemem.json: inputs {sorted(inputs ^ want_in)} or outputs "
                                f"{sorted(want_out - outputs)} differ")
+        check_io(self.manifest, path, *({v.name: (v.type.removeprefix("tensor(").rstrip(")"), v.shape) for v in values}
+                                        for values in (session.get_inputs(), session.get_outputs())))
         return session
 
     # ------------------------------------------------------------------ bindings and runs
@@ -322,7 +325,9 @@ class OrtEngine(Engine):
                 raise BatchError(
                     f"{self.manifest.arch}'s state grows (KV cache): a batch needs streams with caches of equal length, "
                     f"got lengths {', '.join(map(str, lengths[:6]))}{'…' if len(lengths) > 6 else ''}; batch streams at "
-                    "the same position or step them one by one"
+                    "the same position, step them one by one, or re-export with "
+                    f"{named('set_kv_cache(model, max_length=N)', '`edgemem export --max-length N`')} (a preallocated cache: "
+                    "streams at any positions batch together)"
                 )
         return streams, tokens
 

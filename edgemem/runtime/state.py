@@ -36,6 +36,7 @@ from edgemem.runtime.errors import StateFileError
 FORMAT = "edgemem-state/1"
 LOGITS = "logits"
 GROWING = "past_sequence"
+MAX_POSITION = 2**62  # graphs take positions as int64; a stream this long would take centuries at any speed
 
 
 def concrete_shape(spec: StateSpec, batch: int, past: int = 0) -> list[int]:
@@ -100,6 +101,19 @@ def _caches(manifest: Manifest, position: int) -> tuple[list[str], int]:
     return (list(kv["states"]), min(position, kv["max_length"])) if kv else ([], 0)
 
 
+def check_position(manifest: Manifest, position: object, name: str = "position",
+                   error: type[Exception] = StateFileError) -> int:
+    """`position` if it is a place a stream of this export can be at: an integer in [0, MAX_POSITION), and no
+    later than the end of a preallocated KV cache without a window."""
+    integer = isinstance(position, (int, np.integer)) and not isinstance(position, (bool, np.bool_))
+    if not integer or not 0 <= position < MAX_POSITION:
+        raise error(f"{name} must be an integer in [0, 2**62); got {position!r}")
+    kv = manifest.kv_cache
+    if kv and kv["overflow"] == "error" and position > kv["max_length"]:
+        raise error(f"{name} {position:,} is past the KV cache of max_length={kv['max_length']:,} tokens")
+    return int(position)
+
+
 def encode_checkpoint(manifest: Manifest, state: Mapping[str, np.ndarray], position: int,
                       logits: np.ndarray | None) -> bytes:
     caches, filled = _caches(manifest, position)
@@ -160,10 +174,11 @@ def decode_checkpoint(data: bytes, manifest: Manifest, where: str = "state file"
         )
     try:
         position = int(metadata["position"])
-        if position < 0:
+        if not 0 <= position < MAX_POSITION:
             raise ValueError
     except (KeyError, ValueError):
         raise StateFileError(f"{where}: invalid position {metadata.get('position')!r}") from None
+    position = check_position(manifest, position, f"{where}: position")
     logits = tensors.pop(LOGITS, None)
     caches, filled = _caches(manifest, position)
     for spec in manifest.state:

@@ -32,6 +32,8 @@ import onnx
 from onnx import TensorProto, helper
 from safetensors.numpy import load_file
 
+from edgemem.config import MAX_THREADS, fits_memory, size_text
+from edgemem.config import threads as check_threads
 from edgemem.errors import EdgememError, named
 from edgemem.files import check_output_dir, export_files, one_name, staged_directory, write_atomic
 from edgemem.manifest import MANIFEST, STATE_INIT, Manifest, StateSpec, load
@@ -84,6 +86,19 @@ def onnx_reasons(manifest: Manifest) -> list[str]:
     return reasons
 
 
+CANDIDATES = 16  # sequences the onnxruntime model's batcher holds per batch slot
+
+
+def _check_runnable(manifest: Manifest, export_dir: Path) -> None:
+    """The Python model streams through edgemem.runtime on onnxruntime: a step graph and a target it runs."""
+    if not manifest.graphs.get("step"):
+        raise RepositoryError(f"{export_dir}: {manifest.arch} has no step graph (a bidirectional encoder does not "
+                              "stream), and the Triton models serve streams")
+    if not set(manifest.targets) & {"ort", "generic", "onnx27"}:
+        raise RepositoryError(f"{export_dir} has only the {', '.join(manifest.targets)} target, which onnxruntime "
+                              "does not run; export with --target ort (or generic) for Triton")
+
+
 def write_repository(export_dir: str | Path, out: str | Path, *, name: str | None = None, max_live: int = 64,
                      idle_seconds: float = 600.0, checkpoints: str = "checkpoints", threads: int = 1,
                      max_batch_size: int = 8, force: bool = False) -> Repository:
@@ -97,6 +112,17 @@ def write_repository(export_dir: str | Path, out: str | Path, *, name: str | Non
         raise RepositoryError(f"model name {name!r}: use letters, digits, '-', '_' or '.'")
     if max_live < 1 or idle_seconds <= 0 or threads < 1 or max_batch_size < 1:
         raise RepositoryError("max_live, threads and max_batch_size must be at least 1 and idle_seconds positive")
+    check_threads(threads, named("threads", "--threads"), limit=MAX_THREADS, error=RepositoryError)
+    _check_runnable(manifest, export_dir)
+    per_stream = manifest.state_bytes()
+    fits_memory(max_live * per_stream, f"{named('max_live', '--max-live')} {max_live:,} streams of "
+                f"{size_text(per_stream)} state", error=RepositoryError)
+    if max_batch_size * CANDIDATES > 2**31 - 1:
+        raise RepositoryError(f"{named('max_batch_size', '--max-batch-size')} {max_batch_size:,} is past Triton's limit "
+                              f"({(2**31 - 1) // CANDIDATES:,}: the sequence batcher keeps {CANDIDATES} candidates per slot)")
+    fits_memory(max_batch_size * CANDIDATES * per_stream, f"{named('max_batch_size', '--max-batch-size')} "
+                f"{max_batch_size:,} ({max_batch_size * CANDIDATES:,} candidate sequences of {size_text(per_stream)} "
+                "implicit state)", error=RepositoryError)
     out = check_output_dir(out, force=force, inputs=[export_dir], what=named("out", "--out"), own=repository_files)
     skipped = onnx_reasons(manifest)
     onnx_name = None if skipped else f"{name}-onnx"
@@ -184,7 +210,7 @@ def onnx_config(name: str, manifest: Manifest, max_batch_size: int, idle_seconds
         'instance_group [ { count: 1 kind: KIND_CPU } ]\n'
         "sequence_batching {\n"
         f"  max_sequence_idle_microseconds: {int(idle_seconds * 1e6)}\n"
-        f"  oldest {{ max_candidate_sequences: {max_batch_size * 16} max_queue_delay_microseconds: 100 }}\n"
+        f"  oldest {{ max_candidate_sequences: {max_batch_size * CANDIDATES} max_queue_delay_microseconds: 100 }}\n"
         f"  control_input [\n{controls}\n  ]\n"
         f"  state [\n{states}\n  ]\n"
         "}\n"

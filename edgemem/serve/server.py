@@ -187,27 +187,41 @@ class TritonServer:
         return self
 
     def _wait_ready(self, timeout: float) -> None:
+        """Until the server and its models are ready; a model that fails to load (its backend crashed) or a server
+        that exits ends the wait at once with the cause from the log, and the wait reports progress meanwhile."""
+        from edgemem.progress import track
+
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                code = self._process.returncode
-                raise ServerError(f"tritonserver exited with code {code} while starting: {self._failure()}"
-                                  + (f" (its log: {self.log_file})" if self.log_file else ""))
-            if self._ready("/v2/health/ready") and all(self._ready(f"/v2/models/{m}/ready") for m in self.models):
-                log.info("tritonserver ready: grpc %s, http %s", self.grpc_url, self.http_url)
-                return
-            time.sleep(0.2)
+        with track(f"starting tritonserver ({', '.join(self.models)})"):
+            while time.monotonic() < deadline:
+                if self._process.poll() is not None:
+                    code = self._process.returncode
+                    raise ServerError(f"tritonserver exited with code {code} while starting: {self._failure()}"
+                                      + (f" (its log: {self.log_file})" if self.log_file else ""))
+                if any(map(_LOAD_FAILED.search, self._log_text().splitlines())):
+                    raise ServerError(f"tritonserver could not start: {self._failure()}"
+                                      + (f" (its log: {self.log_file})" if self.log_file else ""))
+                if self._ready("/v2/health/ready") and all(self._ready(f"/v2/models/{m}/ready") for m in self.models):
+                    log.info("tritonserver ready: grpc %s, http %s", self.grpc_url, self.http_url)
+                    return
+                time.sleep(0.2)
         raise ServerError(f"tritonserver was not ready within {timeout:.0f} s: {self._failure()}"
                           + (f" (its log: {self.log_file})" if self.log_file else ""))
 
-    def _failure(self, lines: int = 15) -> str:
-        """The cause of a failed start as read from this start's log; its last lines go to the log at WARNING."""
+    def _log_text(self) -> str:
+        """What this start wrote to the log so far ("" when it cannot be read)."""
         try:
             with open(self._log, "rb") as f:
                 f.seek(self._log_start)
-                text = f.read().decode(errors="replace")
+                return f.read().decode(errors="replace")
         except OSError:
-            return "its log cannot be read"
+            return ""
+
+    def _failure(self, lines: int = 15) -> str:
+        """The cause of a failed start as read from this start's log; its last lines go to the log at WARNING."""
+        text = self._log_text()
+        if not text:
+            return "its log is empty or cannot be read"
         tail = [line for line in text.splitlines() if line.strip() and not line.startswith(("|", "+-"))][-lines:]
         if tail:
             log.warning("tritonserver's last log lines:\n%s", "\n".join(f"  {line}" for line in tail))

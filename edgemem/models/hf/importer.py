@@ -162,6 +162,9 @@ def load_table(model: nn.Module, weights: Mapping[str, torch.Tensor], table: Tab
         if absent:
             raise ConfigError(f"the weights lack {absent[0]}, which config.json implies")
         parts = [weights[s] for s in sources]
+        for s, p in zip(sources, parts):
+            if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+                raise ConfigError(f"the weights' {s} holds NaN or infinite values; nothing was imported")
         want = params[name].shape
         got = torch.Size([sum(p.shape[0] for p in parts), *parts[0].shape[1:]]) if parts[0].dim() else parts[0].shape
         if any(p.shape[1:] != parts[0].shape[1:] for p in parts) or got != want:

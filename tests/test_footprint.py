@@ -155,3 +155,27 @@ def test_int4_stores_a_tied_embedding_once_in_4_bits_for_lookup_and_head(tmp_pat
         logits[d] = np.concatenate([stream.prefill(ids[:30]), *(stream.step(int(t))[None] for t in ids[30:])])
     err = np.linalg.norm(logits["int4"] - logits["fp32"]) / np.linalg.norm(logits["fp32"])
     assert 0 < err < 0.3, err
+
+
+def test_next_token_prefill_projects_only_the_last_position(exported):
+    """The prefill graph whose head projects only the last position (logits [batch, 1, V]) is what the
+    runtime opens at load and runs when only the next token's logits are wanted; the full prefill graph opens
+    at the first prefill that asks for every row, and the two agree on the last row and the state."""
+    out, _ = exported
+    assert json.loads((out / MANIFEST).read_text())["graphs"]["prefill_last"] is True
+    graph = onnx.load(str(out / "ort" / "prefill_last.onnx"), load_external_data=False).graph
+    logits = next(o for o in graph.output if o.name == "logits")
+    assert [d.dim_value or d.dim_param for d in logits.type.tensor_type.shape.dim][1:] == [1, 256]
+    engine = Engine.load(out, threads=1)
+    assert sorted(engine._sessions) == ["prefill_last", "step"]
+    ids = np.random.default_rng(0).integers(0, 256, 70)
+    last = engine.new_stream()
+    row = last.prefill(ids, chunk_size=32, all_logits=False)
+    assert sorted(engine._sessions) == ["prefill_last", "step"]
+    full = engine.new_stream()
+    rows = full.prefill(ids, chunk_size=32)
+    assert sorted(engine._sessions) == ["prefill", "prefill_last", "step"] and rows.shape == (70, 256)
+    np.testing.assert_allclose(row, rows[-1], rtol=1e-5, atol=1e-5)
+    for a, b in zip(last.state_dict().values(), full.state_dict().values()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(last.step(7), full.step(7), rtol=1e-5, atol=1e-5)

@@ -394,7 +394,7 @@ def test_int4_has_a_matmulnbits_node_per_projection_and_records_the_block(fp32, 
     record = manifest.quantization
     assert record["method"] == "int4" and record["scheme"]["block_size"] == 16
     assert set(record["quantized_projections"].values()) == {11}
-    assert "11 int4 projections" not in int4["output"] and "44 int4 projections in 4 graphs" in int4["output"]
+    assert "11 int4 projections" not in int4["output"] and "66 int4 projections in 6 graphs" in int4["output"]
 
 
 def test_int4_weights_are_the_fp32_weights_rounded_to_their_block_grid(fp32, int4):
@@ -453,7 +453,7 @@ def test_int4_drift_report_is_finite_bounded_and_smaller_on_disk(int4):
     assert report["method"] == "int4" and list(report["horizons"]) == ["32", "512", "4096"]
     for row in report["horizons"].values():
         assert all(0 < v < 0.5 for v in (row["logits_rel_err"], *row["state_rel_err"].values())), row
-    assert report["size_bytes"]["quantized"] < 0.65 * report["size_bytes"]["fp32"]  # small tensors stay in the graphs
+    assert report["size_bytes"]["quantized"] < 0.7 * report["size_bytes"]["fp32"]  # small tensors stay in the graphs
     assert "INT4" not in int4["output"] and "int4 vs fp32" in int4["output"]
 
 

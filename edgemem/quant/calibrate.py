@@ -43,7 +43,7 @@ from onnxruntime.quantization import (
 from edgemem import weights
 from edgemem.errors import ConfigError, EdgememError, named
 from edgemem.files import check_output_dir, save_onnx, sha256, staged_directory, write_atomic
-from edgemem.manifest import MANIFEST, STATE_INIT, TOKENIZER_DIR, Manifest
+from edgemem.manifest import MANIFEST, PREFILL_LAST, STATE_INIT, TOKENIZER_DIR, Manifest
 from edgemem.manifest import load as load_manifest
 from edgemem.quant.graph import (
     PROJECTION_OPS,
@@ -298,12 +298,13 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
     elif method != "static" and "trt" in manifest.targets:
         log.warning("%s leaves the trt target out (TensorRT needs explicit Q/DQ: use %s)", method,
                     named('method="static"', "--method static"))
-    kinds = [k for k in GRAPHS if manifest.graphs.get(k)]
+    kinds = [k for k in (*GRAPHS, PREFILL_LAST) if manifest.graphs.get(k)]
     out = Path(out) if out is not None else default_out(directory, method)
     out = check_output_dir(out, force=force, inputs=[directory])
 
     state_names = {n for s in manifest.state for n in (s.input, s.output)}
-    sources = {(t, k): directory / t / f"{k}.onnx" for t in targets for k in kinds}
+    sources = {(t, k): directory / t / f"{k}.onnx" for t in targets for k in kinds
+               if k != PREFILL_LAST or (directory / t / f"{k}.onnx").is_file()}  # trt has no prefill_last
     found, selected = _select(sources, state_names, recipe, matmul_only=method == "int4")
     feeds = calibration_feeds(directory, manifest, recipe, threads, progress) if method == "static" else None
 
@@ -314,7 +315,7 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
         written: dict[str, list[Path]] = {target: [] for target in targets}
         for kind in kinds:
             cache = tmp / f".{kind}.calibration.json"  # ranges of the first target, reused by the others
-            for i, target in enumerate(targets):
+            for i, target in enumerate(t for t in targets if (t, kind) in sources):
                 dest = tmp / target / f"{kind}.onnx"
                 dest.parent.mkdir(exist_ok=True)
                 nodes = selected[(target, kind)]
@@ -327,8 +328,8 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
                         isolate_inputs(model, nodes)
                         source = tmp / f".{target}-{kind}.isolated.onnx"
                         onnx.save(model, source)
-                    _quantize(method, source, dest, nodes, feeds[kind] if feeds is not None and i == 0 else None, cache,
-                              block_size, embeddings)
+                    samples = feeds["prefill" if kind == PREFILL_LAST else kind] if feeds is not None and i == 0 else None
+                    _quantize(method, source, dest, nodes, samples, cache, block_size, embeddings)
                     if method == "static":
                         source.unlink()
                 else:  # unchanged, its weights brought in from the source's store

@@ -113,10 +113,10 @@ COMMANDS: dict[str, object] = {
     "edgemem verify out/mine": Run(),
     "edgemem run out/mine --prompt \"Once upon a time\" --max-new-tokens 32": Run(),
     # README.md: quantization, training, TensorRT, serving
-    "edgemem calibrate DIR --method dynamic|static|int4 [--block-size 32] [--recipe NAME|FILE.toml] [--out QDIR] "
-    "[--force] [--report F.json] [--plot F.png] [--no-drift] [--threads 1]":
-        Help("a synopsis", instance="edgemem calibrate out/gdn --method int4 --block-size 16 --out out/gdn-q4 "
-                                    "--report q4.json --no-drift --threads 1"),
+    "edgemem calibrate DIR --method dynamic|static|int4 [--block-size 32] [--embeddings int4|fp32] "
+    "[--recipe NAME|FILE.toml] [--out QDIR] [--force] [--report F.json] [--plot F.png] [--no-drift] [--threads 1]":
+        Help("a synopsis", instance="edgemem calibrate out/gdn --method int4 --block-size 16 --embeddings int4 "
+                                    "--out out/gdn-q4 --report q4.json --no-drift --threads 1"),
     "edgemem train --arch A | --init F.safetensors --task mqar|mqar-far|copy|bytes [--steps N] [--out F.safetensors] "
     "[--set key=value]... [--task-set key=value]... [--seed S] [--batch 64] [--lr 3e-3] [--threads 1] [--device cpu]":
         Help("a synopsis", instance=f"edgemem train --arch deltanet --task mqar --steps 2 --out t.safetensors {SMALL} "
@@ -147,8 +147,9 @@ COMMANDS: dict[str, object] = {
     "edgemem train --arch export/titans-mag-orin-nano.toml --task mqar --out mag-nano.safetensors":
         Run(add=f"--steps 2 --batch 4 {SMALL}"),
     # calib/README.md
-    "edgemem calibrate DIR --method dynamic|static|int4 [--block-size 32] [--recipe calib/mqar | mqar | path/to/r.toml] "
-    "[--out QDIR] [--force] [--report F.json] [--plot F.png] [--no-drift]": Help("a synopsis"),
+    "edgemem calibrate DIR --method dynamic|static|int4 [--block-size 32] [--embeddings int4|fp32] "
+    "[--recipe calib/mqar | mqar | path/to/r.toml] [--out QDIR] [--force] [--report F.json] [--plot F.png] "
+    "[--no-drift]": Help("a synopsis"),
     # checkpoints/README.md: the runs that made the checkpoints, at 2 steps of batch 4
     "edgemem train --arch deltanet --task mqar --steps 1200 --set d_model=64 --set mlp_hidden=128 "
     "--out checkpoints/deltanet-mqar.safetensors": Run(replace={"--steps 1200": "--steps 2"}, add="--batch 4"),
@@ -189,6 +190,8 @@ COMMANDS: dict[str, object] = {
     "bash plugins/scripts/gpu_check.sh": Help("needs an NVIDIA GPU and nvcc"),
     "python benchmarks/footprint.py": Help("a 45M-parameter import measured in fresh processes (minutes); "
                                            "tests/test_footprint.py measures a small one"),
+    "python benchmarks/first_hour.py": Help("a fresh clone and virtual environment at full sizes (about half an hour); "
+                                            "this file runs the same commands small"),
     "CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
     "-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON\" "
     "pip install --no-binary llama-cpp-python llama-cpp-python==0.3.36":

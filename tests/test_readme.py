@@ -119,12 +119,12 @@ COMMANDS: dict[str, object] = {
                                     "--out out/gdn-q4 --report q4.json --no-drift --threads 1"),
     "edgemem train --arch A | --init F.safetensors --task mqar|mqar-far|copy|bytes [--steps N] [--out F.safetensors] "
     "[--set key=value]... [--task-set key=value]... [--seed S] [--batch 64] [--lr 3e-3] [--threads 1] [--device cpu]":
-        Help("a synopsis", instance=f"edgemem train --arch deltanet --task mqar --steps 2 --out t.safetensors {SMALL} "
+        Help("a synopsis", instance=f"edgemem train --arch softmax --task mqar --steps 2 --out t.safetensors {SMALL} "
                                     "--task-set pairs=4 --seed 1 --batch 4 --lr 3e-3 --threads 1 --device cpu"),
     "edgemem eval --checkpoint F --task T [--length L] [--batch 128] [--seed S] [--json] [--no-memory]":
         Help("a synopsis", instance="edgemem eval --checkpoint t.safetensors --task mqar --batch 4 --seed 1 --json"),
     "edgemem linearize --checkpoint F | --hf DIR --out F.safetensors [--window 64] [--update-rule gated_delta] "
-    "[--gate-init 0.5]": Help("a synopsis", instance="edgemem linearize --hf path/to/model --out l.safetensors --window 8"),
+    "[--gate-init 0.5]": Help("a synopsis", instance="edgemem linearize --checkpoint t.safetensors --out l.safetensors --window 8"),
     "edgemem build DIR --plugins build/libedgemem_trt_plugins.so [--fp16] [--max-batch N] [--max-sequence N] "
     "[--out E] [--force]": Help(GPU),
     "cmake -S plugins -B build/rtx -DTensorRT_ROOT=TRT11_HEADERS -DCMAKE_CUDA_ARCHITECTURES=\"86;89;120\"":

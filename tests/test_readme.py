@@ -503,7 +503,7 @@ def _pinned(command: str, extra: str) -> None:
         assert importlib.metadata.version(req.name) == pin, f"{word}: the tests run {importlib.metadata.version(req.name)}"
 
 
-FAST = ["samples/README.md", "export/README.md", "calib/README.md", "benchmarks/README.md"]
+FAST = ["samples/README.md", "export/README.md", "calib/README.md", "checkpoints/README.md", "benchmarks/README.md"]
 
 
 @pytest.mark.parametrize("doc", FAST)
@@ -511,11 +511,11 @@ def test_readme_commands_run(doc, tmp_path, monkeypatch):
     run_doc(doc, tmp_path, monkeypatch)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # README.md: four exports, an import and the checks; the Triton sample: a tritonserver
 @pytest.mark.parametrize("doc", [d for d in DOCS if d not in FAST])
 def test_readme_commands_run_long(doc, tmp_path, monkeypatch):
-    pytest.importorskip("transformers", reason="the README's own-model section needs the [hf] extra")
-    if doc.startswith("samples/triton-server"):
+    if doc == "README.md":
+        pytest.importorskip("transformers", reason="the own-model section makes its model with the [hf] extra")
+    else:
         pytest.importorskip("pytriton", reason="tritonserver comes from the nvidia-pytriton wheel ([serve] extra)")
-    shell = run_doc(doc, tmp_path, monkeypatch)
-    assert shell.ran
+    assert run_doc(doc, tmp_path, monkeypatch).ran

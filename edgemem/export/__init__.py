@@ -162,7 +162,8 @@ def export(
             log.info("exporting the %s graph", kind)
             proto = export_graph(model, kind, OPSET, state_dtype)
             # the prefill graph with the head on the last position only, for the runtime's next-token prefill
-            last = last_position_logits(proto, graph_io(model)[1]) if kind == "prefill" and not segment else None
+            streams = kind == "prefill" and graphs["step"] and not segment  # an LM whose prefill is one pass
+            last = last_position_logits(proto, graph_io(model)[1]) if streams else None
             for target in targets:
                 path = tmp / target / f"{kind}.onnx"
                 path.parent.mkdir(exist_ok=True)

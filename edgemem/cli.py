@@ -574,6 +574,9 @@ def build_command(directory, fp16, plugins, max_batch, max_sequence, out_dir, rt
               help="dynamic: int8 weights, activations quantized at run time; static: QDQ calibrated on rolled-out "
                    "states; int4: 4-bit blockwise weights (MatMulNBits), no calibration data.")
 @click.option("--block-size", type=int, help="int4 only: input rows per quantization block (16, 32, 64, 128, 256; default 32).")
+@click.option("--embeddings", type=click.Choice(["int4", "fp32"]),
+              help="int4 only: the embedding table in 4-bit blocks (GatherBlockQuantized, the tied head's blocks "
+                   "shared; the default) or kept fp32.")
 @click.option("--recipe", default="default", show_default=True,
               help="Calibration recipe: a shipped one by name (default, mqar, bytes; in edgemem/quant/calib/) or a "
                    "TOML file (e.g. calib/long-horizon.toml).")
@@ -585,15 +588,17 @@ def build_command(directory, fp16, plugins, max_batch, max_sequence, out_dir, rt
 @click.option("--no-drift", is_flag=True, help="Quantize only; skip the drift report.")
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), callback=_THREADS, help="onnxruntime intra-op threads.")
 @click.option("--force", is_flag=True, help="Replace a non-empty output directory.")
-def calibrate_command(directory, method, block_size, recipe, out_dir, report_path, plot_path, no_drift, threads,
-                      force) -> None:
+def calibrate_command(directory, method, block_size, embeddings, recipe, out_dir, report_path, plot_path, no_drift,
+                      threads, force) -> None:
     """INT8/INT4 projections (state, gates, norms and edgemem ops stay float), then a drift report against fp32."""
     from edgemem.files import check_output_file, write_atomic
     from edgemem.manifest import load as load_manifest
     from edgemem.progress import track
     from edgemem.quant import block_size_for, calibrate, default_out, drift_report, load_recipe, plot_report
+    from edgemem.quant.calibrate import embeddings_for
 
     block_size_for(method, block_size)  # a bad block size fails before any work
+    embeddings_for(method, embeddings)
     if report_path and not plot_path:
         plot_path = str(Path(report_path).with_suffix(".png"))  # the plot's default: beside the report
     for path, option in ((report_path, "--report"), (plot_path, "--plot")):
@@ -607,7 +612,7 @@ def calibrate_command(directory, method, block_size, recipe, out_dir, report_pat
     out = Path(out_dir) if out_dir else default_out(directory, method)
     with track(f"calibrate ({method}, recipe {recipe.name})") as bar:
         manifest = calibrate(directory, method, recipe, out, force=force, threads=threads, block_size=block_size,
-                             progress=lambda text: bar.update(f"calibrate: {text}"))
+                             embeddings=embeddings, progress=lambda text: bar.update(f"calibrate: {text}"))
     counts = manifest.quantization["quantized_projections"]
     bits = "int4" if method == "int4" else "int8"
     click.echo(f"wrote {out}: {', '.join(manifest.targets)}; {sum(counts.values())} {bits} projections in "

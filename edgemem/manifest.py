@@ -4,7 +4,7 @@ Pure Python (json, hashlib): the runtime reads it without torch or onnx.
 
     {"format": "edgemem/1", "arch": ..., "config": {...}, "opset": 20, "targets": [...],
      "inputs": {"tokens": "input_ids"}, "outputs": {"logits": "logits"},
-     "graphs": {"prefill": true, "step": true},
+     "graphs": {"prefill": true, "step": true, "prefill_last": true},
      "state": [{"input": "past_key_values.0.recurrent_state", "output": "present.0.recurrent_state",
                 "shape": ["batch", 4, 64, 64], "dtype": "float32", "layer": "0",
                 "kind": "recurrent_state", "init": "zeros" | "file"}, ...],
@@ -17,6 +17,9 @@ Pure Python (json, hashlib): the runtime reads it without torch or onnx.
 `kv_cache`: the softmax-attention layers' preallocated caches: `max_length` slots; past them an
 error, or a sliding window keeping the first `sinks` tokens; `in_place`: the targets whose graphs
 write these states in place (the runtime binds one buffer as their input and output).
+`graphs.prefill_last`: every target but trt also has `prefill_last.onnx`, the prefill graph with the head
+on the last position only (logits [batch, 1, vocab]), which the runtime runs when it needs only the next
+token's logits; its weights are the prefill graph's, in the same store.
 `weights`: per target, the one file its graphs' initializers live in and where each graph's are
 (edgemem.weights); exports written before it have none, their graphs hold their weights.
 """
@@ -41,6 +44,7 @@ TARGETS = ("generic", "ort", "onnx27", "trt")
 DTYPES = ("fp32", "fp16")  # of the weights and activations (config.dtype)
 MIN_OPSET, MAX_OPSET = 18, 27  # what edgemem's graphs are written at (edgemem.export.OPSET, onnx27's LinearAttention)
 ONNX_DTYPES = {"float32": "float", "float16": "float16", "float64": "double", "int64": "int64"}  # as onnxruntime names them
+PREFILL_LAST = "prefill_last"  # graphs[...]: the prefill graph with last-position logits (see the module docstring)
 
 
 class ManifestError(EdgememError):

@@ -32,7 +32,9 @@ def _raw(tensor: TensorProto) -> bytes:
 
 def share(folder: Path, graphs: list[Path]) -> dict[str, Any] | None:
     """Move the main-graph initializers of `graphs` (ONNX files in `folder`, external data beside them
-    allowed) into `folder/weights.data` and rewrite the graphs to read it, one graph in memory at a time;
+    allowed) into `folder/weights.data` and rewrite the graphs to read it, one graph in memory at a time
+    (tensors of equal bytes and dtype are stored once, also under different shapes: a tied 4-bit head and
+    the embedding lookup read the same blocks);
     their old data files are removed. Returns the index {"file", "tensors": {graph stem: {name: [offset,
     dtype, shape]}}}, or None when no initializer is large enough to move."""
     offsets: dict[tuple[str, int, tuple[int, ...]], int] = {}
@@ -48,7 +50,7 @@ def share(folder: Path, graphs: list[Path]) -> dict[str, Any] | None:
                 raw = _raw(tensor)
                 if len(raw) < SMALLEST:
                     continue
-                key = (hashlib.sha256(raw).hexdigest(), tensor.data_type, tuple(tensor.dims))
+                key = (hashlib.sha256(raw).hexdigest(), tensor.data_type)  # one copy of equal bytes, whatever the shape
                 if key not in offsets:
                     start = -size % ALIGN + size
                     out.write(b"\0" * (start - size))

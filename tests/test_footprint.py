@@ -117,3 +117,65 @@ def test_a_truncated_weight_file_is_refused_at_load_naming_it(exported, tmp_path
     assert "sha256" in str(checked.value)
     with pytest.raises(BackendError, match=f"{WEIGHTS} is shorter than edgemem.json says"):
         Engine.load(tmp_path / "cut", check_files=False)
+
+
+def test_int4_stores_a_tied_embedding_once_in_4_bits_for_lookup_and_head(tmp_path):
+    """`calibrate --method int4` on a model whose head reads the embedding table: the lookup becomes a
+    GatherBlockQuantized and the head a MatMulNBits over the same bytes, one copy in the weight store; no
+    float table is left in either graph, and the logits stay close to fp32."""
+    import dataclasses
+
+    import torch
+
+    from edgemem.models import load_config
+    from edgemem.models.lm import LM
+    from edgemem.quant import calibrate
+
+    vocab, width = 2048, 64
+    config = load_config("deltanet", d_model=width, n_layers=1, mlp_hidden=64, vocab_size=vocab)
+    torch.manual_seed(0)
+    model = LM(dataclasses.replace(config, tie_embeddings=True))  # as an imported model with tied embeddings
+    export(model, tmp_path / "fp32", targets=("ort",))
+    calibrate(tmp_path / "fp32", "int4", out=tmp_path / "int4")
+    store = json.loads((tmp_path / "int4" / MANIFEST).read_text())["weights"]["ort"]["tensors"]
+    for kind in ("prefill", "step"):
+        nodes = onnx.load(str(tmp_path / "int4" / "ort" / f"{kind}.onnx"), load_external_data=False).graph.node
+        (gather,) = [n for n in nodes if n.op_type == "GatherBlockQuantized"]
+        (head,) = [n for n in nodes if n.op_type == "MatMulNBits" and n.output[0].startswith("logits")]
+        assert store[kind][gather.input[0]][0] == store[kind][head.input[1]][0]  # one offset: the same bytes
+        assert store[kind][gather.input[2]][0] == store[kind][head.input[2]][0]  # scales too
+        assert not [name for name, (_, dtype, shape) in store[kind].items()
+                    if dtype == "float32" and sorted(shape) == [width, vocab]]  # no float table left
+    sizes = {d: (tmp_path / d / "ort" / WEIGHTS).stat().st_size for d in ("fp32", "int4")}
+    assert sizes["int4"] < 0.2 * sizes["fp32"], sizes  # the table is most of it: 4-bit blocks and scales are 5/32
+    ids = np.random.default_rng(0).integers(0, vocab, 40)
+    logits = {}
+    for d in ("fp32", "int4"):
+        stream = Engine.load(tmp_path / d, threads=1).new_stream()
+        logits[d] = np.concatenate([stream.prefill(ids[:30]), *(stream.step(int(t))[None] for t in ids[30:])])
+    err = np.linalg.norm(logits["int4"] - logits["fp32"]) / np.linalg.norm(logits["fp32"])
+    assert 0 < err < 0.3, err
+
+
+def test_next_token_prefill_projects_only_the_last_position(exported):
+    """The prefill graph whose head projects only the last position (logits [batch, 1, V]) is what the
+    runtime opens at load and runs when only the next token's logits are wanted; the full prefill graph opens
+    at the first prefill that asks for every row, and the two agree on the last row and the state."""
+    out, _ = exported
+    assert json.loads((out / MANIFEST).read_text())["graphs"]["prefill_last"] is True
+    graph = onnx.load(str(out / "ort" / "prefill_last.onnx"), load_external_data=False).graph
+    logits = next(o for o in graph.output if o.name == "logits")
+    assert [d.dim_value or d.dim_param for d in logits.type.tensor_type.shape.dim][1:] == [1, 256]
+    engine = Engine.load(out, threads=1)
+    assert sorted(engine._sessions) == ["prefill_last", "step"]
+    ids = np.random.default_rng(0).integers(0, 256, 70)
+    last = engine.new_stream()
+    row = last.prefill(ids, chunk_size=32, all_logits=False)
+    assert sorted(engine._sessions) == ["prefill_last", "step"]
+    full = engine.new_stream()
+    rows = full.prefill(ids, chunk_size=32)
+    assert sorted(engine._sessions) == ["prefill", "prefill_last", "step"] and rows.shape == (70, 256)
+    np.testing.assert_allclose(row, rows[-1], rtol=1e-5, atol=1e-5)
+    for a, b in zip(last.state_dict().values(), full.state_dict().values()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(last.step(7), full.step(7), rtol=1e-5, atol=1e-5)

@@ -344,6 +344,24 @@ def _nbits_weights(model):
     return found
 
 
+def _gathered_tables(model):
+    """{table name: (table [V, H] dequantized in numpy, scale [V, blocks], block)} of each GatherBlockQuantized:
+    uint8 data [V, H/2] two 4-bit values per byte (low nibble first), scales [V, H/block], packed zero points."""
+    values = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    found = {}
+    for node in model.graph.node:
+        if node.op_type != "GatherBlockQuantized":
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["bits"] == 4 and attrs["quantize_axis"] == 1 and attrs["gather_axis"] == 0
+        packed, scale, zp = (values[name] for name in (node.input[0], node.input[2], node.input[3]))
+        q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(np.float64)
+        zp = np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(zp.shape[0], -1)[:, :scale.shape[1]].astype(np.float64)
+        rows = np.arange(q.shape[1]) // attrs["block_size"]
+        found[node.input[0].removesuffix(".q4")] = ((q - zp[:, rows]) * scale[:, rows], scale, attrs["block_size"])
+    return found
+
+
 def test_int4_export_runs_in_onnxruntime_close_to_fp32(fp32, int4):
     ids = np.random.default_rng(0).integers(0, 256, 300)
     reference = Engine.load(fp32, threads=1).new_stream().prefill(ids)
@@ -376,7 +394,7 @@ def test_int4_has_a_matmulnbits_node_per_projection_and_records_the_block(fp32, 
     record = manifest.quantization
     assert record["method"] == "int4" and record["scheme"]["block_size"] == 16
     assert set(record["quantized_projections"].values()) == {11}
-    assert "11 int4 projections" not in int4["output"] and "44 int4 projections in 4 graphs" in int4["output"]
+    assert "11 int4 projections" not in int4["output"] and "66 int4 projections in 6 graphs" in int4["output"]
 
 
 def test_int4_weights_are_the_fp32_weights_rounded_to_their_block_grid(fp32, int4):
@@ -405,6 +423,9 @@ def test_int4_graph_matches_the_fp32_graph_with_dequantized_weights(fp32, int4):
     by_node = {n.name: n.input[1] for n in source.graph.node if n.op_type == "MatMul"}
     replaced = {by_node[name.removesuffix("_Q4")]: w for name, (w, _, _) in found.items()}
     reference = onnx.load(str(fp32 / "ort" / "step.onnx"))
+    tables = _gathered_tables(quantized)
+    assert list(tables) == ["model.embed.weight"]  # the embedding is 4-bit too
+    replaced |= {name: w for name, (w, _, _) in tables.items()}
     for init in reference.graph.initializer:
         if init.name in replaced:
             init.CopyFrom(onnx.numpy_helper.from_array(replaced[init.name].astype(np.float32), init.name))
@@ -432,7 +453,7 @@ def test_int4_drift_report_is_finite_bounded_and_smaller_on_disk(int4):
     assert report["method"] == "int4" and list(report["horizons"]) == ["32", "512", "4096"]
     for row in report["horizons"].values():
         assert all(0 < v < 0.5 for v in (row["logits_rel_err"], *row["state_rel_err"].values())), row
-    assert report["size_bytes"]["quantized"] < 0.75 * report["size_bytes"]["fp32"]  # the fp32 embedding stays
+    assert report["size_bytes"]["quantized"] < 0.7 * report["size_bytes"]["fp32"]  # small tensors stay in the graphs
     assert "INT4" not in int4["output"] and "int4 vs fp32" in int4["output"]
 
 
@@ -470,12 +491,32 @@ def test_int4_quantizes_a_tied_head_read_through_a_transpose(tmp_path):
     assert [n.op_type for n in folded.graph.node] == ["Gather", "MatMul", "MatMul"]
     np.testing.assert_array_equal(run(folded), reference)
     onnx.save(model, tmp_path / "tied.onnx")
-    _int4(tmp_path / "tied.onnx", tmp_path / "int4.onnx", ["proj", "head"], 16)
+    _int4(tmp_path / "tied.onnx", tmp_path / "int4.onnx", ["proj", "head"], 16, embeddings=False)
     quantized = onnx.load(str(tmp_path / "int4.onnx"))
     assert [n.op_type for n in quantized.graph.node] == ["Gather", "MatMulNBits", "MatMulNBits"]
-    assert quantized.graph.node[0].input[0] == "embed"  # the lookup still reads the fp32 table
+    assert quantized.graph.node[0].input[0] == "embed"  # --embeddings fp32: the lookup reads the fp32 table
     err = np.linalg.norm(run(quantized) - reference) / np.linalg.norm(reference)
     assert 0 < err < 0.2, err
+
+    _int4(tmp_path / "tied.onnx", tmp_path / "int4.onnx", ["proj", "head"], 16, embeddings=True)
+    quantized = onnx.load(str(tmp_path / "int4.onnx"))
+    assert [n.op_type for n in quantized.graph.node] == ["GatherBlockQuantized", "MatMulNBits", "MatMulNBits"]
+    assert not any(list(i.dims) == [40, 32] and i.data_type == TensorProto.FLOAT for i in quantized.graph.initializer)
+    values = {i.name: i for i in quantized.graph.initializer}
+    gather, head = quantized.graph.node[0], quantized.graph.node[2]
+    for a, b in zip(gather.input[::2][:1] + gather.input[2:], head.input[1:4]):  # data, scales, zero points
+        assert values[a].raw_data == values[b].raw_data and values[a].data_type == values[b].data_type, (a, b)
+    (table, scale, block), = _gathered_tables(quantized).values()
+    step = np.repeat(scale, block, axis=1)
+    assert np.all(np.abs(table - embed) <= step / 2 * (1 + 1e-5) + 1e-7) and np.abs(table - embed).max() > 0
+    lookup = onnx.helper.make_model(onnx.helper.make_graph(
+        [gather], "lookup", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "T"])],
+        [helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, "T", 32])],
+        [values[n] for n in gather.input if n in values]),
+        opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("com.microsoft", 1)])
+    np.testing.assert_allclose(run(lookup), table[feeds["ids"]], rtol=1e-6, atol=1e-6)  # onnxruntime's kernel
+    err = np.linalg.norm(run(quantized) - reference) / np.linalg.norm(reference)
+    assert 0 < err < 0.25, err
 
 
 @pytest.mark.parametrize("args, message", [
@@ -491,6 +532,12 @@ def test_bad_block_size_is_a_clean_error(fp32, tmp_path, args, message):
 
     with pytest.raises(ConfigError, match="block size"):
         calibrate(fp32, args[1], block_size=int(args[3]), out=tmp_path / "q")
+
+
+def test_4_bit_embeddings_without_int4_are_a_clean_error(fp32, tmp_path):
+    _clean_failure(_invoke("calibrate", fp32, "--method", "dynamic", "--embeddings", "int4", "--out", tmp_path / "q",
+                           "--no-drift"), "4-bit embeddings come with --method int4 only")
+    assert not (tmp_path / "q").exists()
 
 
 # ---------------------------------------------------------------- trained model

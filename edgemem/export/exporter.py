@@ -33,10 +33,10 @@ from edgemem.config import fits_memory, size_text
 from edgemem.errors import ConfigError, EdgememError, named
 from edgemem.export import genai
 from edgemem.export.graphs import TRACE_TOKENS, export_graph, graph_io, growing_dims, input_name, output_name
-from edgemem.export.lower import lower
+from edgemem.export.lower import last_position_logits, lower
 from edgemem.export.segments import loop_over_segments, position_input, prefill_segment
 from edgemem.files import check_output_dir, save_onnx, sha256, staged_directory, write_atomic
-from edgemem.manifest import MANIFEST, STATE_INIT, TARGETS, TOKENIZER_DIR, Manifest, StateSpec
+from edgemem.manifest import MANIFEST, PREFILL_LAST, STATE_INIT, TARGETS, TOKENIZER_DIR, Manifest, StateSpec
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +197,9 @@ def export(
         for kind in [k for k, present in graphs.items() if present]:
             log.info("exporting the %s graph", kind)
             proto = export_graph(model, kind, OPSET, state_dtype)
+            # the prefill graph with the head on the last position only, for the runtime's next-token prefill
+            streams = kind == "prefill" and graphs["step"] and not segment  # an LM whose prefill is one pass
+            last = last_position_logits(proto, graph_io(model)[1]) if streams else None
             for target in targets:
                 path = tmp / target / f"{kind}.onnx"
                 path.parent.mkdir(exist_ok=True)
@@ -205,6 +208,11 @@ def export(
                     lowered = loop_over_segments(lowered, segment, position, ["input_ids", *graph_io(model)[0]])
                 save_onnx(lowered, path)
                 written[target].append(path)
+                if last is not None and target != "trt":  # TensorRT's prefill engine stays the one prefill graph
+                    save_onnx(lower(last, target), path.with_name(f"{PREFILL_LAST}.onnx"))
+                    written[target].append(path.with_name(f"{PREFILL_LAST}.onnx"))
+            if last is not None and any(t != "trt" for t in targets):
+                graphs[PREFILL_LAST] = True
         stores = {}
         for target, paths in written.items():
             if (store := weights.share(tmp / target, paths)) is not None:

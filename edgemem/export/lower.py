@@ -188,6 +188,49 @@ def _tied_head_as_gemm(graph: onnx.GraphProto) -> None:
     graph.node.extend(rewritten)
 
 
+_HEAD_OPS = ("MatMul", "Gemm")
+_PASS_THROUGH = ("Cast", "Identity")  # between the head and the logits output
+
+
+def last_position_logits(model: onnx.ModelProto, output: str) -> onnx.ModelProto | None:
+    """A copy of the prefill graph `model` whose head projects only the last position: `output` becomes
+    [batch, 1, vocab] (the runtime's prefill when it wants the next token's logits only; the [T, V] logits
+    of a long chunk are the prefill's largest tensor). The head is the MatMul that `output` comes from
+    (through Cast/Identity); its activation input [batch, sequence, d] is sliced to the last row. None when
+    `output` does not come from such a MatMul."""
+    producers = {o: n for n in model.graph.node for o in n.output}
+    node, path = producers.get(output), {output}
+    while node is not None and node.op_type in _PASS_THROUGH and node.domain in ("", "ai.onnx"):
+        path.add(node.input[0])
+        node = producers.get(node.input[0])
+    if node is None or node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+        return None
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    head = next(n for n in out.graph.node if n.output == node.output)
+    x = head.input[0]
+    last = f"{x}/last"
+    consts = {f"{last}/start": [-1], f"{last}/end": [2**62], f"{last}/axis": [1]}
+    out.graph.initializer.extend(helper.make_tensor(k, TensorProto.INT64, [1], v) for k, v in consts.items())
+    nodes = []
+    for n in out.graph.node:
+        if n is head:
+            nodes.append(helper.make_node("Slice", [x, *consts], [last], name=f"{head.name}/last"))
+            n.input[0] = last
+        nodes.append(n)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    for value in out.graph.output:
+        if value.name == output and len(value.type.tensor_type.shape.dim) == 3:
+            dim = value.type.tensor_type.shape.dim[1]
+            dim.Clear()
+            dim.dim_value = 1
+    kept = [v for v in out.graph.value_info if v.name not in path]  # the sliced path's shapes changed
+    del out.graph.value_info[:]
+    out.graph.value_info.extend(kept)
+    return out
+
+
 def lower(model: onnx.ModelProto, target: str) -> onnx.ModelProto:
     """A copy of `model` lowered for `target` (one of TARGETS); a tied output head reads its table
     through Gemm(transB=1) on every target."""

@@ -20,7 +20,7 @@ import torch
 from edgemem.errors import EdgememError
 from edgemem.export.genai import unfit_reasons
 from edgemem.export.graphs import graph_io
-from edgemem.manifest import Manifest, check_graph_file, load
+from edgemem.manifest import PREFILL_LAST, Manifest, check_graph_file, load
 from edgemem.models import LM, LMConfig, load_checkpoint
 from edgemem.models.lm import set_kv_cache
 from edgemem.runtime.state import initial_state  # one definition of a fresh stream's state, shared with the runtime
@@ -160,7 +160,8 @@ def verify(
         if target in skipped:
             continue
         sessions = {kind: _session(directory / target / f"{kind}.onnx", options)
-                    for kind, present in manifest.graphs.items() if present}
+                    for kind, present in manifest.graphs.items()
+                    if present and (directory / target / f"{kind}.onnx").is_file()}
 
         def prefill(ids: np.ndarray, state: dict[str, np.ndarray]) -> list[np.ndarray]:
             """The prefill graph, or token by token through the step graph when there is none."""
@@ -175,6 +176,10 @@ def verify(
 
         got = prefill(tokens[:, :prompt].numpy(), state0)
         checks += [Check(target, "prefill", n, *_compare(a, e), True) for n, a, e in zip(outputs, got, expected["prefill"])]
+        if PREFILL_LAST in sessions:  # the last position's logits only, the same state
+            last = sessions[PREFILL_LAST].run(outputs, {"input_ids": tokens[:, :prompt].numpy(), **state0})
+            checks += [Check(target, PREFILL_LAST, n, *_compare(a, e[:, -1:] if n == output else e), True)
+                       for n, a, e in zip(outputs, last, expected["prefill"])]
         if "step" in sessions:
             state = dict(zip(names, got[1:]))
             worst: dict[str, tuple[float, float]] = {}

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 from onnxruntime.quantization import (
     CalibrationDataReader,
     CalibrationMethod,
@@ -42,12 +43,13 @@ from onnxruntime.quantization import (
 from edgemem import weights
 from edgemem.errors import ConfigError, EdgememError, named
 from edgemem.files import check_output_dir, save_onnx, sha256, staged_directory, write_atomic
-from edgemem.manifest import MANIFEST, STATE_INIT, TOKENIZER_DIR, Manifest
+from edgemem.manifest import MANIFEST, PREFILL_LAST, STATE_INIT, TOKENIZER_DIR, Manifest
 from edgemem.manifest import load as load_manifest
 from edgemem.quant.graph import (
     PROJECTION_OPS,
     Projection,
     boundary_violations,
+    embedding_tables,
     fold_transposed_weights,
     graph_bodies,
     isolate_inputs,
@@ -88,6 +90,18 @@ def block_size_for(method: str, block_size: int | None) -> int | None:
         raise ConfigError(f"int4 block size must be a power of two from 16 to 256 "
                           f"({', '.join(map(str, BLOCK_SIZES))}); got {block_size}")
     return block_size
+
+
+def embeddings_for(method: str, embeddings: str | None) -> str:
+    """How the embedding tables are stored: int4 (the int4 default) or fp32 (the only choice of the int8 methods)."""
+    if embeddings not in (None, "int4", "fp32"):
+        raise ConfigError(f"embeddings are stored as int4 or fp32, not {embeddings!r}")
+    if method != "int4":
+        if embeddings == "int4":
+            int4 = named('method="int4"', "--method int4")
+            raise ConfigError(f"4-bit embeddings come with {int4} only, not {method!r}")
+        return "fp32"
+    return embeddings or "int4"
 
 
 class _Reader(CalibrationDataReader):
@@ -144,7 +158,8 @@ def _loop_projections(paths: dict[tuple[str, str], Path], state_names: set[str])
 def _select(paths: dict[tuple[str, str], Path], state_names: set[str], recipe: Recipe, *, matmul_only: bool = False,
             subgraphs: bool = False) -> tuple[dict[tuple[str, str], list[Projection]], dict[tuple[str, str], list[str]]]:
     """Every projection per (target, graph) and the node names to quantize (with `matmul_only`, for MatMulNBits:
-    MatMul only, it has no Gemm form, and a weight read through a Transpose counts); each recipe exclusion must
+    MatMul only, it has no Gemm form, but a weight read through a Transpose counts, and so does the tied head's
+    Gemm, which `fold_transposed_weights` turns back into a MatMul); each recipe exclusion must
     name a projection of some graph."""
     found: dict[tuple[str, str], list[Projection]] = {
         key: projections(onnx.load(str(path), load_external_data=False), state_names, transposed=matmul_only,
@@ -159,7 +174,7 @@ def _select(paths: dict[tuple[str, str], Path], state_names: set[str], recipe: R
                           f"(known projections: {', '.join(modules)})")
     selected = {
         key: [p.node for p in ps if p.quantizable and not any(p.matches(x) for x in recipe.exclude)
-              and (p.op_type == "MatMul" or not matmul_only)]
+              and (p.op_type == "MatMul" or p.head or not matmul_only)]
         for key, ps in found.items()
     }
     return found, selected
@@ -175,8 +190,9 @@ class _QuietQuantizer(logging.Filter):
         return True
 
 
-def _int4(source: Path, dest: Path, nodes: list[str], block_size: int) -> None:
-    """MatMulNBits on `nodes`: the quantizer takes every MatMul it is not told to exclude."""
+def _int4(source: Path, dest: Path, nodes: list[str], block_size: int, embeddings: bool) -> None:
+    """MatMulNBits on `nodes` (the quantizer takes every MatMul it is not told to exclude); with `embeddings`,
+    GatherBlockQuantized on the embedding tables."""
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
@@ -193,13 +209,55 @@ def _int4(source: Path, dest: Path, nodes: list[str], block_size: int) -> None:
         quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=block_size, is_symmetric=False, accuracy_level=ACCURACY_LEVEL,
                                          nodes_to_exclude=others, op_types_to_quantize=("MatMul",))
         quantizer.process()
+        model = quantizer.model.model
+        if embeddings:
+            _embeddings_int4(model, quantizer.node_quantizer, block_size)
     finally:
         chatty.setLevel(chatty_level)
-    save_onnx(quantizer.model.model, dest)
+    save_onnx(model, dest)
+
+
+def _embeddings_int4(model: onnx.ModelProto, quantizer: Any, block_size: int) -> int:
+    """Each embedding Gather as `com.microsoft::GatherBlockQuantized` over 4-bit rows (modifies `model`).
+
+    The table [V, H] is quantized as MatMulNBits quantizes a weight [K, N] = [H, V] (its transpose): uint8
+    blocks [V, H/block, block/2] (low nibble first), scales [V, H/block], packed 4-bit zero points per row.
+    GatherBlockQuantized (bits 4, quantize_axis 1) reads the same bytes as [V, H/2], [V, H/block] and
+    [V, ceil(H/block / 2)], so a tied head's MatMulNBits, quantized from the same table, has byte-identical
+    initializers and the weight store keeps one copy for both. Returns the number of tables quantized."""
+    values = {i.name: i for i in model.graph.initializer}
+    done = 0
+    for node in embedding_tables(model):
+        table = numpy_helper.to_array(values[node.input[0]])
+        vocab, hidden = table.shape
+        if hidden % block_size:
+            log.warning("embedding %s stays fp32: its width %d is not a multiple of the block size %d",
+                        node.input[0], hidden, block_size)
+            continue
+        packed, scales, zero_points = quantizer.qbits_block_quant(np.ascontiguousarray(table.T))
+        name = node.input[0]
+        arrays = {f"{name}.q4": packed.reshape(vocab, hidden // 2),
+                  f"{name}.q4_scales": scales.reshape(vocab, hidden // block_size),
+                  f"{name}.q4_zero_points": zero_points.reshape(vocab, -1)}
+        model.graph.initializer.extend(numpy_helper.from_array(a, n) for n, a in arrays.items())
+        gathered = onnx.helper.make_node(
+            "GatherBlockQuantized", [f"{name}.q4", node.input[1], f"{name}.q4_scales", f"{name}.q4_zero_points"],
+            list(node.output), name=node.name, domain="com.microsoft", gather_axis=0, quantize_axis=1,
+            block_size=block_size, bits=4)
+        gathered.metadata_props.extend(node.metadata_props)
+        node.CopyFrom(gathered)
+        done += 1
+    read = {name for n in model.graph.node for name in n.input}
+    kept = [i for i in model.graph.initializer if i.name in read]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    if done and not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+    return done
 
 
 def _quantize(method: str, source: Path, dest: Path, nodes: list[str], feeds: list | None, cache: Path,
-              block_size: int | None = None) -> None:
+              block_size: int | None = None, embeddings: str = "fp32") -> None:
     """onnxruntime.quantization on `nodes`; static ranges come from `feeds`, or from `cache` when None."""
     common = dict(op_types_to_quantize=list(PROJECTION_OPS), per_channel=True, nodes_to_quantize=nodes,
                   weight_type=QuantType.QInt8)
@@ -207,7 +265,7 @@ def _quantize(method: str, source: Path, dest: Path, nodes: list[str], feeds: li
     logging.getLogger().addFilter(quiet)
     try:
         if method == "int4":
-            _int4(source, dest, nodes, block_size or DEFAULT_BLOCK)
+            _int4(source, dest, nodes, block_size or DEFAULT_BLOCK, embeddings == "int4")
             return
         if method == "dynamic":
             quantize_dynamic(source, dest, extra_options={"MatMulConstBOnly": True, "EnableSubgraph": True}, **common)
@@ -227,15 +285,19 @@ def _quantize(method: str, source: Path, dest: Path, nodes: list[str], feeds: li
 
 def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Recipe | None = None,
               out: str | Path | None = None, *, force: bool = False, threads: int | None = 1,
-              block_size: int | None = None, progress: Callable[[str], None] | None = None) -> Manifest:
+              block_size: int | None = None, embeddings: str | None = None,
+              progress: Callable[[str], None] | None = None) -> Manifest:
     """Quantize the export in `directory` to INT8 or INT4 (see the module docstring); returns the new manifest.
-    `progress(text)` hears of each stage."""
+    `embeddings` (int4 only): "int4" (the default) stores the embedding tables in 4-bit blocks
+    (GatherBlockQuantized, sharing a tied head's blocks), "fp32" keeps them float. `progress(text)` hears of
+    each stage."""
     progress = progress or (lambda _: None)
     directory = Path(directory)
     manifest = load_manifest(directory)
     if method not in METHODS:
         raise ConfigError(f"unknown quantization method {method!r}; choose from {', '.join(METHODS)}")
     block_size = block_size_for(method, block_size)
+    embeddings = embeddings_for(method, embeddings)
     if manifest.quantization:
         raise EdgememError(f"{directory} is already quantized ({manifest.quantization['method']}); "
                            "calibrate the fp32 export")
@@ -253,12 +315,13 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
     elif method != "static" and "trt" in manifest.targets:
         log.warning("%s leaves the trt target out (TensorRT needs explicit Q/DQ: use %s)", method,
                     named('method="static"', "--method static"))
-    kinds = [k for k in GRAPHS if manifest.graphs.get(k)]
+    kinds = [k for k in (*GRAPHS, PREFILL_LAST) if manifest.graphs.get(k)]
     out = Path(out) if out is not None else default_out(directory, method)
     out = check_output_dir(out, force=force, inputs=[directory])
 
     state_names = {n for s in manifest.state for n in (s.input, s.output)}
-    sources = {(t, k): directory / t / f"{k}.onnx" for t in targets for k in kinds}
+    sources = {(t, k): directory / t / f"{k}.onnx" for t in targets for k in kinds
+               if k != PREFILL_LAST or (directory / t / f"{k}.onnx").is_file()}  # trt has no prefill_last
     found, selected = _select(sources, state_names, recipe, matmul_only=method == "int4",
                               subgraphs=method in SUBGRAPH_METHODS)
     if not any(selected.values()):
@@ -277,10 +340,11 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
     with staged_directory(out) as tmp:
         files: dict[str, str] = {}
         counts: dict[str, int] = {}
+        tables: dict[str, int] = {}
         written: dict[str, list[Path]] = {target: [] for target in targets}
         for kind in kinds:
             cache = tmp / f".{kind}.calibration.json"  # ranges of the first target, reused by the others
-            for i, target in enumerate(targets):
+            for i, target in enumerate(t for t in targets if (t, kind) in sources):
                 dest = tmp / target / f"{kind}.onnx"
                 dest.parent.mkdir(exist_ok=True)
                 nodes = selected[(target, kind)]
@@ -293,13 +357,13 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
                         isolate_inputs(model, nodes)
                         source = tmp / f".{target}-{kind}.isolated.onnx"
                         onnx.save(model, source)
-                    _quantize(method, source, dest, nodes, feeds[kind] if feeds is not None and i == 0 else None, cache,
-                              block_size)
+                    samples = feeds["prefill" if kind == PREFILL_LAST else kind] if feeds is not None and i == 0 else None
+                    _quantize(method, source, dest, nodes, samples, cache, block_size, embeddings)
                     if method == "static":
                         source.unlink()
                 else:  # unchanged, its weights brought in from the source's store
                     save_onnx(onnx.load(str(sources[(target, kind)])), dest)
-                _check(dest, state_names, len(nodes))
+                tables[f"{target}/{kind}.onnx"] = _check(dest, state_names, len(nodes))
                 counts[f"{target}/{kind}.onnx"] = len(nodes)
                 written[target].append(dest)
             cache.unlink(missing_ok=True)
@@ -319,7 +383,8 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
             arch=manifest.arch, config=dict(manifest.config), opset=manifest.opset, targets=targets,
             state=manifest.state, graphs=manifest.graphs, files=files, inputs=manifest.inputs, outputs=manifest.outputs,
             kv_cache=manifest.kv_cache, weights=stores or None,
-            quantization=_record(directory, manifest, method, recipe, found, selected, counts, block_size),
+            quantization=_record(directory, manifest, method, recipe, found, selected, counts, block_size, embeddings,
+                                 tables),
         )
         if loop_float:
             quantized.quantization["excluded"]["loop_projections_kept_float"] = loop_float
@@ -335,8 +400,9 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
     return quantized
 
 
-def _check(path: Path, state_names: set[str], expected: int) -> None:
-    """The written graph keeps state and custom nodes float and quantizes every selected projection."""
+def _check(path: Path, state_names: set[str], expected: int) -> int:
+    """The written graph keeps state and custom nodes float and quantizes every selected projection; returns
+    the number of 4-bit embedding tables it reads."""
     model = onnx.load(str(path))
     problems = boundary_violations(model, state_names)
     if problems:
@@ -344,28 +410,32 @@ def _check(path: Path, state_names: set[str], expected: int) -> None:
     count = quantized_projections(model)
     if count != expected:
         raise EdgememError(f"{path.name}: {count} projections quantized, {expected} selected")
+    return sum(n.op_type == "GatherBlockQuantized" for n in model.graph.node)
 
 
-def _scheme(method: str, block_size: int | None) -> dict[str, Any]:
+def _scheme(method: str, block_size: int | None, embeddings: str) -> dict[str, Any]:
     if method == "int4":
         return {"weights": f"int4 asymmetric blockwise (block {block_size} input rows, float scale, 4-bit zero point)",
                 "activations": f"float in the graph; int8 per block inside MatMulNBits (accuracy_level {ACCURACY_LEVEL})",
-                "ops": ["MatMul"], "block_size": block_size}
+                "ops": ["MatMul"], "block_size": block_size,
+                "embeddings": "int4 blockwise along the hidden axis (GatherBlockQuantized; a tied head's MatMulNBits "
+                              "reads the same blocks)" if embeddings == "int4" else "fp32"}
     return {"weights": "int8 symmetric per-channel", "activations": "int8 dynamic per-tensor"
             if method == "dynamic" else "int8 symmetric per-tensor (QDQ, MinMax calibration)", "ops": list(PROJECTION_OPS)}
 
 
 def _record(directory: Path, manifest: Manifest, method: str, recipe: Recipe, found: dict, selected: dict,
-            counts: dict[str, int], block_size: int | None) -> dict[str, Any]:
+            counts: dict[str, int], block_size: int | None, embeddings: str, tables: dict[str, int]) -> dict[str, Any]:
     """The manifest's record of how this export was quantized."""
     kept = {p.module or p.node for key, ps in found.items() for p in ps if p.node not in selected[key]}
     return {
         "method": method,
-        "scheme": _scheme(method, block_size),
+        "scheme": _scheme(method, block_size, embeddings),
         "recipe": recipe.to_dict(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "source": {"directory": str(directory.resolve()), "identity": manifest.identity()},
         "quantized_projections": counts,
+        "quantized_embeddings": tables,
         "excluded": {"state": [s.input for s in manifest.state] + [s.output for s in manifest.state],
                      "projections_kept_float": sorted(kept), "patterns": recipe.exclude},
     }

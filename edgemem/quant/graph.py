@@ -18,7 +18,7 @@ import onnx
 PROJECTION_OPS = ("MatMul", "Gemm")
 QUANT_OPS = frozenset({
     "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger", "QLinearMatMul",
-    "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "QGemm", "MatMulNBits",
+    "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "QGemm", "MatMulNBits", "GatherBlockQuantized",
 })
 _STANDARD_DOMAINS = ("", "ai.onnx")
 
@@ -30,6 +30,7 @@ class Projection:
     module: str  # PyTorch module path from the exporter's metadata, e.g. model.blocks.0.mixer.qkv; "" if absent
     tensors: tuple[str, ...]  # inputs and outputs
     quantizable: bool  # False when structurally excluded (no weight, or touching state / a custom node)
+    head: bool = False  # a Gemm reading its weight transposed: the tied output head (see _head)
 
     def names(self) -> tuple[str, ...]:
         return (self.node, self.module, *self.tensors)
@@ -117,7 +118,8 @@ def projections(model: onnx.ModelProto, state_names: set[str], *, transposed: bo
         ok = len(node.input) >= 2 and node.input[1] in weights and node.input[0] not in weights
         ok = ok and (transposed or not _head(node))
         ok = ok and not protected & {node.input[0], *node.output}
-        found.append(Projection(node.name, node.op_type, _module(node), (*filter(None, node.input), *node.output), ok and bool(node.name)))
+        found.append(Projection(node.name, node.op_type, _module(node), (*filter(None, node.input), *node.output),
+                                ok and bool(node.name), _head(node)))
     return found
 
 
@@ -206,3 +208,13 @@ def fold_transposed_weights(model: onnx.ModelProto, nodes: list[str]) -> int:
     del model.graph.node[:]
     model.graph.node.extend(kept)
     return folded
+
+
+def embedding_tables(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """Main-graph Gathers that look rows up (axis 0) in a 2-D float32 initializer by ids the graph computes:
+    the token embedding (and learned position tables)."""
+    tables = {i.name for i in model.graph.initializer if len(i.dims) == 2 and i.data_type == onnx.TensorProto.FLOAT}
+    constants = {i.name for i in model.graph.initializer}
+    return [n for n in model.graph.node if n.op_type == "Gather" and n.domain in _STANDARD_DOMAINS
+            and n.input[0] in tables and n.input[1] not in constants
+            and all(a.i == 0 for a in n.attribute if a.name == "axis")]

@@ -48,6 +48,7 @@ later faults back only what it reads (benchmarks/README.md measures both choices
 from __future__ import annotations
 
 import mmap
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,7 @@ import onnxruntime as ort
 from edgemem.config import positive_int
 from edgemem.config import threads as check_threads
 from edgemem.errors import EdgememError, named
-from edgemem.manifest import Manifest, StateSpec, check_io
+from edgemem.manifest import PREFILL_LAST, Manifest, StateSpec, check_io
 from edgemem.runtime.base import BatchSlot, Engine, Stream
 from edgemem.runtime.errors import BackendError, BatchError
 from edgemem.runtime.state import GROWING, concrete_shape
@@ -200,13 +201,30 @@ class OrtEngine(Engine):
         # allocates from the system. A step grows its tensors by one row: the arena costs it no more
         # memory, and without it every tensor of a step is fresh pages. The step graph always keeps the
         # arena (benchmarks/README.md, "Figures behind choices in the code").
-        self._sessions = {kind: self._session(kind, self._options(kind, arena=kind == "step" or not self.grows))
-                          for kind in ("step", "prefill") if manifest.graphs.get(kind)}
+        # The prefill graph that projects only the last position (`prefill_last`) serves prompts whose
+        # next-token logits are all that is wanted (generate, run, serving); the full prefill graph, whose
+        # [T, V] logits are a chunk's largest tensor, opens at the first prefill that asks for every row.
+        self._last = PREFILL_LAST if manifest.graphs.get(PREFILL_LAST) and target != "trt" else "prefill"
+        self._opening = threading.Lock()
+        self._sessions: dict[str, ort.InferenceSession] = {}
+        for kind in ("step", self._last):
+            if manifest.graphs.get(kind):
+                self._open_session(kind)
         self._step_session = self._sessions["step"]
         if self._weights is not None:
             self._weights.release()
         logits = next(o for o in self._step_session.get_outputs() if o.name == self._logits_name)
         self.logits_dtype = np.dtype(ORT_TYPES.get(logits.type, np.float32))
+
+    def _open_session(self, kind: str) -> str:
+        with self._opening:
+            if kind not in self._sessions:
+                self._sessions[kind] = self._session(kind, self._options(kind, arena=kind == "step" or not self.grows))
+        return kind
+
+    def _prefill_kind(self, last_only: bool) -> str:
+        """The prefill graph to run, opened on first use: the last-position one when only the last row is wanted."""
+        return self._open_session(self._last if last_only else "prefill")
 
     @classmethod
     def _open(cls, directory: Path, manifest: Manifest, target: str | None, threads: int | None, chunk_size: int, *,
@@ -463,10 +481,11 @@ class OrtStream(Stream):
         engine = self._engine
         tokens, view = _host([1, ids.size], np.int64)
         view[0] = ids
-        binding = engine._bind(engine._sessions["prefill"], tokens, None, self._bufs[self._side],
+        kind = engine._prefill_kind(last_only)
+        binding = engine._bind(engine._sessions[kind], tokens, None, self._bufs[self._side],
                                self._bufs[1 - self._side], self._grown)
-        engine._run("prefill", binding)
-        logits = binding.get_outputs()[0].numpy()[0]  # [T, V], a view on onnxruntime's output
+        engine._run(kind, binding)
+        logits = binding.get_outputs()[0].numpy()[0]  # [T, V] ([1, V] from prefill_last), a view on onnxruntime's output
         logits = np.array(logits[-1:] if last_only else logits, copy=True)
         self._grown.update(zip((s.input for s in engine._growing), engine._caches(binding)))
         return logits

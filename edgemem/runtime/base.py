@@ -13,6 +13,9 @@ Everything else is here: loading (`Engine.load` picks the backend in `BACKENDS` 
 module by name: the backends import this module, not the other way round), token checks, state
 sizes, flipping sides and counting positions, prefill in chunks, fork, reset, checkpoints (any
 backend reads any backend's), generation, and which streams a batch slot holds.
+The prefix state cache (`edgemem.runtime.prefix`) hooks into `Stream.prefill`; speculative decoding
+(`edgemem.runtime.speculative`) into `Stream.generate_iter`, through `_mark` / `_rollback` (a copy of
+the state here; a backend may keep it in place) and `_run_block` (one graph run).
 
 Batching (`Engine.step_batch`). A batch slot per batch size n (the last few sizes are kept) holds
 [n, ...] state sides A and B, the batch-level form of a stream's ping-pong. The first batched step

@@ -17,8 +17,8 @@ With m drafts accepted, t, d_1..d_m are yielded and the next round's t is the ta
 d_m (the correction at a rejection, else drawn after d_k). If all k were accepted, the state after
 the run is the one wanted. Otherwise the stream rolls back to S (`Stream._mark` / `_rollback`: the
 onnxruntime backend keeps S in its other side of buffers, so this is free; other backends restore a
-copy) and feeds t, d_1..d_m again in one prefill-graph run (benchmarks/README.md measures the
-choices). A draft model's stream follows the same tokens: it rolls back the same way when fewer
+copy) and feeds t, d_1..d_m again: one or two tokens step by step, more in one prefill-graph run
+(benchmarks/README.md measures the choices). A draft model's stream follows the same tokens: it rolls back the same way when fewer
 than k - 1 drafts were accepted.
 """
 
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 Draft = Union[None, str, "Engine"]
 NGRAM = 3  # the longest suffix prompt lookup matches (it tries shorter ones down to 1)
+REAPPLY_STEPS = 2  # accepted tokens fed again step by step after a rollback (more: one prefill run)
 
 
 @dataclass
@@ -160,12 +161,12 @@ def speculate(stream: Stream, logits: np.ndarray, drafter: PromptLookup | Stream
         block = [token, *drafts]
         with stream._lock:
             if drafts:
-                before = stream._mark(len(block), one_run=True)
+                before = stream._mark(len(block), one_run=engine.has_prefill)
                 rows = stream._run_block(block)
                 accepted, after = _accept(drafts, q, rows, sampling, rng)
                 if accepted < len(drafts):
                     stream._rollback(before)
-                    stream._run_block(block[: accepted + 1])
+                    _reapply(stream, block[: accepted + 1])
                 stats.verify_runs += 1
             else:
                 accepted, after = 0, sample(stream.step(token), *sampling, rng)
@@ -210,4 +211,14 @@ def _follow(model: Stream, block: list[int], accepted: int, mark: Any) -> None:
         model.step(block[-1])
     elif accepted < len(block) - 2:
         model._rollback(mark)
-        model._run_block(block[: accepted + 1])
+        _reapply(model, block[: accepted + 1])
+
+
+def _reapply(stream: Stream, tokens: list[int]) -> None:
+    """Feed the accepted tokens again after a rollback: step by step up to REAPPLY_STEPS tokens, else in one
+    prefill-graph run (a prefill run of a few tokens costs several steps on the CPU: benchmarks/README.md)."""
+    if len(tokens) <= REAPPLY_STEPS:
+        for token in tokens:
+            stream.step(token)
+    else:
+        stream._run_block(tokens)

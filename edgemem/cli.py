@@ -335,10 +335,18 @@ def _rate(n: int, seconds: float) -> str:
               help="trt: the engines of `edgemem build` in DIRECTORY/engines.")
 @click.option("--plugins", type=click.Path(dir_okay=False),
               help="--backend trt: the plugin library the engines were built with (default: $EDGEMEM_TRT_PLUGINS).")
+@click.option("--draft", metavar="prompt-lookup|DIR", help="Speculative decoding: draft tokens by prompt lookup, or with "
+              "the (smaller) export in DIR of the same vocabulary; the output is the same (greedy) or has the same "
+              "distribution (sampled).")
+@click.option("--draft-tokens", default=4, show_default=True, type=int, help="Tokens drafted per round (with --draft).")
+@click.option("--prefix-cache", "prefix_cache", metavar="BYTES", type=click.IntRange(min=1),
+              help="Prefix state cache of this many bytes (snapshots of the prompt's state at each prefill chunk); one "
+                   "run prefills one prompt, so it pays off in the Triton model (`edgemem triton --prefix-cache`), "
+                   "where sequences share it.")
 def run_command(directory, prompt, ids_text, ids_file, print_ids, max_new_tokens, load_state, save_state, temperature,
-                top_k, top_p, seed, threads, target, backend, plugins) -> None:
+                top_k, top_p, seed, threads, target, backend, plugins, draft, draft_tokens, prefix_cache) -> None:
     """Stream generated text (or token ids) to stdout; statistics go to stderr."""
-    import time
+    import itertools
 
     from edgemem.errors import ConfigError
     from edgemem.files import check_output_file
@@ -354,7 +362,14 @@ def run_command(directory, prompt, ids_text, ids_file, print_ids, max_new_tokens
     ids = _ids(ids_text, "--ids") if ids_text is not None else _ids_file(ids_file) if ids_file else None
     if save_state:
         check_output_file(save_state, "--save-state", inputs=[directory])
-    engine = Engine.load(directory, backend=backend, target=target, threads=threads, plugins=plugins)
+    if draft is None and draft_tokens != 4:
+        raise ConfigError("--draft-tokens needs --draft (prompt-lookup or an export directory)")
+    engine = Engine.load(directory, backend=backend, target=target, threads=threads, plugins=plugins,
+                         prefix_cache_bytes=prefix_cache)
+    if draft is not None and draft != "prompt-lookup":
+        if not Path(draft, "edgemem.json").is_file():
+            raise ConfigError(f"--draft {draft}: neither prompt-lookup nor an export directory (no edgemem.json there)")
+        draft = Engine.load(draft, backend=backend, threads=threads, plugins=plugins)
     codec = load_codec(directory, engine.manifest, required=False)
     if codec is None and prompt:
         raise ConfigError(f"{engine.manifest.arch} has a vocabulary of {engine.vocab_size} and its export carries no "
@@ -370,17 +385,18 @@ def run_command(directory, prompt, ids_text, ids_file, print_ids, max_new_tokens
     stream = engine.load_stream(load_state) if load_state else engine.new_stream()
     out = sys.stdout.buffer  # bytes, not text: a byte-level model's output need not be UTF-8
     begin, last = stream.position, b"\n"
-    start = time.perf_counter()
     try:
+        options = dict(draft=draft, draft_tokens=draft_tokens)
         if len(prompt_ids) > engine.chunk_size:  # more than one prefill run: not silent
             from edgemem.progress import track
 
             with track("prefill", len(prompt_ids)) as bar:
-                stream.prefill(prompt_ids, all_logits=False, progress=lambda n: bar.update(advance=n))
-        elif prompt_ids:
-            stream.prefill(prompt_ids, all_logits=False)
-        decode = time.perf_counter()
-        generated = stream.generate_iter([], max_new_tokens, temperature, top_k, top_p, seed)
+                generated = stream.generate_iter(prompt_ids, max_new_tokens, temperature, top_k, top_p, seed,
+                                                 progress=lambda n: bar.update(advance=n), **options)
+                first = next(generated, None)  # the prompt is prefilled before the first token
+            generated = itertools.chain([] if first is None else [first], generated)
+        else:
+            generated = stream.generate_iter(prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, **options)
         if print_ids:
             pieces = (f"{' ' if n else ''}{token}".encode() for n, token in enumerate(generated))
         elif isinstance(codec, ByteCodec):
@@ -396,7 +412,7 @@ def run_command(directory, prompt, ids_text, ids_file, print_ids, max_new_tokens
             stream.save(save_state)  # every token written so far is in the stream's state
         click.echo(f"\ninterrupted at position {stream.position}" + (f"; saved {save_state}" if save_state else ""), err=True)
         sys.exit(130)
-    end = time.perf_counter()
+    stats = stream.generation
     tokens = stream.position - begin - len(prompt_ids)
     if save_state:
         stream.save(save_state)
@@ -405,10 +421,14 @@ def run_command(directory, prompt, ids_text, ids_file, print_ids, max_new_tokens
         out.flush()
         last = b"\n"
     unit = "bytes" if isinstance(codec, ByteCodec) and not print_ids else "tokens"
-    prefill = f"prefill {len(prompt_ids)} {unit} in {decode - start:.2f} s; " if prompt_ids else ""
+    prefill = f"prefill {len(prompt_ids)} {unit} in {stats.prefill_s:.2f} s; " if prompt_ids else ""
+    if engine.prefix_cache is not None and engine.prefix_cache.tokens_reused:
+        prefill = f"{prefill[:-2]} ({engine.prefix_cache.tokens_reused} from the prefix cache); "
     apart = "\n" if last != b"\n" and (sys.stderr.isatty() or _shared(out, sys.stderr)) else ""
-    click.echo(f"{apart}[{prefill}{tokens} {unit} in {end - decode:.2f} s, {_rate(tokens, end - decode)} {unit}/s; "
-               f"position {stream.position}, state {_size(stream.state_bytes)}"
+    accepted = (f"; draft acceptance {stats.accepted}/{stats.drafted} ({stats.acceptance_rate:.0%})"
+                if stats.drafted else "; no draft tokens proposed" if draft is not None else "")
+    click.echo(f"{apart}[{prefill}{tokens} {unit} in {stats.decode_s:.2f} s, {_rate(tokens, stats.decode_s)} {unit}/s"
+               f"{accepted}; position {stream.position}, state {_size(stream.state_bytes)}"
                + (f"; saved {save_state}]" if save_state else "]"), err=True)
 
 
@@ -784,13 +804,18 @@ def eval_command(checkpoint, task_name, length, task_set, batch, seed, threads, 
 @click.option("--threads", default=1, show_default=True, type=click.IntRange(min=1), callback=_REMOTE_THREADS, help="onnxruntime threads per model.")
 @click.option("--max-batch-size", default=8, show_default=True, type=click.IntRange(min=1),
               help="onnxruntime model: sequences batched per run by the sequence batcher.")
+@click.option("--prefix-cache", "prefix_cache", metavar="BYTES", type=click.IntRange(min=1),
+              help="Python model: a prefix state cache of this many bytes, shared by sequences that start with the "
+                   "same prompt (off by default).")
 @click.option("--force", is_flag=True, help="Replace a non-empty output directory (and the checkpoints inside it).")
-def triton_command(directory, out_dir, name, max_live, idle_seconds, checkpoints, threads, max_batch_size, force) -> None:
+def triton_command(directory, out_dir, name, max_live, idle_seconds, checkpoints, threads, max_batch_size, prefix_cache,
+                   force) -> None:
     """Write a Triton Inference Server model repository for an export (Python backend; onnxruntime if it fits)."""
     from edgemem.serve.repository import write_repository
 
     repo = write_repository(directory, out_dir, name=name, max_live=max_live, idle_seconds=idle_seconds,
-                            checkpoints=checkpoints, threads=threads, max_batch_size=max_batch_size, force=force)
+                            checkpoints=checkpoints, threads=threads, max_batch_size=max_batch_size, force=force,
+                            prefix_cache_bytes=prefix_cache)
     click.echo(f"wrote {repo.path}: {repo.python_model} (python backend, edgemem.runtime)"
                + (f", {repo.onnx_model} (onnxruntime backend, implicit state)" if repo.onnx_model else ""))
     if repo.skipped:

@@ -19,7 +19,9 @@ What every backend shares is described in `edgemem.runtime.base`; each backend i
 from edgemem.errors import EdgememError
 from edgemem.runtime.base import BACKENDS, Engine, Stream
 from edgemem.runtime.errors import BackendError, BatchError, StateFileError, TokenError
+from edgemem.runtime.prefix import PrefixCache
 from edgemem.runtime.sampling import sample
+from edgemem.runtime.speculative import GenerationStats
 from edgemem.runtime.state import initial_state
 
 __all__ = [
@@ -28,6 +30,8 @@ __all__ = [
     "BatchError",
     "EdgememError",
     "Engine",
+    "GenerationStats",
+    "PrefixCache",
     "StateFileError",
     "Stream",
     "TokenError",

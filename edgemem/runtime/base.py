@@ -13,6 +13,9 @@ Everything else is here: loading (`Engine.load` picks the backend in `BACKENDS` 
 module by name: the backends import this module, not the other way round), token checks, state
 sizes, flipping sides and counting positions, prefill in chunks, fork, reset, checkpoints (any
 backend reads any backend's), generation, and which streams a batch slot holds.
+The prefix state cache (`edgemem.runtime.prefix`) hooks into `Stream.prefill`; speculative decoding
+(`edgemem.runtime.speculative`) into `Stream.generate_iter`, through `_mark` / `_rollback` (a copy of
+the state here; a backend may keep it in place) and `_run_block` (one graph run).
 
 Batching (`Engine.step_batch`). A batch slot per batch size n (the last few sizes are kept) holds
 [n, ...] state sides A and B, the batch-level form of a stream's ping-pong. The first batched step
@@ -43,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -59,14 +63,18 @@ from edgemem.files import as_path
 from edgemem.manifest import Manifest
 from edgemem.manifest import load as load_manifest
 from edgemem.runtime.errors import BackendError, BatchError, StateFileError, TokenError
+from edgemem.runtime.prefix import PrefixCache, Snapshot
 from edgemem.runtime.sampling import check_sampling, sample
+from edgemem.runtime.speculative import Draft, GenerationStats, PromptLookup, check_draft, speculate
 from edgemem.runtime.state import (
     check_position,
     check_state,
     concrete_shape,
     decode_checkpoint,
+    filled_part,
     initial_state,
     is_growing,
+    padded,
     save_checkpoint,
 )
 
@@ -110,11 +118,12 @@ class Engine:
         self._max_length = kv["max_length"] if kv and kv["overflow"] == "error" else None  # None: no limit
         self._slots: OrderedDict[int, BatchSlot] = OrderedDict()
         self._lock = threading.RLock()  # reentrant: a slot gives states back while a batch holds it
+        self.prefix_cache: PrefixCache | None = None  # `Engine.load(prefix_cache_bytes=)`: `edgemem.runtime.prefix`
 
     @staticmethod
     def load(directory: str | Path, backend: str = "ort", target: str | None = None, threads: int | None = None, *,
              chunk_size: int = DEFAULT_CHUNK, check_files: bool = True, engines: str | Path | None = None,
-             plugins: str | Path | None = None) -> Engine:
+             plugins: str | Path | None = None, prefix_cache_bytes: int | None = None) -> Engine:
         """Load the export in `directory` (its `edgemem.json`; every file's sha256 is checked).
 
         backend: "ort" (CPU), "ort-cuda" (onnxruntime's CUDA execution provider) or "trt" (the TensorRT
@@ -123,12 +132,16 @@ class Engine:
         target: which lowered graphs to run; default "ort" if the export has it, else "generic".
         threads: onnxruntime intra-op threads (default: onnxruntime's choice, one per core).
         chunk_size: tokens per prefill-graph run.
+        prefix_cache_bytes: keep snapshots of prefilled prompts in this many bytes and restore the longest
+            cached prefix of a later prompt instead of prefilling it again (`edgemem.runtime.prefix`; off by default).
         """
         if backend not in BACKENDS:
             raise BackendError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
         if backend != "trt" and (engines is not None or plugins is not None):
             raise ConfigError(named("engines= and plugins= are for backend 'trt'", "--plugins is for --backend trt"))
         positive_int(chunk_size, "chunk_size")
+        if prefix_cache_bytes is not None:
+            positive_int(prefix_cache_bytes, named("prefix_cache_bytes", "--prefix-cache"))
         directory = as_path(directory, "directory")
         manifest = load_manifest(directory, check_files=check_files)
         if not manifest.graphs.get("step"):
@@ -137,7 +150,15 @@ class Engine:
         module, name = BACKENDS[backend].split(":")
         engine = getattr(import_module(module), name)
         options = {"engines_dir": engines, "plugins": plugins} if backend == "trt" else {"backend": backend}
-        return engine._open(directory, manifest, target, threads, chunk_size, **options)
+        engine = engine._open(directory, manifest, target, threads, chunk_size, **options)
+        if prefix_cache_bytes is not None:
+            smallest = engine.snapshot_bytes(1)
+            if prefix_cache_bytes < smallest:
+                raise ConfigError(named("prefix_cache_bytes", "--prefix-cache") + f"={prefix_cache_bytes} is smaller "
+                                  f"than one snapshot of {manifest.arch}'s state ({smallest} bytes at position 1); give "
+                                  "at least that, or leave the prefix cache off")
+            engine.prefix_cache = PrefixCache(prefix_cache_bytes)
+        return engine
 
     # ------------------------------------------------------------------ backend hooks
     def _new(self, state: Mapping[str, np.ndarray], position: int, logits: np.ndarray | None) -> Stream:
@@ -162,7 +183,9 @@ class Engine:
     # ------------------------------------------------------------------ streams
     def new_stream(self) -> Stream:
         """A fresh stream at position 0 (Titans' memory starts from `state_init.safetensors`)."""
-        return self._new(self._initial, 0, None)
+        stream = self._new(self._initial, 0, None)
+        stream._fresh = True
+        return stream
 
     def load_stream(self, path: str | Path) -> Stream:
         """A stream restored from `Stream.save` (on any backend): refused unless it is this model's, intact
@@ -198,6 +221,17 @@ class Engine:
     @property
     def state_bytes_per_token(self) -> int:
         return self._growth
+
+    def snapshot_bytes(self, position: int) -> int:
+        """Bytes of one prefix-cache snapshot after `position` tokens: the state (preallocated KV caches up to
+        their filled part), the next-token logits and the token ids."""
+        state = filled_part(self.manifest, self._initial, position)
+        return (sum(state[s.input].nbytes for s in self._fixed) + self._growth * position
+                + self.vocab_size * np.dtype(self.logits_dtype).itemsize + 8 * position)
+
+    def _room(self, position: int) -> int | None:
+        """Tokens a stream at `position` can still take (None: no limit)."""
+        return None if self._max_length is None else self._max_length - position
 
     # ------------------------------------------------------------------ batches
     def step_batch(self, streams: Sequence[Stream], token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -289,9 +323,11 @@ class Engine:
         return ids
 
     def generate(self, prompt: bytes | str | Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> bytes | list[int]:
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None, *,
+                 draft: Draft = None, draft_tokens: int = 4) -> bytes | list[int]:
         """Generate from a fresh stream (see `Stream.generate`)."""
-        return self.new_stream().generate(prompt, max_new_tokens, temperature, top_k, top_p, seed)
+        return self.new_stream().generate(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft=draft,
+                                          draft_tokens=draft_tokens)
 
 
 class BatchSlot:
@@ -357,6 +393,8 @@ class Stream:
         self._has_logits = False
         self._lock = threading.RLock()  # one operation at a time (see the module docstring)
         self._in_batch = False  # set while a step_batch holds this stream
+        self._fresh = False  # the engine's initial state (new_stream, reset): at position 0, prefills use the prefix cache
+        self.generation = GenerationStats()  # of the last generate / generate_iter
 
     # ------------------------------------------------------------------ backend hooks
     def _own(self, name: str) -> np.ndarray:
@@ -395,6 +433,7 @@ class Stream:
 
     def _assign(self, state: Mapping[str, np.ndarray], position: int, logits: np.ndarray | None) -> None:
         self._slot = None  # every tensor is overwritten: nothing to take back from a batch slot
+        self._fresh = False
         for spec in self._engine._fixed:
             self._write(spec.input, state[spec.input])
         self._position = position
@@ -413,6 +452,37 @@ class Stream:
     def state_dict(self) -> dict[str, np.ndarray]:
         """A copy of every state tensor (batch 1), named as the graph inputs in edgemem.json."""
         return self._snapshot()[0]
+
+    def _copy_state(self) -> dict[str, np.ndarray]:
+        """A copy of every state tensor, preallocated KV caches up to their filled part."""
+        state = filled_part(self._engine.manifest, {s.input: self._read(s.input) for s in self._engine._specs},
+                            self._position)
+        return {name: np.array(a, copy=True) for name, a in state.items()}
+
+    def _capture(self, tokens: np.ndarray) -> Snapshot:
+        """A prefix-cache snapshot of the state after `tokens`, all the tokens it consumed."""
+        return Snapshot(tokens=np.array(tokens, dtype=np.int64), state=self._copy_state(),
+                        logits=self._logits_view[0, 0].copy())
+
+    def _mark(self, tokens: int, one_run: bool) -> Any:
+        """Remember the state before `tokens` more (fed in one graph run if `one_run`), for `_rollback`. Here:
+        a copy of the state; a backend may keep the state where it is instead."""
+        self._sync()
+        return self._copy_state(), self._position, self.logits
+
+    def _rollback(self, mark: Any) -> None:
+        """Back to the state `_mark` remembered."""
+        state, position, logits = mark
+        self._assign(padded(self._engine.manifest, state, position), position, logits)
+
+    def _run_block(self, ids: Sequence[int]) -> np.ndarray:
+        """Feed `ids` in one run of the prefill graph (steps without one); logits [T, V]."""
+        if not self._engine.has_prefill:
+            return np.stack([self.step(t) for t in ids])
+        self._sync()
+        rows = self._prefill_chunk(np.asarray(ids, dtype=np.int64), last_only=False)
+        self._advance(len(ids), rows[-1])
+        return rows
 
     def _snapshot(self) -> tuple[dict[str, np.ndarray], int, np.ndarray | None]:
         """Copies of the state, the position and the logits, read as one (a batch slot's rows included)."""
@@ -457,7 +527,9 @@ class Stream:
 
         Runs the prefill graph on chunks of `chunk_size` tokens (default: the engine's), or steps
         through the tokens when the export has no prefill graph. Prefilling in chunks equals prefilling
-        at once (the stateful protocol's law), and keeps activations and logits bounded.
+        at once (the stateful protocol's law), and keeps activations and logits bounded. With the
+        engine's prefix cache, a fresh stream snapshots its state after each chunk, and (with
+        `all_logits=False`) first restores the longest cached prefix of the tokens (`edgemem.runtime.prefix`).
         `progress(n)` is called after each chunk (or token) with the number of tokens it consumed; without
         it, a prefill of more than LONG_PREFILL chunks reports on the `edgemem.progress` logger.
         """
@@ -483,10 +555,21 @@ class Stream:
             if engine._max_tokens is not None:
                 chunk = min(chunk, engine._max_tokens)
             self._sync()
-            for start in range(0, ids.size, chunk):
+            cache = engine.prefix_cache if self._fresh and self._position == 0 else None
+            begin = 0
+            if cache is not None and not all_logits:  # a hit has no logits for the tokens it skips
+                hit = cache.longest(ids)
+                if hit is not None:
+                    self._assign(padded(engine.manifest, hit.state, hit.tokens.size), hit.tokens.size, hit.logits)
+                    begin = hit.tokens.size
+                    if progress:
+                        progress(begin)
+            for start in range(begin, ids.size, chunk):
                 piece = ids[start : start + chunk]
                 part = self._prefill_chunk(piece, last_only=not all_logits)
                 self._advance(piece.size, part[-1])
+                if cache is not None:
+                    cache.put(self._capture(ids[: start + piece.size]))
                 if progress:
                     progress(piece.size)
                 if all_logits:
@@ -502,6 +585,7 @@ class Stream:
         """Back to a fresh stream at position 0 (buffers are reused)."""
         with self._lock, self._engine._lock:
             self._assign(self._engine._initial, 0, None)
+            self._fresh = True
 
     def save(self, path: str | Path) -> None:
         """Checkpoint to a safetensors file, atomically (see `edgemem.runtime.state`)."""
@@ -510,37 +594,63 @@ class Stream:
     # ------------------------------------------------------------------ generation
     def generate_iter(self, prompt: bytes | str | Sequence[int] = b"", max_new_tokens: int = 64,
                       temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                      seed: int | None = None) -> Iterator[int]:
+                      seed: int | None = None, *, draft: Draft = None, draft_tokens: int = 4,
+                      progress: Callable[[int], None] | None = None) -> Iterator[int]:
         """Yield new token ids one by one. Each yielded token has already been fed to the stream, so
         stopping early leaves a stream ready to continue. An empty prompt continues from the stream's
-        last logits (e.g. after `engine.load_stream`)."""
+        last logits (e.g. after `engine.load_stream`). `progress` is the prompt's prefill progress.
+
+        draft: speculative decoding (`edgemem.runtime.speculative`): "prompt-lookup" proposes the
+            `draft_tokens` tokens that followed the latest earlier occurrence of the last few tokens (of the
+            prompt and the output), an `Engine` of the same vocabulary (a smaller export) generates them;
+            one prefill-graph run of this stream checks them all. Greedy output is the same as without a
+            draft; sampled output has the same distribution. `self.generation` has the statistics.
+        """
         check_sampling(temperature, top_k, top_p)
         finite(temperature, "temperature")
         if seed is not None:
             check_seed(seed)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ConfigError(f"max_new_tokens must be a non-negative integer; got {max_new_tokens!r}")
+        check_draft(draft, draft_tokens, self._engine, Engine)
         if isinstance(prompt, str):
             if self._engine.vocab_size != 256:
                 raise TokenError("text prompts need a byte-level model (vocab 256); pass token ids")
             prompt = prompt.encode()
-        if len(prompt):
-            logits = self.prefill(prompt, all_logits=False)
+        ids = self._engine._tokens(prompt) if len(prompt) else np.zeros(0, dtype=np.int64)
+        stats = self.generation = GenerationStats(prompt_tokens=int(ids.size))
+        start = time.perf_counter()
+        if ids.size:
+            logits = self.prefill(ids, all_logits=False, progress=progress)
         elif self._has_logits:
             logits = self._logits_view[0, 0].copy()
         else:
             raise TokenError("nothing to continue from: the stream is fresh, give a prompt")
+        stats.prefill_s = time.perf_counter() - start
         rng = np.random.default_rng(seed)
-        for _ in range(max_new_tokens):
-            token = sample(logits, temperature, top_k, top_p, rng)
-            logits = self.step(token)
-            yield token
+        if draft is None:
+            start = time.perf_counter()
+            for _ in range(max_new_tokens):
+                token = sample(logits, temperature, top_k, top_p, rng)
+                logits = self.step(token)
+                stats.tokens += 1
+                stats.decode_s = time.perf_counter() - start
+                yield token
+            return
+        drafter = PromptLookup(ids.tolist()) if isinstance(draft, str) else draft.new_stream()
+        if not isinstance(draft, str) and ids.size:
+            drafter.prefill(ids, all_logits=False)
+        yield from speculate(self, logits, drafter, draft_tokens, max_new_tokens, (temperature, top_k, top_p), rng,
+                             stats)
 
     def generate(self, prompt: bytes | str | Sequence[int] = b"", max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> bytes | list[int]:
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None, *,
+                 draft: Draft = None, draft_tokens: int = 4) -> bytes | list[int]:
         """The new tokens after `prompt`: bytes for a byte-level model (vocab 256), else a list of ids.
-        Greedy at temperature 0; otherwise sampled with top-k / top-p, reproducibly with `seed`."""
-        tokens = list(self.generate_iter(prompt, max_new_tokens, temperature, top_k, top_p, seed))
+        Greedy at temperature 0; otherwise sampled with top-k / top-p, reproducibly with `seed`; `draft`
+        and `draft_tokens`: speculative decoding (`generate_iter`)."""
+        tokens = list(self.generate_iter(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft=draft,
+                                         draft_tokens=draft_tokens))
         return bytes(tokens) if self._engine.vocab_size == 256 else tokens
 
     def __repr__(self) -> str:

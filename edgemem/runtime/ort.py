@@ -455,6 +455,24 @@ class OrtStream(Stream):
         memory = self._engine._memory
         self._grown = {s.input: memory.new(np.ascontiguousarray(state[s.input])) for s in self._engine._growing}
 
+    def _mark(self, tokens: int, one_run: bool) -> Any:
+        """One run from side A writes side B only: the state before it stays in A, and flipping back restores it.
+        A KV cache updated in place gets the new tokens in slots past the position, which later tokens overwrite,
+        unless they wrap around a sliding window: then (and for several runs) the state is copied."""
+        kv = self._engine.manifest.kv_cache
+        if not one_run or (self._engine._in_place and self._position + tokens > kv["max_length"]):
+            return super()._mark(tokens, one_run)
+        self._sync()
+        return self._side, self._position, dict(self._grown), self.logits
+
+    def _rollback(self, mark: Any) -> None:
+        if len(mark) == 3:
+            return super()._rollback(mark)
+        self._side, self._position, self._grown, logits = mark
+        self._has_logits = logits is not None
+        if logits is not None:
+            self._logits_view[0, 0] = logits
+
     def _past_length(self) -> int:
         spec = self._engine._growing[0]
         return self._grown[spec.input].shape()[spec.shape.index(GROWING)]  # OrtValue or _Row

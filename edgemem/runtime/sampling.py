@@ -16,11 +16,9 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise ConfigError(f"top_p must be in (0, 1]; got {top_p}")
 
 
-def sample(logits: np.ndarray, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-           rng: np.random.Generator | None = None) -> int:
-    """One token id from `logits` [V]. Temperature 0 is greedy (argmax; top-k/top-p then do nothing)."""
-    if temperature == 0:
-        return int(np.argmax(logits))
+def distribution(logits: np.ndarray, temperature: float, top_k: int | None = None,
+                 top_p: float | None = None) -> np.ndarray:
+    """The probabilities [V] (float64) that `sample` draws from at `temperature` > 0 with top-k / top-p."""
     x = np.asarray(logits, dtype=np.float64) / temperature
     if top_k is not None and top_k < x.size:
         kth = np.partition(x, -top_k)[-top_k]
@@ -34,5 +32,14 @@ def sample(logits: np.ndarray, temperature: float = 0.0, top_k: int | None = Non
         keep[order[before < top_p]] = True  # the smallest set reaching top_p (at least the best token)
         p = np.where(keep, p, 0.0)
         p /= p.sum()
+    return p
+
+
+def sample(logits: np.ndarray, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+           rng: np.random.Generator | None = None) -> int:
+    """One token id from `logits` [V]. Temperature 0 is greedy (argmax; top-k/top-p then do nothing)."""
+    if temperature == 0:
+        return int(np.argmax(logits))
+    p = distribution(logits, temperature, top_k, top_p)
     rng = rng if rng is not None else np.random.default_rng()
     return int(rng.choice(p.size, p=p))

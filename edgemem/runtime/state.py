@@ -114,10 +114,26 @@ def check_position(manifest: Manifest, position: object, name: str = "position",
     return int(position)
 
 
+def filled_part(manifest: Manifest, state: Mapping[str, np.ndarray], position: int) -> dict[str, np.ndarray]:
+    """`state` with each preallocated KV cache cut to the slots that hold tokens at `position` (views)."""
+    caches, filled = _caches(manifest, position)
+    return {name: a[:, :, :filled] if name in caches else a for name, a in state.items()}
+
+
+def padded(manifest: Manifest, state: Mapping[str, np.ndarray], position: int) -> dict[str, np.ndarray]:
+    """The inverse of `filled_part`: each preallocated KV cache zero-padded to max_length slots."""
+    caches, filled = _caches(manifest, position)
+    full = dict(state)
+    for spec in manifest.state:
+        if spec.input in caches:
+            full[spec.input] = np.zeros(concrete_shape(spec, 1), dtype=spec.dtype)
+            full[spec.input][:, :, :filled] = state[spec.input]
+    return full
+
+
 def encode_checkpoint(manifest: Manifest, state: Mapping[str, np.ndarray], position: int,
                       logits: np.ndarray | None) -> bytes:
-    caches, filled = _caches(manifest, position)
-    tensors = {name: np.ascontiguousarray(a[:, :, :filled] if name in caches else a) for name, a in state.items()}
+    tensors = {name: np.ascontiguousarray(a) for name, a in filled_part(manifest, state, position).items()}
     if logits is not None:
         tensors[LOGITS] = np.ascontiguousarray(logits, dtype=np.float32)
     metadata = {"format": FORMAT, "arch": manifest.arch, "identity": manifest.identity(), "position": str(int(position))}

@@ -3,7 +3,9 @@
 The repository's `model.py` imports `TritonPythonModel` from here (Triton's Python backend loads
 it; `triton_python_backend_utils` exists only inside that backend). Parameters come from
 `config.pbtxt`: `export` (the export directory, relative to the model directory), `checkpoints`
-(where idle sequences go), `max_live`, `idle_seconds` and `threads`.
+(where idle sequences go), `max_live`, `idle_seconds`, `threads` and `prefix_cache_bytes` (the engine's
+prefix state cache: sequences that start with the same prompt, or a common prefix of it, restore its
+state instead of prefilling it again; `edgemem.runtime.prefix`).
 
 A request: input `TOKENS` (int64 [n]; n = 0 asks for the current logits again), the sequence id (Triton's correlation id) and the
 sequence START / END flags, as `tritonclient`'s `infer(..., sequence_id=, sequence_start=,
@@ -36,7 +38,9 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         model_dir = Path(args["model_repository"])
-        engine = Engine.load(model_dir / params["export"], threads=int(params.get("threads", "1")))
+        cache = params.get("prefix_cache_bytes")
+        engine = Engine.load(model_dir / params["export"], threads=int(params.get("threads", "1")),
+                             prefix_cache_bytes=int(cache) if cache else None)
         self.sequences = Sequences(engine, model_dir / params["checkpoints"], max_live=int(params["max_live"]),
                                    idle_seconds=float(params["idle_seconds"]))
 

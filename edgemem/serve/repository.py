@@ -37,6 +37,7 @@ from edgemem.config import threads as check_threads
 from edgemem.errors import EdgememError, named
 from edgemem.files import check_output_dir, export_files, one_name, staged_directory, write_atomic
 from edgemem.manifest import MANIFEST, STATE_INIT, Manifest, StateSpec, load
+from edgemem.runtime import Engine
 
 TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "float64": "TYPE_FP64", "int64": "TYPE_INT64",
                 "int32": "TYPE_INT32"}
@@ -101,8 +102,9 @@ def _check_runnable(manifest: Manifest, export_dir: Path) -> None:
 
 def write_repository(export_dir: str | Path, out: str | Path, *, name: str | None = None, max_live: int = 64,
                      idle_seconds: float = 600.0, checkpoints: str = "checkpoints", threads: int = 1,
-                     max_batch_size: int = 8, force: bool = False) -> Repository:
-    """Write the model repository `out` for the export in `export_dir` (see the module docstring)."""
+                     max_batch_size: int = 8, force: bool = False, prefix_cache_bytes: int | None = None) -> Repository:
+    """Write the model repository `out` for the export in `export_dir` (see the module docstring);
+    `prefix_cache_bytes`: the Python model's prefix state cache, shared by its sequences (off by default)."""
     export_dir, out = Path(export_dir), Path(out)
     if name is not None:
         one_name(name, f"model {named('name', '--name')}")
@@ -123,6 +125,8 @@ def write_repository(export_dir: str | Path, out: str | Path, *, name: str | Non
     fits_memory(max_batch_size * CANDIDATES * per_stream, f"{named('max_batch_size', '--max-batch-size')} "
                 f"{max_batch_size:,} ({max_batch_size * CANDIDATES:,} candidate sequences of {size_text(per_stream)} "
                 "implicit state)", error=RepositoryError)
+    if prefix_cache_bytes is not None:  # refused now (too small for one snapshot), not when Triton loads the model
+        Engine.load(export_dir, check_files=False, prefix_cache_bytes=prefix_cache_bytes)
     out = check_output_dir(out, force=force, inputs=[export_dir], what=named("out", "--out"), own=repository_files)
     skipped = onnx_reasons(manifest)
     onnx_name = None if skipped else f"{name}-onnx"
@@ -135,6 +139,8 @@ def write_repository(export_dir: str | Path, out: str | Path, *, name: str | Non
         write_atomic(model / "1" / "model.py", MODEL_PY.encode())
         params = {"export": "export", "checkpoints": checkpoints, "max_live": str(max_live),
                   "idle_seconds": repr(float(idle_seconds)), "threads": str(threads)}
+        if prefix_cache_bytes is not None:
+            params["prefix_cache_bytes"] = str(prefix_cache_bytes)
         write_atomic(model / "config.pbtxt", python_config(name, manifest, params).encode())
         if onnx_name:
             _write_onnx_model(tmp / onnx_name, onnx_name, manifest, export_dir, max_batch_size, idle_seconds)

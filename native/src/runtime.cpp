@@ -32,7 +32,8 @@ Ort::Value alloc(const std::vector<int64_t> &shape, const DType *dtype) {
     Ort::AllocatorWithDefaultOptions allocator;
     Ort::Value value = Ort::Value::CreateTensor(allocator, shape.data(), shape.size(),
                                                 static_cast<ONNXTensorElementDataType>(dtype->onnx));
-    std::memset(value.GetTensorMutableRawData(), 0, size_t(elements(shape)) * dtype->size);
+    const size_t bytes = size_t(elements(shape)) * dtype->size;
+    if (bytes) std::memset(value.GetTensorMutableRawData(), 0, bytes);  // an empty KV cache has no data pointer
     return value;
 }
 
@@ -372,7 +373,7 @@ void Engine::assign(em_stream *s, const Snapshot &snap) {
     std::vector<Ort::Value> caches;
     for (size_t i : growing) {
         caches.push_back(alloc(snap.state[i].shape, specs[i].dtype));
-        std::memcpy(caches.back().GetTensorMutableRawData(), snap.state[i].data.data(), snap.state[i].data.size());
+        if (!snap.state[i].data.empty()) std::memcpy(caches.back().GetTensorMutableRawData(), snap.state[i].data.data(), snap.state[i].data.size());
     }
     for (size_t f = 0; f < fixed.size(); ++f) std::memcpy(data(s->fixed[f][0]), snap.state[fixed[f]].data.data(), specs[fixed[f]].row_bytes());
     s->caches = std::move(caches);
@@ -401,8 +402,8 @@ Snapshot Engine::snapshot(const em_stream *s) {
         OrtValue *value = const_cast<OrtValue *>(static_cast<const OrtValue *>(s->caches[g]));
         blob.dtype = specs[growing[g]].dtype;
         blob.shape = shape_of(value);
-        const uint8_t *p = data(value);
-        blob.data.assign(p, p + size_t(elements(blob.shape)) * blob.dtype->size);
+        const size_t bytes = size_t(elements(blob.shape)) * blob.dtype->size;
+        if (bytes) blob.data.assign(data(value), data(value) + bytes);
     }
     snap.position = s->position;
     snap.has_logits = s->has_logits;
@@ -592,7 +593,7 @@ void Engine::step_batch(em_stream *const *streams, const int64_t *tokens, size_t
         const size_t bytes = size_t(elements(shape)) * specs[growing[g]].dtype->size;
         shape[0] = int64_t(n);
         batched.push_back(alloc(shape, specs[growing[g]].dtype));
-        for (size_t i = 0; i < n; ++i) std::memcpy(data(batched.back()) + i * bytes, data(streams[i]->caches[g]), bytes);
+        for (size_t i = 0; i < n && bytes; ++i) std::memcpy(data(batched.back()) + i * bytes, data(streams[i]->caches[g]), bytes);
         inputs.push_back(batched.back());
         outputs.push_back(nullptr);
     }
@@ -604,7 +605,7 @@ void Engine::step_batch(em_stream *const *streams, const int64_t *tokens, size_t
         shape[0] = 1;
         for (size_t i = 0; i < n; ++i) {
             Ort::Value row = alloc(shape, specs[growing[g]].dtype);
-            std::memcpy(row.GetTensorMutableRawData(), data(out) + i * bytes, bytes);
+            if (bytes) std::memcpy(row.GetTensorMutableRawData(), data(out) + i * bytes, bytes);
             streams[i]->caches[g] = std::move(row);
         }
     }
@@ -703,7 +704,7 @@ Snapshot Engine::decode(const std::vector<uint8_t> &bytes, const std::string &wh
             full.shape = want;
             full.data.assign(size_t(elements(want)) * blob.dtype->size, 0);
             const size_t block = size_t(want[2] * want[3]) * blob.dtype->size, keep = size_t(filled * want[3]) * blob.dtype->size;
-            for (int64_t h = 0; h < want[0] * want[1]; ++h)
+            for (int64_t h = 0; keep && h < want[0] * want[1]; ++h)
                 std::memcpy(full.data.data() + size_t(h) * block, blob.data.data() + size_t(h) * keep, keep);
             blob = std::move(full);
         }

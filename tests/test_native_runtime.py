@@ -70,8 +70,11 @@ def _locked_cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
 
 
 @pytest.fixture(scope="session")
-def em_check(request, tmp_path_factory) -> Path:
-    """native/ built with ASan and UBSan (in pytest's cache: later sessions rebuild what changed)."""
+def em_check(request, tmp_path_factory) -> list[str]:
+    """native/ built with ASan and UBSan (in pytest's cache: later sessions rebuild what changed), or the
+    command in $EDGEMEM_EM_CHECK (e.g. an aarch64 build under qemu-user: native/scripts/aarch64.sh)."""
+    if os.environ.get("EDGEMEM_EM_CHECK"):
+        return os.environ["EDGEMEM_EM_CHECK"].split()
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
     if missing:
         pytest.skip(f"the native runtime needs {' and '.join(missing)} to build")
@@ -86,7 +89,7 @@ def em_check(request, tmp_path_factory) -> Path:
                            check=True, capture_output=True)
         result = subprocess.run(["cmake", "--build", build, "--target", "em_check", "-j", "2"], capture_output=True, text=True)
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return build / "em_check"
+    return [str(build / "em_check")]
 
 
 @pytest.fixture(scope="session")
@@ -115,7 +118,7 @@ def _rel(a, b) -> float:
 class Run:
     """One `em_check` run on an export: its work folder, the prompt, and the Python engine beside it."""
 
-    def __init__(self, directory: Path, work: Path, em_check: Path):
+    def __init__(self, directory: Path, work: Path, em_check: list[str]):
         self.engine = Engine.load(directory, threads=1)
         self.vocab = self.engine.vocab_size
         self.work = work
@@ -125,7 +128,7 @@ class Run:
         python.prefill(self.prompt[:17])
         python.save(work / "py.state")
         env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0", "UBSAN_OPTIONS": "print_stacktrace=1"}
-        self.result = subprocess.run([em_check, directory, work], capture_output=True, text=True, env=env, timeout=300)
+        self.result = subprocess.run([*em_check, directory, work], capture_output=True, text=True, env=env, timeout=600)
 
     def read(self, name: str, *shape: int) -> np.ndarray:
         dtype = np.int64 if name.endswith(".i64") else np.float32
@@ -181,3 +184,30 @@ def test_a_checkpoint_written_by_c_continues_in_python_and_one_written_by_python
     python = run.engine.load_stream(run.work / "py.state")
     expected = [python.logits] + [python.step(int(t)) for t in run.prompt[:8]]
     assert _rel(run.read("from_py.f32", 9, run.vocab), np.stack(expected)) <= 1e-5
+
+
+def test_the_sample_app_builds_on_the_installed_package_and_generates_what_python_does(em_check, native_exports, tmp_path):
+    """`cmake --install` gives headers, the library and a CMake package that samples/native builds against
+    (find_package(edgemem)); its greedy tokens, before and after resuming from its checkpoint, are the Python
+    runtime's."""
+    if os.environ.get("EDGEMEM_EM_CHECK"):
+        pytest.skip("builds for this machine only")
+    build = Path(em_check[0]).parent
+    prefix = tmp_path / "prefix"
+    subprocess.run(["cmake", "--install", build, "--prefix", prefix], check=True, capture_output=True)
+    assert (prefix / "include" / "edgemem" / "edgemem.h").is_file() and (prefix / "lib" / "libedgemem.so").exists()
+    assert (prefix / "lib" / "cmake" / "edgemem" / "edgememConfig.cmake").is_file()
+    sample = tmp_path / "sample"
+    for command in (["cmake", "-S", ROOT / "samples" / "native", "-B", sample, f"-DCMAKE_PREFIX_PATH={prefix}"],
+                    ["cmake", "--build", sample]):
+        result = subprocess.run(command, capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    env["ASAN_OPTIONS"] = "detect_leaks=1"
+    directory, prompt = native_exports["deltanet"], [72, 101, 108, 108, 111]
+    out = subprocess.run([sample / "generate", directory, tmp_path / "s.state", *map(str, prompt), "--tokens", "8"],
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = {line.split(":")[0].split(";")[-1].strip(): line.split(":")[-1].split() for line in out.stdout.splitlines() if ":" in line}
+    tokens = [int(t) for t in lines["generated"] + lines["resumed"]]
+    assert tokens == list(Engine.load(directory, threads=1).generate(prompt, max_new_tokens=16))

@@ -1,0 +1,213 @@
+"""The native runtime (`native/`, libedgemem's C API) against the Python runtime, on the same exports.
+
+The library and its check program `em_check` (native/tests/em_check.cpp) are built once with CMake,
+with AddressSanitizer and UndefinedBehaviorSanitizer, in pytest's cache (an incremental build
+afterwards). `em_check` streams an export through the C API and writes its logits; these tests
+compare them with `edgemem.runtime` on the same export: a 40-token prefill and 24 greedy steps, a batch
+of streams at positions 5 and 11, checkpoints handed over both ways. `em_check` itself checks that a
+fork steps like its parent and that misuse is refused with a message, leaving the stream as it was.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import _sources_key
+
+from edgemem.runtime import Engine
+
+ROOT = Path(__file__).resolve().parents[1]
+NATIVE = ROOT / "native"
+HEADERS = ROOT.parent / "shared" / "third_party" / "onnxruntime" / "v1.24.4" / "include"
+MAX_LENGTH = 96
+
+# Exports of their own: softmax with a preallocated cache (--max-length) and a tiny random Qwen3.5
+# hybrid import with one; the presets come from conftest's `small_exports`.
+_EXPORT = textwrap.dedent("""
+    import sys, torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from edgemem.export import export
+    from edgemem.models import build, from_hf
+    from edgemem.models.lm import set_kv_cache
+    root, length = sys.argv[1], int(sys.argv[2])
+    model = build("softmax", seed=0, d_model=64, n_layers=1)
+    set_kv_cache(model, length)
+    export(model, f"{root}/softmax-max-length", targets=["ort"])
+    config = Qwen3_5TextConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"], num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, rms_norm_eps=1e-6, eos_token_id=None, pad_token_id=None,
+        bos_token_id=None)
+    torch.manual_seed(3)
+    hf = Qwen3_5ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(torch.randn(p.shape) * 0.2 + (1.0 if "linear_attn.norm" in name else 0.0))
+    hf.save_pretrained(f"{root}/qwen3.5-hf")
+    model = from_hf(f"{root}/qwen3.5-hf")
+    set_kv_cache(model, length)
+    export(model, f"{root}/qwen3.5", targets=["ort"])
+""")
+
+
+def _locked_cache(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, name: str):
+    cache = getattr(request.config, "cache", None)
+    folder = cache.mkdir(name) if cache is not None else tmp_path_factory.mktemp(name)
+    lock = open(folder.parent / f"{folder.name}.lock", "w")  # noqa: SIM115 — held until the caller closes it
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return folder, lock
+
+
+@pytest.fixture(scope="session")
+def em_check(request, tmp_path_factory) -> list[str]:
+    """native/ built with ASan and UBSan (in pytest's cache: later sessions rebuild what changed), or the
+    command in $EDGEMEM_EM_CHECK (e.g. an aarch64 build under qemu-user: native/scripts/aarch64.sh)."""
+    if os.environ.get("EDGEMEM_EM_CHECK"):
+        return os.environ["EDGEMEM_EM_CHECK"].split()
+    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"the native runtime needs {' and '.join(missing)} to build")
+    if not HEADERS.is_dir():
+        pytest.skip(f"the native runtime needs onnxruntime's C API headers ({HEADERS} is missing)")
+    folder, lock = _locked_cache(request, tmp_path_factory, "edgemem-native-asan")
+    with lock:
+        build = folder / "build"
+        if not (build / "CMakeCache.txt").is_file():
+            subprocess.run(["cmake", "-S", NATIVE, "-B", build, "-DEDGEMEM_SANITIZE=ON", "-DCMAKE_BUILD_TYPE=RelWithDebInfo",
+                            f"-DPython3_EXECUTABLE={sys.executable}", f"-DONNXRUNTIME_INCLUDE_DIR={HEADERS}"],
+                           check=True, capture_output=True)
+        result = subprocess.run(["cmake", "--build", build, "--target", "em_check", "-j", "2"], capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return [str(build / "em_check")]
+
+
+@pytest.fixture(scope="session")
+def native_exports(request, tmp_path_factory, small_exports) -> dict[str, Path]:
+    folder, lock = _locked_cache(request, tmp_path_factory, "edgemem-native-exports")
+    with lock:
+        key = hashlib.sha256((_sources_key("native", MAX_LENGTH) + _EXPORT).encode()).hexdigest()[:16]
+        root = folder / key
+        if not (root / "complete").is_file():
+            shutil.rmtree(root, ignore_errors=True)
+            result = subprocess.run([sys.executable, "-c", _EXPORT, root, str(MAX_LENGTH)], capture_output=True, text=True)
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+            (root / "complete").touch()
+    return {"deltanet": small_exports["deltanet"], "titans-mag": small_exports["titans-mag"],
+            "softmax": small_exports["softmax"], "softmax-max-length": root / "softmax-max-length", "qwen3.5": root / "qwen3.5"}
+
+
+EXPORTS = ["deltanet", "titans-mag", "softmax", "softmax-max-length", "qwen3.5"]
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+class Run:
+    """One `em_check` run on an export: its work folder, the prompt, and the Python engine beside it."""
+
+    def __init__(self, directory: Path, work: Path, em_check: list[str]):
+        self.engine = Engine.load(directory, threads=1)
+        self.vocab = self.engine.vocab_size
+        self.work = work
+        self.prompt = np.random.default_rng(0).integers(0, self.vocab, 40).astype(np.int64)
+        self.prompt.tofile(work / "prompt.i64")
+        python = self.engine.new_stream()
+        python.prefill(self.prompt[:17])
+        python.save(work / "py.state")
+        env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0", "UBSAN_OPTIONS": "print_stacktrace=1"}
+        self.result = subprocess.run([*em_check, directory, work], capture_output=True, text=True, env=env, timeout=600)
+
+    def read(self, name: str, *shape: int) -> np.ndarray:
+        dtype = np.int64 if name.endswith(".i64") else np.float32
+        return np.fromfile(self.work / name, dtype=dtype).reshape(*shape)
+
+
+_runs: dict[str, Run] = {}
+
+
+@pytest.fixture(params=EXPORTS)
+def run(request, em_check, native_exports, tmp_path_factory) -> Run:
+    name = request.param
+    if name not in _runs:
+        _runs[name] = Run(native_exports[name], tmp_path_factory.mktemp(f"native-{name}"), em_check)
+    return _runs[name]
+
+
+def test_the_c_checks_pass_clean_under_asan_and_ubsan(run):
+    """em_check's own checks: fork ≡ parent, batch member continues alone, and every misuse (missing directory,
+    token -1 or >= vocab, empty prefill, garbage, missing, truncated or flipped state files, a stream twice in
+    a batch, saving onto a directory) is refused with a code and a message and leaves the stream as it was."""
+    output = run.result.stdout + run.result.stderr
+    assert run.result.returncode == 0 and "all checks passed" in output, output[-6000:]
+    assert "AddressSanitizer" not in output and "runtime error" not in output and "LeakSanitizer" not in output
+    assert output.count("ok   ") >= 18
+
+
+def test_c_logits_equal_python_after_a_40_token_prefill_and_24_greedy_steps(run):
+    greedy, tokens = run.read("greedy.f32", 25, run.vocab), run.read("greedy.i64", 24)
+    stream = run.engine.new_stream()
+    python = [stream.prefill(run.prompt, all_logits=False)]
+    for token in tokens:
+        assert int(np.argmax(python[-1])) == token  # the same greedy choice
+        python.append(stream.step(int(token)))
+    assert max(_rel(c, p) for c, p in zip(greedy, python)) <= 1e-5
+
+
+def test_a_batch_at_positions_5_and_11_equals_each_stream_alone_and_python(run):
+    batch, alone = run.read("batch.f32", 3, 2, run.vocab), run.read("alone.f32", 3, 2, run.vocab)
+    assert _rel(batch, alone) <= 1e-5
+    a, b = run.engine.new_stream(), run.engine.new_stream()
+    a.prefill(run.prompt[:5])
+    b.prefill(run.prompt[6:11] if run.engine.grows else run.prompt[:11])  # a growing cache batches equal lengths only
+    python = [run.engine.step_batch([a, b], [int(run.prompt[20 + k]), int(run.prompt[30 + k])]) for k in range(3)]
+    assert _rel(batch, np.stack(python)) <= 1e-5
+
+
+def test_a_checkpoint_written_by_c_continues_in_python_and_one_written_by_python_in_c(run):
+    greedy, continued = run.read("greedy.f32", 25, run.vocab), run.read("c_cont.f32", 8, run.vocab)
+    restored = run.engine.load_stream(run.work / "c.state")
+    assert restored.position == 64 and _rel(restored.logits, greedy[-1]) == 0
+    assert _rel(np.stack([restored.step(int(t)) for t in run.prompt[:8]]), continued) <= 1e-5
+    python = run.engine.load_stream(run.work / "py.state")
+    expected = [python.logits] + [python.step(int(t)) for t in run.prompt[:8]]
+    assert _rel(run.read("from_py.f32", 9, run.vocab), np.stack(expected)) <= 1e-5
+
+
+def test_the_sample_app_builds_on_the_installed_package_and_generates_what_python_does(em_check, native_exports, tmp_path):
+    """`cmake --install` gives headers, the library and a CMake package that samples/native builds against
+    (find_package(edgemem)); its greedy tokens, before and after resuming from its checkpoint, are the Python
+    runtime's."""
+    if os.environ.get("EDGEMEM_EM_CHECK"):
+        pytest.skip("builds for this machine only")
+    build = Path(em_check[0]).parent
+    prefix = tmp_path / "prefix"
+    subprocess.run(["cmake", "--install", build, "--prefix", prefix], check=True, capture_output=True)
+    assert (prefix / "include" / "edgemem" / "edgemem.h").is_file() and (prefix / "lib" / "libedgemem.so").exists()
+    assert (prefix / "lib" / "cmake" / "edgemem" / "edgememConfig.cmake").is_file()
+    sample = tmp_path / "sample"
+    for command in (["cmake", "-S", ROOT / "samples" / "native", "-B", sample, f"-DCMAKE_PREFIX_PATH={prefix}"],
+                    ["cmake", "--build", sample]):
+        result = subprocess.run(command, capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    env["ASAN_OPTIONS"] = "detect_leaks=1"
+    directory, prompt = native_exports["deltanet"], [72, 101, 108, 108, 111]
+    out = subprocess.run([sample / "generate", directory, tmp_path / "s.state", *map(str, prompt), "--tokens", "8"],
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = {line.split(":")[0].split(";")[-1].strip(): line.split(":")[-1].split() for line in out.stdout.splitlines() if ":" in line}
+    tokens = [int(t) for t in lines["generated"] + lines["resumed"]]
+    assert tokens == list(Engine.load(directory, threads=1).generate(prompt, max_new_tokens=16))

@@ -4,6 +4,12 @@
 # the Python runtime beside it. Not part of the default test run. Needs (Debian):
 #   dpkg --add-architecture arm64 && apt-get update && apt-get install g++-aarch64-linux-gnu qemu-user libssl-dev:arm64
 # and pip (downloads the aarch64 wheel). WORK (default build/aarch64) keeps the wheel and the build.
+#
+# Status: the cross-build (libedgemem, em_check, em_bench) links against the aarch64 wheel's library.
+# Under Debian 12's qemu-user (7.2) with onnxruntime 1.32's aarch64 library, em_check does not get past
+# em_engine_load: with the host's /proc/cpuinfo onnxruntime crashes in its CPU detection (the ARM
+# cpuinfo below avoids that), then its session creation spins in pthread_create and never returns
+# (with -cpu cortex-a57 or max, and with glibc's rseq off). So no test has passed under emulation yet.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 WORK=${WORK:-$ROOT/build/aarch64}

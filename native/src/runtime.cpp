@@ -205,13 +205,11 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
                 if (fd >= 0) ::close(fd);
                 fail(EM_ERR_BACKEND, "cannot map " + file + ": missing or empty");
             }
-            mapped_size = size_t(info.st_size);
-            mapped = ::mmap(nullptr, mapped_size, PROT_READ, MAP_PRIVATE, fd, 0);
+            void *mapped = ::mmap(nullptr, size_t(info.st_size), PROT_READ, MAP_PRIVATE, fd, 0);
             ::close(fd);
-            if (mapped == MAP_FAILED) {
-                mapped = nullptr;
-                fail(EM_ERR_BACKEND, "cannot map " + file);
-            }
+            if (mapped == MAP_FAILED) fail(EM_ERR_BACKEND, "cannot map " + file);
+            mapping.data = mapped;
+            mapping.size = size_t(info.st_size);
             std::map<std::tuple<int64_t, std::string, std::vector<int64_t>>, size_t> shared;
             for (int kind : {STEP, PREFILL}) {
                 if (!store.at("tensors").contains(KINDS[kind])) continue;
@@ -230,10 +228,10 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
                     auto found = shared.find(key);
                     if (found == shared.end()) {
                         const size_t bytes = size_t(elements(shape)) * type->second.second;
-                        if (offset < 0 || size_t(offset) + bytes > mapped_size)
-                            fail(EM_ERR_BACKEND, file + " is shorter than edgemem.json says (" + std::to_string(mapped_size) + " bytes; " +
+                        if (offset < 0 || size_t(offset) + bytes > mapping.size)
+                            fail(EM_ERR_BACKEND, file + " is shorter than edgemem.json says (" + std::to_string(mapping.size) + " bytes; " +
                                                      it.key() + " ends past it): the file is truncated; copy or export it again");
-                        weights.push_back(Ort::Value::CreateTensor(host, static_cast<uint8_t *>(mapped) + offset, bytes, shape.data(),
+                        weights.push_back(Ort::Value::CreateTensor(host, static_cast<uint8_t *>(mapping.data) + offset, bytes, shape.data(),
                                                                    shape.size(), type->second.first));
                         found = shared.emplace(key, weights.size() - 1).first;
                     }
@@ -291,7 +289,7 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
     step = open(STEP, true, options.threads, cuda);
     const bool has_prefill = m.value("graphs", json::object()).value("prefill", false);
     if (has_prefill) prefill = open(PREFILL, !grows, options.threads, cuda);
-    if (mapped) ::madvise(mapped, mapped_size, MADV_DONTNEED);  // set-up's reads; later runs fault back what they read
+    if (mapping.data) ::madvise(mapping.data, mapping.size, MADV_DONTNEED);  // set-up's reads; later runs fault back what they read
     size_t index = 0;
     for (size_t i = 0; i < step->GetOutputCount(); ++i) {
         Ort::AllocatorWithDefaultOptions allocator;
@@ -313,7 +311,7 @@ std::unique_ptr<Ort::Session> Engine::open(int kind, bool arena, int threads, bo
         options.SetLogSeverityLevel(3);
         if (arena) options.EnableCpuMemArena();
         else options.DisableCpuMemArena();
-        if (mapped && kind != STEP) options.AddConfigEntry("session.disable_prepacking", "1");  // decode reads the packed copy
+        if (mapping.data && kind != STEP) options.AddConfigEntry("session.disable_prepacking", "1");  // decode reads the packed copy
         // In a QDQ graph this pass merges QuantizeLinear nodes that then no longer fuse into integer MatMuls.
         if (static_int8_) options.AddConfigEntry("optimization.disable_specified_optimizers", "CommonSubexpressionElimination");
         for (const auto &[name, index] : graph_weights_[size_t(kind)]) options.AddInitializer(name.c_str(), weights[index]);
@@ -337,12 +335,8 @@ std::unique_ptr<Ort::Session> Engine::open(int kind, bool arena, int threads, bo
     return session;
 }
 
-Engine::~Engine() {
-    slots.clear();
-    step.reset();
-    prefill.reset();
-    weights.clear();
-    if (mapped) ::munmap(mapped, mapped_size);
+Engine::Mapping::~Mapping() {
+    if (data) ::munmap(data, size);
 }
 
 // ---------------------------------------------------------------- streams

@@ -93,17 +93,24 @@ struct Engine {
     std::string tokens_name, logits_name;
     std::vector<const char *> in_names, out_names;
 
-    std::unique_ptr<Ort::Session> step, prefill;
+    // weights.data mapped read-only, and the initializers viewing it (declared before the sessions that
+    // use them, so that they outlive those)
+    struct Mapping {
+        void *data = nullptr;
+        size_t size = 0;
+        Mapping() = default;
+        Mapping(const Mapping &) = delete;
+        Mapping &operator=(const Mapping &) = delete;
+        ~Mapping();
+    } mapping;
     Ort::MemoryInfo host = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
-    void *mapped = nullptr;
-    size_t mapped_size = 0;
-    std::vector<Ort::Value> weights;  // initializers viewing the mapping
+    std::vector<Ort::Value> weights;
+    std::unique_ptr<Ort::Session> step, prefill;
 
     std::vector<std::unique_ptr<Slot>> slots;  // least recently used first
     std::recursive_mutex mutex;
 
     Engine(const std::string &dir, const em_engine_options &options);
-    ~Engine();
 
     em_stream *new_stream(const Snapshot *from);  // nullptr: fresh
     void assign(em_stream *s, const Snapshot &snap);

@@ -22,6 +22,7 @@ from edgemem.runtime import Engine
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = {"gated-deltanet": {"d_model": 32, "mlp_hidden": 32, "n_layers": 1},
            "deltanet": {"d_model": 32, "mlp_hidden": 32, "n_layers": 1},
+           "softmax": {"d_model": 32, "mlp_hidden": 32, "n_layers": 1},  # a growing KV cache
            "linear": {"d_model": 16, "mlp_hidden": 16, "n_layers": 1, "vocab_size": 61}}  # another vocabulary
 CHUNK = 16
 TEXT = (b"def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n\n\n"
@@ -48,7 +49,7 @@ def _export_models(root: Path) -> None:
 
 @pytest.fixture(scope="module")
 def exports(request, tmp_path_factory) -> dict[str, Path]:
-    """Three presets (one of another vocabulary), the trained model and the hybrid (`_export_models`), cached
+    """Four presets (one of another vocabulary), the trained model and the hybrid (`_export_models`), cached
     across runs like `small_exports`."""
     found = export_presets(request, tmp_path_factory, "spec-exports", {a: (o, ["ort"]) for a, o in PRESETS.items()})
     cache = getattr(request.config, "cache", None)
@@ -68,7 +69,7 @@ def _rel(a, b) -> float:
 
 
 # ---------------------------------------------------------------------- prefix cache
-@pytest.mark.parametrize("name", ["gated-deltanet", "hybrid"])
+@pytest.mark.parametrize("name", ["gated-deltanet", "hybrid", "softmax"])
 def test_a_stream_restored_from_a_cached_prefix_continues_as_an_uncached_one(exports, name):
     cached, plain = _load(exports, name, prefix_cache_bytes=1 << 22), _load(exports, name)
     rng = np.random.default_rng(0)
@@ -125,7 +126,8 @@ def test_a_cache_smaller_than_one_snapshot_is_refused(exports):
 
 
 # ---------------------------------------------------------------------- speculative decoding
-CASES = [("gated-deltanet", "deltanet"), ("deltanet", "gated-deltanet"), ("trained", "deltanet"), ("hybrid", "deltanet")]
+CASES = [("gated-deltanet", "deltanet"), ("deltanet", "gated-deltanet"), ("trained", "deltanet"), ("hybrid", "deltanet"),
+         ("softmax", "gated-deltanet")]
 
 
 @pytest.mark.parametrize(("name", "draft_name"), CASES)

@@ -161,8 +161,9 @@ def rollback_costs(directory: Path, k: int, repeats: int = 100) -> dict:
            "keep_by_flipping_sides_us": timed(lambda: stream._rollback(stream._mark(k + 1, one_run=True))),
            "keep_by_copy_us": timed(lambda: Stream._rollback(stream, Stream._mark(stream, k + 1, one_run=False)))}
     for m in range(1, k + 1):
-        row[f"reapply_{m}_one_run_us"] = timed(lambda: run_back(block[:m]))
-        row[f"reapply_{m}_steps_us"] = round(timed(lambda: run_back(block[:m], by_steps=True)) - row["keep_by_copy_us"], 1)
+        tokens = block[:m]
+        row[f"reapply_{m}_one_run_us"] = timed(lambda t=tokens: run_back(t))
+        row[f"reapply_{m}_steps_us"] = round(timed(lambda t=tokens: run_back(t, by_steps=True)) - row["keep_by_copy_us"], 1)
     return row
 
 

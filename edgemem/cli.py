@@ -386,7 +386,7 @@ def run_command(directory, prompt, ids_text, ids_file, print_ids, max_new_tokens
     out = sys.stdout.buffer  # bytes, not text: a byte-level model's output need not be UTF-8
     begin, last = stream.position, b"\n"
     try:
-        options = dict(draft=draft, draft_tokens=draft_tokens)
+        options = {"draft": draft, "draft_tokens": draft_tokens}
         if len(prompt_ids) > engine.chunk_size:  # more than one prefill run: not silent
             from edgemem.progress import track
 

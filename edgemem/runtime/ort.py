@@ -51,7 +51,7 @@ import mmap
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnxruntime as ort
@@ -117,6 +117,15 @@ class _Memory:
         value = self.alloc(array.shape, array.dtype)
         self.write(value, array)
         return value
+
+
+class _Kept(NamedTuple):
+    """A stream's state left where it is (`OrtStream._mark`): its side, position, KV caches and logits."""
+
+    side: int
+    position: int
+    grown: dict[str, Any]
+    logits: np.ndarray | None
 
 
 class _Row:
@@ -463,15 +472,15 @@ class OrtStream(Stream):
         if not one_run or (self._engine._in_place and self._position + tokens > kv["max_length"]):
             return super()._mark(tokens, one_run)
         self._sync()
-        return self._side, self._position, dict(self._grown), self.logits
+        return _Kept(self._side, self._position, dict(self._grown), self.logits)
 
     def _rollback(self, mark: Any) -> None:
-        if len(mark) == 3:
+        if not isinstance(mark, _Kept):
             return super()._rollback(mark)
-        self._side, self._position, self._grown, logits = mark
-        self._has_logits = logits is not None
-        if logits is not None:
-            self._logits_view[0, 0] = logits
+        self._side, self._position, self._grown = mark.side, mark.position, mark.grown
+        self._has_logits = mark.logits is not None
+        if mark.logits is not None:
+            self._logits_view[0, 0] = mark.logits
 
     def _past_length(self) -> int:
         spec = self._engine._growing[0]

@@ -146,10 +146,10 @@ def speculate(stream: Stream, logits: np.ndarray, drafter: PromptLookup | Stream
     done = 0
     while done < max_new_tokens:
         n = min(limit, max_new_tokens - done - 1)
-        for e, position in ((engine, stream.position), (model.engine, model.position) if model is not None else (None, 0)):
-            room = e._room(position) if e is not None else None
+        rooms = [engine._room(stream.position), model.engine._room(model.position) if model is not None else None]
+        for room in rooms:  # t and n drafts fit in a preallocated KV cache (the draft's takes one more step)
             if room is not None:
-                n = min(n, room - 1)  # t and n drafts fit in the KV cache (and in the draft's, one more step)
+                n = min(n, room - 1)
         q: list[np.ndarray] | None = None
         mark = None
         if model is None:

@@ -103,6 +103,11 @@ class Manifest:
             total += count * itemsize[spec.dtype]
         return total
 
+    def graphs_of(self, target: str) -> list[str]:
+        """The graph kinds a target's folder holds: every kind the manifest marks present, but no
+        `prefill_last` on trt (its engines are built from the full prefill graph)."""
+        return [k for k, present in self.graphs.items() if present and not (k == PREFILL_LAST and target == "trt")]
+
     def identity(self) -> str:
         """A hash of the model files: what a state checkpoint must match."""
         return hashlib.sha256(json.dumps(sorted(self.files.items())).encode()).hexdigest()

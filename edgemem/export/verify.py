@@ -123,7 +123,7 @@ def verify(
     if unfit:  # `edgemem verify` says so itself
         log.info("%s does not fit onnxruntime-genai: %s", directory, "; ".join(unfit))
     for target in manifest.targets:
-        for kind in (k for k, present in manifest.graphs.items() if present):
+        for kind in manifest.graphs_of(target):
             check_graph_file(manifest, directory / target / f"{kind}.onnx", target)
     model = rebuild(manifest, checkpoint)
     _check_config(manifest, model)
@@ -159,9 +159,7 @@ def verify(
     for target in manifest.targets:
         if target in skipped:
             continue
-        sessions = {kind: _session(directory / target / f"{kind}.onnx", options)
-                    for kind, present in manifest.graphs.items()
-                    if present and (directory / target / f"{kind}.onnx").is_file()}
+        sessions = {kind: _session(directory / target / f"{kind}.onnx", options) for kind in manifest.graphs_of(target)}
 
         def prefill(ids: np.ndarray, state: dict[str, np.ndarray]) -> list[np.ndarray]:
             """The prefill graph, or token by token through the step graph when there is none."""

@@ -320,8 +320,7 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
     out = check_output_dir(out, force=force, inputs=[directory])
 
     state_names = {n for s in manifest.state for n in (s.input, s.output)}
-    sources = {(t, k): directory / t / f"{k}.onnx" for t in targets for k in kinds
-               if k != PREFILL_LAST or (directory / t / f"{k}.onnx").is_file()}  # trt has no prefill_last
+    sources = {(t, k): directory / t / f"{k}.onnx" for t in targets for k in kinds if k in manifest.graphs_of(t)}
     found, selected = _select(sources, state_names, recipe, matmul_only=method == "int4",
                               subgraphs=method in SUBGRAPH_METHODS)
     if not any(selected.values()):

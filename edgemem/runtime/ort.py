@@ -213,7 +213,7 @@ class OrtEngine(Engine):
         # The prefill graph that projects only the last position (`prefill_last`) serves prompts whose
         # next-token logits are all that is wanted (generate, run, serving); the full prefill graph, whose
         # [T, V] logits are a chunk's largest tensor, opens at the first prefill that asks for every row.
-        self._last = PREFILL_LAST if manifest.graphs.get(PREFILL_LAST) and target != "trt" else "prefill"
+        self._last = PREFILL_LAST if PREFILL_LAST in manifest.graphs_of(target) else "prefill"
         self._opening = threading.Lock()
         self._sessions: dict[str, ort.InferenceSession] = {}
         for kind in ("step", self._last):

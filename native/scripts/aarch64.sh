@@ -48,5 +48,10 @@ done > "$WORK/sysroot/proc/cpuinfo"
 EM_CHECK="qemu-aarch64 -L $WORK/sysroot -E LD_LIBRARY_PATH=$CROSS $WORK/build/em_check"
 # Which libraries the emulated em_check loads (one glibc, from $CROSS), and qemu's version.
 qemu-aarch64 --version | head -1
-qemu-aarch64 -L "$WORK/sysroot" -E LD_LIBRARY_PATH="$CROSS" -E LD_TRACE_LOADED_OBJECTS=1 "$WORK/build/em_check"
+LIBS=$(qemu-aarch64 -L "$WORK/sysroot" -E LD_LIBRARY_PATH="$CROSS" -E LD_TRACE_LOADED_OBJECTS=1 "$WORK/build/em_check")
+echo "$LIBS"
+if ! grep -q "libc.so.6 => $CROSS/libc.so.6 " <<<"$LIBS"; then
+  echo "the emulated em_check does not load $CROSS/libc.so.6, the libc of its loader: onnxruntime would hang in pthread_create" >&2
+  exit 1
+fi
 EDGEMEM_EM_CHECK="$EM_CHECK" $PYTHON -m pytest -q -n 0 "$ROOT/tests/test_native_runtime.py" --durations=0 "$@"

@@ -5,11 +5,20 @@
 #   dpkg --add-architecture arm64 && apt-get update && apt-get install g++-aarch64-linux-gnu qemu-user libssl-dev:arm64
 # and pip (downloads the aarch64 wheel). WORK (default build/aarch64) keeps the wheel and the build.
 #
-# Status: the cross-build (libedgemem, em_check, em_bench) links against the aarch64 wheel's library.
-# Under Debian 12's qemu-user (7.2) with onnxruntime 1.32's aarch64 library, em_check does not get past
-# em_engine_load: with the host's /proc/cpuinfo onnxruntime crashes in its CPU detection (the ARM
-# cpuinfo below avoids that), then its session creation spins in pthread_create and never returns
-# (with -cpu cortex-a57 or max, and with glibc's rseq off). So no test has passed under emulation yet.
+# What runs: tests/test_native_runtime.py with EDGEMEM_EM_CHECK set, i.e. the aarch64 em_check (Release,
+# no sanitizers) on the five exports that file builds (deltanet, titans-mag, softmax, softmax with
+# --max-length, a tiny Qwen3.5 hybrid import), each checked against the host's Python runtime: em_check's
+# own checks (fork, batch, misuse refused), logits after a 40-token prefill and 24 greedy steps, a batch at
+# positions 5 and 11, checkpoints handed over both ways: 20 tests. The sample-app test is skipped (it builds
+# for the host). Extra arguments go to pytest (e.g. -k deltanet).
+#
+# Under qemu-user two things break onnxruntime unless the emulated process is given them:
+# - an ARM /proc/cpuinfo: qemu shows the host's, from which onnxruntime's CPU detection cannot read an ARM
+#   core and crashes at load;
+# - one glibc: qemu's prefix (-L) gives the cross toolchain's loader, but with libc6:arm64 installed (which
+#   libssl-dev:arm64 brings) that loader finds the multiarch libc in /lib/aarch64-linux-gnu, of another
+#   build, and the first pthread_create (onnxruntime's session creation) walks a corrupt stack cache
+#   forever. LD_LIBRARY_PATH puts the cross toolchain's libc beside its loader.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 WORK=${WORK:-$ROOT/build/aarch64}
@@ -28,13 +37,21 @@ cmake -S "$ROOT/native" -B "$WORK/build" -DCMAKE_TOOLCHAIN_FILE="$ROOT/native/cm
   -DCMAKE_BUILD_TYPE=Release -DONNXRUNTIME_ROOT="$WORK/onnxruntime" -DONNXRUNTIME_INCLUDE_DIR="$HEADERS" >/dev/null
 cmake --build "$WORK/build" -j "$(nproc)"
 file "$WORK/build/em_check" "$WORK"/build/libedgemem.so.*.*.*
-# qemu-user shows the host's /proc/cpuinfo, from which onnxruntime's CPU detection (cpuinfo) cannot
-# read an ARM core and crashes at load: the prefix qemu reads files from first (-L) gets an ARM one
-# (Cortex-A78AE, Jetson Orin's core) beside the cross toolchain's libraries.
+# The prefix qemu reads files from first (-L): the cross toolchain's libraries and an ARM /proc/cpuinfo
+# (Cortex-A78AE, Jetson Orin's core).
+CROSS=/usr/aarch64-linux-gnu/lib
 mkdir -p "$WORK/sysroot/proc"
-ln -sfn /usr/aarch64-linux-gnu/lib "$WORK/sysroot/lib"
+ln -sfn "$CROSS" "$WORK/sysroot/lib"
 for i in $(seq 0 $(($(nproc) - 1))); do
   printf 'processor\t: %d\nBogoMIPS\t: 62.50\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp\nCPU implementer\t: 0x41\nCPU architecture: 8\nCPU variant\t: 0x0\nCPU part\t: 0xd42\nCPU revision\t: 1\n\n' "$i"
 done > "$WORK/sysroot/proc/cpuinfo"
-EDGEMEM_EM_CHECK="qemu-aarch64 -L $WORK/sysroot $WORK/build/em_check" \
-  $PYTHON -m pytest -q -n 0 "$ROOT/tests/test_native_runtime.py" --durations=0 "$@"
+EM_CHECK="qemu-aarch64 -L $WORK/sysroot -E LD_LIBRARY_PATH=$CROSS $WORK/build/em_check"
+# Which libraries the emulated em_check loads (one glibc, from $CROSS), and qemu's version.
+qemu-aarch64 --version | head -1
+LIBS=$(qemu-aarch64 -L "$WORK/sysroot" -E LD_LIBRARY_PATH="$CROSS" -E LD_TRACE_LOADED_OBJECTS=1 "$WORK/build/em_check")
+echo "$LIBS"
+if ! grep -q "libc.so.6 => $CROSS/libc.so.6 " <<<"$LIBS"; then
+  echo "the emulated em_check does not load $CROSS/libc.so.6, the libc of its loader: onnxruntime would hang in pthread_create" >&2
+  exit 1
+fi
+EDGEMEM_EM_CHECK="$EM_CHECK" $PYTHON -m pytest -q -n 0 "$ROOT/tests/test_native_runtime.py" --durations=0 "$@"

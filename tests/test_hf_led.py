@@ -1,0 +1,132 @@
+"""Hugging Face LED import: edgemem's encoder-decoder gives transformers'
+`LEDForConditionalGeneration` encoder output and decoder logits (any input length, global tokens
+anywhere, several windows per layer), step ≡ prefill at any split; bad checkpoints and inputs
+fail with one clear line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from edgemem.errors import CacheFullError, ConfigError, ShapeError
+from edgemem.models.hf import from_hf
+
+transformers = pytest.importorskip("transformers")
+
+TOLERANCE = 1e-4  # fp32, relative to the largest reference value
+DECODER_STEPS = 24
+
+
+def checkpoint(directory: Path, *, seed: int = 0, **options) -> torch.nn.Module:
+    """A tiny random LEDForConditionalGeneration saved to `directory`; returns the transformers model.
+    Weights are drawn wider than the usual init so attention moves the output visibly; the logits
+    bias is random (transformers initialises it to zero)."""
+    defaults = dict(
+        vocab_size=50, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24, attention_window=[4, 8],
+        max_encoder_position_embeddings=64, max_decoder_position_embeddings=32, init_std=0.3,
+    )
+    torch.manual_seed(seed)
+    model = transformers.LEDForConditionalGeneration(transformers.LEDConfig(**{**defaults, **options})).eval()
+    with torch.no_grad():
+        model.final_logits_bias.normal_()
+    model.save_pretrained(directory)
+    return model
+
+
+def global_rows(t: int) -> torch.Tensor:
+    """Four sequences' global masks: none; the first token; a middle one; first, middle and last."""
+    mask = torch.zeros(4, t, dtype=torch.long)
+    mask[1, 0] = 1
+    mask[2, t // 2] = 1
+    mask[3, [0, t // 2, t - 1]] = 1
+    return mask
+
+
+def relative(got, ref) -> float:
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+@pytest.fixture(scope="module")
+def led(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    directory = tmp_path_factory.mktemp("led")
+    return directory, checkpoint(directory)
+
+
+@pytest.mark.parametrize("windows, length, split", [([4, 8], 13, 5), ([4, 12], 11, 1), ([8, 8], 3, 24)])
+def test_encoder_and_decoder_match_transformers(tmp_path: Path, windows, length, split):
+    """Encoder output and 24 decoder steps' logits within 1e-4 of transformers, for inputs whose
+    length is not a multiple of the window (transformers pads; edgemem needs no padding), with
+    no, one and several global tokens per sequence; the decoder prefills `split` tokens then steps."""
+    reference = checkpoint(tmp_path, attention_window=windows)
+    model = from_hf(tmp_path)
+    ids = torch.randint(3, 50, (4, length), generator=torch.Generator().manual_seed(1))
+    mask = global_rows(length)
+    decoder_ids = torch.randint(3, 50, (4, DECODER_STEPS), generator=torch.Generator().manual_seed(2))
+    decoder_ids[:, 0] = reference.config.decoder_start_token_id
+    with torch.no_grad():
+        ref = reference(input_ids=ids, global_attention_mask=mask, decoder_input_ids=decoder_ids)
+        assert relative(model.encode(ids, mask), ref.encoder_last_hidden_state) <= TOLERANCE
+        state = model.start(ids, mask)
+        logits, state = model.prefill(decoder_ids[:, :split], state)
+        rows = [logits]
+        for i in range(split, DECODER_STEPS):
+            logits, state = model.step(decoder_ids[:, i], state)
+            rows.append(logits[:, None])
+    assert relative(torch.cat(rows, 1), ref.logits) <= TOLERANCE
+    assert state["position"].tolist() == [DECODER_STEPS] * 4
+
+
+def test_untied_head(tmp_path: Path):
+    """With tie_word_embeddings false the head is lm_head, not the shared embedding (which the
+    encoder and decoder still share; a checkpoint where they differ is refused)."""
+    reference = checkpoint(tmp_path / "untied", tie_word_embeddings=False)
+    with pytest.raises(ConfigError, match="differs from led.shared.weight: LED shares one embedding"):
+        from_hf(tmp_path / "untied")
+    with torch.no_grad():
+        for side in (reference.led.encoder, reference.led.decoder):
+            side.embed_tokens.weight.copy_(reference.led.shared.weight)
+    reference.save_pretrained(tmp_path)
+    model = from_hf(tmp_path)
+    assert model.head is not None
+    ids, dec = torch.randint(3, 50, (1, 9)), torch.randint(3, 50, (1, 4))
+    with torch.no_grad():
+        assert relative(model(ids, dec), reference(input_ids=ids, decoder_input_ids=dec).logits) <= TOLERANCE
+
+
+def test_bad_checkpoints_and_inputs(led, tmp_path: Path):
+    """Each: one line naming what was wrong and what is expected."""
+    directory, _ = led
+    config = json.loads((directory / "config.json").read_text())
+    weights = load_file(directory / "model.safetensors")
+
+    def variant(name: str, config_changes: dict, drop: str | None = None):
+        target = tmp_path / name
+        target.mkdir()
+        (target / "config.json").write_text(json.dumps({**config, **config_changes}))
+        save_file({k: v for k, v in weights.items() if k != drop}, target / "model.safetensors")
+        return target
+
+    with pytest.raises(ConfigError, match="attention_window must be an even int"):
+        from_hf(variant("odd", {"attention_window": [3, 8]}))
+    with pytest.raises(ConfigError, match="activation_function 'relu' is not supported"):
+        from_hf(variant("relu", {"activation_function": "relu"}))
+    with pytest.raises(ConfigError, match="lack led.decoder.layers.1.fc1.weight"):
+        from_hf(variant("missing", {}, drop="led.decoder.layers.1.fc1.weight"))
+    with pytest.raises(ConfigError, match="tensor shape mismatch"):
+        from_hf(variant("wide", {"decoder_ffn_dim": 32}))
+
+    model = from_hf(directory)
+    with pytest.raises(ShapeError, match="an input of 65 tokens: the encoder takes 1 to 64"):
+        model.start(torch.zeros(1, 65, dtype=torch.long))
+    with pytest.raises(ShapeError, match="global_attention_mask must be .* shaped like input_ids"):
+        model.start(torch.zeros(1, 9, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
+    state = model.start(torch.zeros(1, 9, dtype=torch.long))
+    with pytest.raises(CacheFullError, match="max_length=32"):
+        model.prefill(torch.zeros(1, 33, dtype=torch.long), state)

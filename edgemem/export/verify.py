@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import torch
+from torch import nn
 
 from edgemem.errors import EdgememError
 from edgemem.export.genai import unfit_reasons
 from edgemem.export.graphs import graph_io
 from edgemem.manifest import Manifest, load
-from edgemem.models import LM, LMConfig, load_checkpoint
-from edgemem.models.lm import set_kv_cache
+from edgemem.models.source import Source
 from edgemem.runtime.state import initial_state  # one definition of a fresh stream's state, shared with the runtime
 
 log = logging.getLogger(__name__)
@@ -40,26 +40,10 @@ class Check:
     ok: bool
 
 
-def rebuild(manifest: Manifest, checkpoint: str | Path | None = None) -> LM:
-    """The PyTorch model an export came from."""
-    config = dict(manifest.config)
-    path = checkpoint or config.pop("checkpoint", None)
-    if path is not None:
-        model = load_checkpoint(path)
-    elif "source" in config:  # imported with `edgemem export --hf DIR`
-        from edgemem.models.hf import from_hf
-
-        model = from_hf(config["source"])
-    else:
-        if "seed" not in config:
-            raise EdgememError("the manifest records no seed and no checkpoint: pass --checkpoint")
-        torch.manual_seed(config["seed"])
-        fields = {k: v for k, v in config.items() if k in LMConfig.__dataclass_fields__}
-        model = LM(LMConfig(**fields))
-    kv = manifest.kv_cache
-    if kv:  # a checkpoint or an imported model is saved without the export's cache layout
-        set_kv_cache(model, kv["max_length"], kv["sinks"] if kv["overflow"] == "sink_window" else None)
-    return model.eval()
+def rebuild(manifest: Manifest, checkpoint: str | Path | None = None) -> nn.Module:
+    """The PyTorch model an export came from (its `source` record, `edgemem.models.source`)."""
+    source = Source.from_manifest(manifest.source, manifest.config, manifest.kind, manifest.kv_cache)
+    return source.load(manifest.config, checkpoint)
 
 
 def _compare(a: np.ndarray, ref: np.ndarray) -> tuple[float, float]:

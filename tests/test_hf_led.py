@@ -130,3 +130,102 @@ def test_bad_checkpoints_and_inputs(led, tmp_path: Path):
     state = model.start(torch.zeros(1, 9, dtype=torch.long))
     with pytest.raises(CacheFullError, match="max_length=32"):
         model.prefill(torch.zeros(1, 33, dtype=torch.long), state)
+
+
+@pytest.fixture(scope="module")
+def exported(led, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    """The LED checkpoint exported (generic and ort) with its source record; the transformers model."""
+    from edgemem.export import export
+    from edgemem.models.source import Source
+
+    directory, reference = led
+    with torch.no_grad():
+        reference.final_logits_bias[0, reference.config.eos_token_id] += 3.0  # some beams end early
+    reference.save_pretrained(directory)
+    model = from_hf(directory)
+    out = tmp_path_factory.mktemp("led-export") / "out"
+    export(model, out, targets=["generic", "ort"], source=Source.of(model, "hf", path=directory))
+    return out, reference
+
+
+def test_export_runs_on_onnxruntime(exported):
+    """encoder.onnx fills the cross keys/values; prefill then steps of the decoder graphs give
+    transformers' logits on both targets; the manifest names the kind, the source and the fills."""
+    import onnxruntime as ort
+
+    from edgemem.export.verify import rebuild
+    from edgemem.manifest import load as load_manifest
+
+    out, reference = exported
+    manifest = load_manifest(out)
+    assert manifest.kind == "encoder_decoder" and manifest.source["origin"] == "hf"
+    assert manifest.encoder["fills"] == [f"past_key_values.{i}.cross_{k}" for i in range(2) for k in ("key", "value")]
+    assert type(rebuild(manifest)).__name__ == "EncoderDecoder"
+    length = 13
+    ids, mask = torch.randint(3, 50, (4, length), generator=torch.Generator().manual_seed(3)), global_rows(length)
+    decoder_ids = torch.randint(3, 50, (4, DECODER_STEPS), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = reference(input_ids=ids, global_attention_mask=mask, decoder_input_ids=decoder_ids).logits.numpy()
+    names = [s.input for s in manifest.state]
+    for target in ("generic", "ort"):
+        session = {g: ort.InferenceSession(str(out / target / f"{g}.onnx")) for g in ("encoder", "prefill", "step")}
+        fills = dict(zip(manifest.encoder["fills"],
+                         session["encoder"].run(None, {"input_ids": ids.numpy(), "global_attention_mask": mask.numpy()})))
+        state = {s.input: fills[s.input] if s.input in fills else
+                 np.zeros([4 if d == "batch" else d for d in s.shape], s.dtype) for s in manifest.state}
+        result = session["prefill"].run(None, {"input_ids": decoder_ids[:, :7].numpy(), **state})
+        rows = [result[0]]
+        for i in range(7, DECODER_STEPS):
+            result = session["step"].run(None, {"input_ids": decoder_ids[:, i : i + 1].numpy(),
+                                                **dict(zip(names, result[1:]))})
+            rows.append(result[0])
+        assert relative(np.concatenate(rows, 1), expected) <= TOLERANCE, target
+
+
+def test_runtime_generates_as_transformers(exported):
+    """Engine.encode + Stream.generate: greedy and 4-beam outputs equal transformers' generate, with
+    no, one and several global tokens; a fork of a decoder stream continues as the stream does."""
+    from edgemem.runtime import Engine
+
+    out, reference = exported
+    engine = Engine.load(out)
+    length, new = 11, 10
+    ids, mask = torch.randint(3, 50, (4, length), generator=torch.Generator().manual_seed(5)), global_rows(length)
+    for row in range(4):
+        options = dict(input_ids=ids[row : row + 1], global_attention_mask=mask[row : row + 1], max_new_tokens=new,
+                       do_sample=False)
+        greedy = reference.generate(**options, num_beams=1)[0, 1:].tolist()
+        beam = reference.generate(**options, num_beams=4, length_penalty=1.0, early_stopping=True)[0, 1:].tolist()
+        stream = engine.encode(ids[row].numpy(), mask[row].numpy())
+        fork = stream.fork()
+        got = stream.generate(max_new_tokens=new)
+        assert got == greedy[: len(got)] and all(t == reference.config.pad_token_id for t in greedy[len(got):])
+        assert fork.generate(max_new_tokens=new) == got
+        got = engine.encode(ids[row].numpy(), mask[row].numpy()).generate(max_new_tokens=new, num_beams=4)
+        assert got == beam[: len(got)] and all(t == reference.config.pad_token_id for t in beam[len(got):])
+
+
+def test_runtime_bad_input(exported, tmp_path: Path):
+    """One line each, and the stream or engine is unchanged."""
+    from edgemem.errors import ConfigError as RuntimeConfigError
+    from edgemem.export import export
+    from edgemem.models import build
+    from edgemem.runtime import Engine
+    from edgemem.runtime.errors import TokenError
+
+    out, _ = exported
+    engine = Engine.load(out)
+    with pytest.raises(TokenError, match="an input of 65 tokens: the encoder takes 1 to 64"):
+        engine.encode(np.zeros(65, dtype=np.int64))
+    with pytest.raises(TokenError, match=r"global_attention_mask must hold one 0 or 1 per input token \(9\)"):
+        engine.encode(np.zeros(9, dtype=np.int64), np.zeros(8, dtype=np.int64))
+    with pytest.raises(RuntimeConfigError, match="its streams start from an input, engine.encode"):
+        engine.new_stream()
+    stream = engine.encode(np.arange(3, 12))
+    before = stream.state_dict()
+    with pytest.raises(RuntimeConfigError, match="num_beams must be an integer >= 1"):
+        stream.generate(max_new_tokens=4, num_beams=0)
+    assert stream.position == 1 and all(np.array_equal(before[k], v) for k, v in stream.state_dict().items())
+    export(build("linear", seed=0, d_model=16, n_layers=1, mlp_hidden=0), tmp_path / "lm", targets=["generic"])
+    with pytest.raises(RuntimeConfigError, match="is a lm export: encode needs an encoder-decoder"):
+        Engine.load(tmp_path / "lm").encode([1, 2, 3])

@@ -60,7 +60,7 @@ from edgemem.errors import EdgememError
 from edgemem.manifest import Manifest, StateSpec
 from edgemem.runtime.base import BatchSlot, Engine, Stream
 from edgemem.runtime.errors import BackendError, BatchError
-from edgemem.runtime.state import GROWING, concrete_shape
+from edgemem.runtime.state import concrete_shape, variable_dim
 
 ORT_TYPES = {
     "tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
@@ -204,6 +204,8 @@ class OrtEngine(Engine):
         self._sessions = {kind: self._session(kind, self._options(kind, arena=kind == "step" or not self.grows))
                           for kind in ("step", "prefill") if manifest.graphs.get(kind)}
         self._step_session = self._sessions["step"]
+        self._encoder = self._session("encoder", self._options("encoder", arena=True)) if manifest.graphs.get("encoder") \
+            else None
         if self._weights is not None:
             self._weights.release()
         logits = next(o for o in self._step_session.get_outputs() if o.name == self._logits_name)
@@ -266,8 +268,13 @@ class OrtEngine(Engine):
                                "missing or no GPU visible); use backend 'ort'")
         inputs = {i.name for i in session.get_inputs()}
         outputs = {o.name for o in session.get_outputs()}
-        want_in = {self._tokens_name, *(s.input for s in self._specs)}
-        want_out = {self._logits_name, *(s.output for s in self._specs)}
+        if kind == "encoder":
+            encoder = self.manifest.encoder
+            want_in = set(encoder["inputs"].values())
+            want_out = {name.replace("past_key_values.", "present.", 1) for name in encoder["fills"]}
+        else:
+            want_in = {self._tokens_name, *(s.input for s in self._specs)}
+            want_out = {self._logits_name, *(s.output for s in self._specs)}
         if inputs != want_in or not want_out <= outputs:
             raise BackendError(f"{path} does not match edgemem.json: inputs {sorted(inputs ^ want_in)} or outputs "
                                f"{sorted(want_out - outputs)} differ")
@@ -298,6 +305,15 @@ class OrtEngine(Engine):
                 binding.bind_ortvalue_input(spec.input, value)
             binding.bind_output(spec.output, self._memory.device)
         return binding
+
+    def _encode(self, input_ids: np.ndarray, global_attention_mask: np.ndarray) -> dict[str, np.ndarray]:
+        fills = self.manifest.encoder["fills"]
+        outputs = [name.replace("past_key_values.", "present.", 1) for name in fills]
+        try:
+            values = self._encoder.run(outputs, {"input_ids": input_ids, "global_attention_mask": global_attention_mask})
+        except Exception as e:  # noqa: BLE001 — onnxruntime raises its own, varied exception types
+            raise EdgememError(f"onnxruntime failed running the encoder graph of {self.manifest.arch}: {_summary(e)}") from None
+        return dict(zip(fills, values))
 
     def _caches(self, binding: ort.IOBinding) -> list[ort.OrtValue]:
         """The new KV caches a run of a `_bind` binding produced, in the order of `_growing`."""
@@ -436,7 +452,7 @@ class OrtStream(Stream):
 
     def _past_length(self) -> int:
         spec = self._engine._growing[0]
-        return self._grown[spec.input].shape()[spec.shape.index(GROWING)]  # OrtValue or _Row
+        return self._grown[spec.input].shape()[variable_dim(spec)]  # OrtValue or _Row
 
     @property
     def state_bytes(self) -> int:

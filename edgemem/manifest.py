@@ -139,6 +139,13 @@ def load(directory: str | Path, *, check_files: bool = True) -> Manifest:
         if not ok:
             raise ManifestError(f"{path}: kv_cache is {kv!r}; expected max_length (a positive integer), overflow "
                                 "('error' or 'sink_window'), sinks, states (state inputs) and in_place (targets)")
+    encoder = manifest.encoder
+    if (encoder is not None or "encoder" in kinds.get(manifest.kind).graphs) and not (
+            isinstance(encoder, dict) and type(encoder.get("max_length")) is int and encoder["max_length"] > 0
+            and isinstance(encoder.get("inputs"), dict) and isinstance(encoder.get("fills"), list)
+            and set(encoder["fills"]) <= {s.input for s in manifest.state}):
+        raise ManifestError(f"{path}: encoder is {encoder!r}; an {manifest.kind} export needs inputs, max_length (a "
+                            "positive integer) and fills (state inputs)")
     stores = manifest.weights
     if stores is not None and not (
             isinstance(stores, dict) and all(

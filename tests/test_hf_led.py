@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from edgemem.errors import CacheFullError, ConfigError, ShapeError
+from edgemem.errors import CacheFullError, ConfigError, EdgememError, ShapeError
 from edgemem.models.hf import from_hf
 
 transformers = pytest.importorskip("transformers")
@@ -182,6 +182,30 @@ def test_export_runs_on_onnxruntime(exported):
         assert relative(np.concatenate(rows, 1), expected) <= TOLERANCE, target
 
 
+def test_verify_checks_the_encoder_and_the_decoder(exported):
+    """`edgemem verify` rebuilds the model from the source record and checks the encoder graph's fills
+    and the decoder graphs from an encoded input, on every target."""
+    from edgemem.export.verify import verify
+
+    out, _ = exported
+    checks, skipped = verify(out, batch=2, prompt=5, steps=3)
+    assert not skipped and all(c.ok for c in checks)
+    graphs = {(c.target, c.graph) for c in checks}
+    assert {("generic", "encoder"), ("ort", "encoder"), ("ort", "step"), ("ort", "prefill≡step")} <= graphs
+
+
+def test_checkpoint_keeps_the_kind(led, tmp_path: Path):
+    """A checkpoint records its model kind and loads back as that kind, with the same outputs."""
+    from edgemem.models import load_checkpoint, save_checkpoint
+
+    model = from_hf(led[0])
+    save_checkpoint(model, tmp_path / "led.safetensors")
+    again = load_checkpoint(tmp_path / "led.safetensors")
+    ids, dec = torch.randint(3, 50, (1, 9)), torch.randint(3, 50, (1, 4))
+    with torch.no_grad():
+        assert type(again).__name__ == "EncoderDecoder" and torch.equal(again(ids, dec), model(ids, dec))
+
+
 def test_runtime_generates_as_transformers(exported):
     """Engine.encode + Stream.generate: greedy and 4-beam outputs equal transformers' generate, with
     no, one and several global tokens; a fork of a decoder stream continues as the stream does."""
@@ -205,11 +229,9 @@ def test_runtime_generates_as_transformers(exported):
         assert got == beam[: len(got)] and all(t == reference.config.pad_token_id for t in beam[len(got):])
 
 
-def test_runtime_bad_input(exported, tmp_path: Path):
+def test_runtime_bad_input(exported, small_exports):
     """One line each, and the stream or engine is unchanged."""
     from edgemem.errors import ConfigError as RuntimeConfigError
-    from edgemem.export import export
-    from edgemem.models import build
     from edgemem.runtime import Engine
     from edgemem.runtime.errors import TokenError
 
@@ -226,6 +248,9 @@ def test_runtime_bad_input(exported, tmp_path: Path):
     with pytest.raises(RuntimeConfigError, match="num_beams must be an integer >= 1"):
         stream.generate(max_new_tokens=4, num_beams=0)
     assert stream.position == 1 and all(np.array_equal(before[k], v) for k, v in stream.state_dict().items())
-    export(build("linear", seed=0, d_model=16, n_layers=1, mlp_hidden=0), tmp_path / "lm", targets=["generic"])
     with pytest.raises(RuntimeConfigError, match="is a lm export: encode needs an encoder-decoder"):
-        Engine.load(tmp_path / "lm").encode([1, 2, 3])
+        Engine.load(small_exports["linear"]).encode([1, 2, 3])
+    from edgemem.runtime import bench
+
+    with pytest.raises(EdgememError, match="is an encoder_decoder export, whose streams start from Engine.encode"):
+        bench.run(out, positions=[4], batches=[1])

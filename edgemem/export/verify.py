@@ -101,6 +101,14 @@ def verify(
     # per-token inputs such as Longformer's global_attention_mask: about one token in four set
     extra = {name: (torch.rand(batch, prompt, generator=rng) < 0.25).to(dtype) for name, dtype in extras.items()}
     outputs = [output, *(s.output for s in manifest.state)]
+    encoded = None
+    if manifest.encoder:  # an encoder-decoder: decoder streams start from an encoded random input
+        length = min(13, manifest.encoder["max_length"])
+        encoded = {"input_ids": torch.randint(0, manifest.vocab_size, (batch, length), generator=rng),
+                   "global_attention_mask": (torch.rand(batch, length, generator=rng) < 0.25).long()}
+        with torch.no_grad():
+            start = model.start(*encoded.values())
+        state0 = {name: start[key].numpy() for name, key in zip(names, start)}
 
     # the PyTorch run: prefill the prompt, then one step per token
     with torch.no_grad():
@@ -120,7 +128,7 @@ def verify(
             continue
         sessions = {
             kind: ort.InferenceSession(str(directory / target / f"{kind}.onnx"), options, providers=["CPUExecutionProvider"])
-            for kind, present in manifest.graphs.items() if present
+            for kind, present in manifest.graphs.items() if present and kind != "encoder"
         }
 
         def prefill(ids: np.ndarray, state: dict[str, np.ndarray]) -> list[np.ndarray]:
@@ -134,6 +142,13 @@ def verify(
                 state = dict(zip(names, result[1:]))
             return [np.concatenate(logits, axis=1), *state.values()]
 
+        if encoded is not None:
+            fills = manifest.encoder["fills"]
+            session = ort.InferenceSession(str(directory / target / "encoder.onnx"), options,
+                                           providers=["CPUExecutionProvider"])
+            named = {spec.input: spec.output for spec in manifest.state}
+            got = session.run([named[f] for f in fills], {k: v.numpy() for k, v in encoded.items()})
+            checks += [Check(target, "encoder", n, *_compare(a, state0[n]), True) for n, a in zip(fills, got)]
         got = prefill(tokens[:, :prompt].numpy(), state0)
         checks += [Check(target, "prefill", n, *_compare(a, e), True) for n, a, e in zip(outputs, got, expected["prefill"])]
         if "step" in sessions:

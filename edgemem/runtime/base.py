@@ -155,7 +155,7 @@ class Engine:
     # ------------------------------------------------------------------ streams
     def _encode(self, input_ids: np.ndarray, global_attention_mask: np.ndarray) -> dict[str, np.ndarray]:
         """Run the encoder graph on one input ([1, S] each); the states it fills by input name."""
-        raise NotImplementedError
+        raise BackendError(f"backend {self.backend!r} does not run encoder graphs; load the export with backend 'ort'")
 
     def new_stream(self) -> Stream:
         """A fresh stream at position 0 (Titans' memory starts from `state_init.safetensors`)."""

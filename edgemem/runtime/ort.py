@@ -271,7 +271,8 @@ class OrtEngine(Engine):
         if kind == "encoder":
             encoder = self.manifest.encoder
             want_in = set(encoder["inputs"].values())
-            want_out = {name.replace("past_key_values.", "present.", 1) for name in encoder["fills"]}
+            named = {spec.input: spec.output for spec in self._specs}
+            want_out = {named[name] for name in encoder["fills"]}
         else:
             want_in = {self._tokens_name, *(s.input for s in self._specs)}
             want_out = {self._logits_name, *(s.output for s in self._specs)}
@@ -308,7 +309,8 @@ class OrtEngine(Engine):
 
     def _encode(self, input_ids: np.ndarray, global_attention_mask: np.ndarray) -> dict[str, np.ndarray]:
         fills = self.manifest.encoder["fills"]
-        outputs = [name.replace("past_key_values.", "present.", 1) for name in fills]
+        named = {spec.input: spec.output for spec in self._specs}
+        outputs = [named[name] for name in fills]
         try:
             values = self._encoder.run(outputs, {"input_ids": input_ids, "global_attention_mask": global_attention_mask})
         except Exception as e:  # noqa: BLE001 — onnxruntime raises its own, varied exception types

@@ -16,7 +16,7 @@ Pure Python (json, hashlib): the runtime reads it without torch or onnx.
      "kind": "lm" | "encoder" | "encoder_decoder",
      "source": {"origin": "preset" | "checkpoint" | "hf", "path", "seed", "kind", "kv_cache"},
      "encoder": {"inputs": {"input_ids": ..., "global_attention_mask": ...}, "max_length": 16384,
-                 "fills": ["past_key_values.0.cross_key", ...]}}                      (encoder-decoders)
+                 "fills": {"past_key_values.0.cross_key": "present.0.cross_key", ...}}}   (encoder-decoders)
 
 `kv_cache`: the softmax-attention layers' preallocated caches: `max_length` slots; past them an
 error, or a sliding window keeping the first `sinks` tokens; `in_place`: the targets whose graphs
@@ -25,9 +25,10 @@ write these states in place (the runtime binds one buffer as their input and out
 (edgemem.weights); exports written before it have none, their graphs hold their weights.
 `kind`: the model kind (`edgemem.kinds`: which graphs exist, how a stream starts); `source`: where
 the model came from (`edgemem.models.source`). `encoder`: an encoder-decoder's `encoder.onnx`
-takes `inputs` of up to `max_length` tokens and outputs the states listed in `fills` (named as
-their `present.` outputs' inputs: the cross keys and values, whose `encoder_sequence` dim is the
-input's length); a decoder stream starts from them, every other state at its initial value.
+takes `inputs` of up to `max_length` tokens and outputs the states of `fills` (state input → its
+output name: the cross keys and values, whose `encoder_sequence` dim is the input's length); a
+decoder stream starts from them, every other state at its initial value. A state whose `output`
+is "" is read only: the decoder graphs take it and do not return it.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def load(directory: str | Path, *, check_files: bool = True) -> Manifest:
     if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
         raise ManifestError(f"{path}: config.vocab_size must be a positive integer; got {vocab!r}")
     if manifest.kind not in kinds.KINDS:
-        raise ManifestError(f"{path}: kind {manifest.kind!r} is not a model kind this edgemem knows ({', '.join(kinds.KINDS)})")
+        raise ManifestError(f"{path}: kind {manifest.kind!r} is not a model kind this edgemem knows "
+                            f"({', '.join(kinds.KINDS)})")
     for spec in manifest.state:
         if spec.dtype not in STATE_DTYPES:
             raise ManifestError(f"{path}: state {spec.input} has dtype {spec.dtype!r}; expected one of {', '.join(STATE_DTYPES)}")
@@ -142,10 +144,10 @@ def load(directory: str | Path, *, check_files: bool = True) -> Manifest:
     encoder = manifest.encoder
     if (encoder is not None or "encoder" in kinds.get(manifest.kind).graphs) and not (
             isinstance(encoder, dict) and type(encoder.get("max_length")) is int and encoder["max_length"] > 0
-            and isinstance(encoder.get("inputs"), dict) and isinstance(encoder.get("fills"), list)
+            and isinstance(encoder.get("inputs"), dict) and isinstance(encoder.get("fills"), dict)
             and set(encoder["fills"]) <= {s.input for s in manifest.state}):
         raise ManifestError(f"{path}: encoder is {encoder!r}; an {manifest.kind} export needs inputs, max_length (a "
-                            "positive integer) and fills (state inputs)")
+                            "positive integer) and fills (state input → encoder output)")
     stores = manifest.weights
     if stores is not None and not (
             isinstance(stores, dict) and all(

@@ -159,24 +159,27 @@ def test_export_runs_on_onnxruntime(exported):
     out, reference = exported
     manifest = load_manifest(out)
     assert manifest.kind == "encoder_decoder" and manifest.source["origin"] == "hf"
-    assert manifest.encoder["fills"] == [f"past_key_values.{i}.cross_{k}" for i in range(2) for k in ("key", "value")]
+    cross = [f"{i}.cross_{k}" for i in range(2) for k in ("key", "value")]
+    assert manifest.encoder["fills"] == {f"past_key_values.{c}": f"present.{c}" for c in cross}
+    assert [s.input for s in manifest.state if not s.output] == list(manifest.encoder["fills"])  # read only
     assert type(rebuild(manifest)).__name__ == "EncoderDecoder"
     length = 13
     ids, mask = torch.randint(3, 50, (4, length), generator=torch.Generator().manual_seed(3)), global_rows(length)
     decoder_ids = torch.randint(3, 50, (4, DECODER_STEPS), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         expected = reference(input_ids=ids, global_attention_mask=mask, decoder_input_ids=decoder_ids).logits.numpy()
-    names = [s.input for s in manifest.state]
+    names = [s.input for s in manifest.state if s.output]
     for target in ("generic", "ort"):
         session = {g: ort.InferenceSession(str(out / target / f"{g}.onnx")) for g in ("encoder", "prefill", "step")}
-        fills = dict(zip(manifest.encoder["fills"],
-                         session["encoder"].run(None, {"input_ids": ids.numpy(), "global_attention_mask": mask.numpy()})))
+        inputs = {"input_ids": ids.numpy(), "global_attention_mask": mask.numpy()}
+        fills = dict(zip(manifest.encoder["fills"], session["encoder"].run(list(manifest.encoder["fills"].values()),
+                                                                           inputs)))
         state = {s.input: fills[s.input] if s.input in fills else
                  np.zeros([4 if d == "batch" else d for d in s.shape], s.dtype) for s in manifest.state}
         result = session["prefill"].run(None, {"input_ids": decoder_ids[:, :7].numpy(), **state})
         rows = [result[0]]
         for i in range(7, DECODER_STEPS):
-            result = session["step"].run(None, {"input_ids": decoder_ids[:, i : i + 1].numpy(),
+            result = session["step"].run(None, {"input_ids": decoder_ids[:, i : i + 1].numpy(), **fills,
                                                 **dict(zip(names, result[1:]))})
             rows.append(result[0])
         assert relative(np.concatenate(rows, 1), expected) <= TOLERANCE, target
@@ -254,3 +257,20 @@ def test_runtime_bad_input(exported, small_exports):
 
     with pytest.raises(EdgememError, match="is an encoder_decoder export, whose streams start from Engine.encode"):
         bench.run(out, positions=[4], batches=[1])
+
+
+def test_cli_run_encodes_the_input(exported):
+    """`edgemem run` on an encoder-decoder export encodes the given ids and prints the greedy output;
+    without an input it says what to give."""
+    from click.testing import CliRunner
+
+    from edgemem.cli import main
+    from edgemem.runtime import Engine
+
+    out, _ = exported
+    ids = list(range(3, 14))
+    expected = Engine.load(out).encode(ids).generate(max_new_tokens=6)
+    result = CliRunner().invoke(main, ["run", str(out), "--ids", ",".join(map(str, ids)), "--max-new-tokens", "6"])
+    assert result.exit_code == 0 and result.stdout.split() == [str(t) for t in expected]
+    result = CliRunner().invoke(main, ["run", str(out), "--max-new-tokens", "6"])
+    assert result.exit_code == 2 and "is an encoder-decoder: give the input to encode (--prompt TEXT" in result.output

@@ -71,6 +71,7 @@ def state_specs(model: nn.Module, dtype: torch.dtype | None = None) -> list[Stat
     "encoder_sequence"), init."""
     state = model.init_state(1, dtype=dtype)
     named = named_dims(model, dtype)
+    read_only = set(getattr(model, "read_only", ()))
     specs = []
     for key, tensor in state.items():
         shape: list[int | str] = ["batch", *tensor.shape[1:]]
@@ -79,7 +80,8 @@ def state_specs(model: nn.Module, dtype: torch.dtype | None = None) -> list[Stat
         layer, _, kind = key.partition(".")
         specs.append(
             StateSpec(
-                input=input_name(key), output=output_name(key), shape=shape, dtype=_ONNX_DTYPES[tensor.dtype],
+                input=input_name(key), output="" if key in read_only else output_name(key), shape=shape,
+                dtype=_ONNX_DTYPES[tensor.dtype],
                 layer=layer if kind else "", kind=kind or key, init="zeros" if not tensor.any() else "file",
             )
         )
@@ -106,9 +108,11 @@ def _kv_cache(model: nn.Module, targets: Sequence[str]) -> dict[str, Any] | None
 
 
 def _encoder_entry(model: nn.Module) -> dict[str, Any]:
-    """The manifest's `encoder` entry: its graph's inputs, longest input and the states it fills."""
+    """The manifest's `encoder` entry: its graph's inputs, longest input and the states it fills (state
+    input → the encoder graph's output)."""
     return {"inputs": {"tokens": "input_ids", "global_attention_mask": "global_attention_mask"},
-            "max_length": model.config.max_encoder_positions, "fills": [input_name(k) for k in encoder_fills(model)]}
+            "max_length": model.config.max_encoder_positions,
+            "fills": {input_name(k): output_name(k) for k in encoder_fills(model)}}
 
 
 def check_cache_length(max_length: int, sinks: int | None) -> None:

@@ -38,17 +38,25 @@ def graph_io(model: nn.Module) -> tuple[dict[str, torch.dtype], str]:
     return dict(getattr(model, "extra_inputs", {})), str(getattr(model, "output_name", "logits"))
 
 
+def written_states(model: nn.Module, names: list[str]) -> list[str]:
+    """The states a graph outputs: all but those the model only reads (`model.read_only`, e.g. an
+    encoder-decoder's cross keys/values, set once by its encoder)."""
+    read_only = set(getattr(model, "read_only", ()))
+    return [n for n in names if n not in read_only]
+
+
 class _Graph(nn.Module):
     """Flat positional I/O around `model.prefill`, as the exporter needs it."""
 
     def __init__(self, model: nn.Module, names: list[str], extras: list[str]):
         super().__init__()
         self.model, self.names, self.extras = model, names, extras
+        self.written = written_states(model, names)
 
     def forward(self, input_ids: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
         extras, state = dict(zip(self.extras, rest)), rest[len(self.extras) :]
         out, new = self.model.prefill(input_ids, dict(zip(self.names, state)), **extras)
-        return (out, *(new[n] for n in self.names))
+        return (out, *(new[n] for n in self.written))
 
 
 TRACE_TOKENS = 5  # the longest example stream an export prefills: a preallocated KV cache must hold it
@@ -108,7 +116,8 @@ def export_graph(model: nn.Module, kind: str, opset: int, dtype: torch.dtype | N
     rest_dims = (*(ids_dims for _ in extras), *state_dims)
     dynamic_shapes = (ids_dims, rest_dims) if rest_dims else (ids_dims,)
     program = trace(_Graph(model, names, list(extras)).eval(), (ids, *extra_values, *state.values()), opset,
-                    ["input_ids", *extras, *map(input_name, names)], [output, *map(output_name, names)],
+                    ["input_ids", *extras, *map(input_name, names)],
+                    [output, *map(output_name, written_states(model, names))],
                     dynamic_shapes, kind)
     proto = program.model_proto
     _check_dynamic(proto, kind)
@@ -128,7 +137,8 @@ def trace(module: nn.Module, args: tuple, opset: int, input_names: list[str], ou
             return torch.onnx.export(module, args, dynamo=True, opset_version=opset, input_names=input_names,
                                      output_names=output_names, dynamic_shapes=dynamic_shapes, verbose=False)
         except Exception as e:  # the exporter's own errors are long reports; keep the cause
-            raise EdgememError(f"exporting the {kind} graph failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+            cause = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+            raise EdgememError(f"exporting the {kind} graph failed: {cause}") from e
 
 
 class _Encoder(nn.Module):

@@ -94,13 +94,14 @@ def verify(
     rng = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, manifest.vocab_size, (batch, prompt + steps), generator=rng)
     state0 = initial_state(manifest, directory, batch)
-    names = [s.input for s in manifest.state]
+    written = [s for s in manifest.state if s.output]  # a read-only state (output "") is fed, never returned
+    names = [s.input for s in written]
     extras, output = graph_io(model)
     if extras and manifest.graphs["step"]:
         raise EdgememError(f"{directory}: verify feeds per-token inputs ({', '.join(extras)}) to prefill-only models only")
     # per-token inputs such as Longformer's global_attention_mask: about one token in four set
     extra = {name: (torch.rand(batch, prompt, generator=rng) < 0.25).to(dtype) for name, dtype in extras.items()}
-    outputs = [output, *(s.output for s in manifest.state)]
+    outputs = [output, *(s.output for s in written)]
     encoded = None
     if manifest.encoder:  # an encoder-decoder: decoder streams start from an encoded random input
         length = min(13, manifest.encoder["max_length"])
@@ -108,16 +109,19 @@ def verify(
                    "global_attention_mask": (torch.rand(batch, length, generator=rng) < 0.25).long()}
         with torch.no_grad():
             start = model.start(*encoded.values())
-        state0 = {name: start[key].numpy() for name, key in zip(names, start)}
+        state0 = {spec.input: start[key].numpy() for spec, key in zip(manifest.state, start)}
+    read_only = {s.input: state0[s.input] for s in manifest.state if not s.output}
 
     # the PyTorch run: prefill the prompt, then one step per token
     with torch.no_grad():
-        torch_state = {k: torch.from_numpy(v.copy()) for k, v in zip(model.init_state(batch), state0.values())}
+        keys = list(model.init_state(batch))
+        torch_state = {k: torch.from_numpy(v.copy()) for k, v in zip(keys, state0.values())}
+        keys = [k for k, spec in zip(keys, manifest.state) if spec.output]
         logits, torch_state = model.prefill(tokens[:, :prompt], torch_state, **extra)
-        expected = {"prefill": [logits.numpy(), *(t.numpy() for t in torch_state.values())], "step": []}
+        expected = {"prefill": [logits.numpy(), *(torch_state[k].numpy() for k in keys)], "step": []}
         for i in range(prompt, prompt + steps if manifest.graphs["step"] else prompt):
             logits, torch_state = model.step(tokens[:, i], torch_state)
-            expected["step"].append([logits.numpy(), *(t.numpy() for t in torch_state.values())])
+            expected["step"].append([logits.numpy(), *(torch_state[k].numpy() for k in keys)])
 
     options = ort.SessionOptions()
     if threads:
@@ -137,17 +141,16 @@ def verify(
                 return sessions["prefill"].run(outputs, {"input_ids": ids, **{k: v.numpy() for k, v in extra.items()}, **state})
             logits = []
             for i in range(ids.shape[1]):
-                result = sessions["step"].run(outputs, {"input_ids": ids[:, i : i + 1], **state})
+                result = sessions["step"].run(outputs, {"input_ids": ids[:, i : i + 1], **read_only, **state})
                 logits.append(result[0])
                 state = dict(zip(names, result[1:]))
-            return [np.concatenate(logits, axis=1), *state.values()]
+            return [np.concatenate(logits, axis=1), *(state[n] for n in names)]
 
         if encoded is not None:
             fills = manifest.encoder["fills"]
             session = ort.InferenceSession(str(directory / target / "encoder.onnx"), options,
                                            providers=["CPUExecutionProvider"])
-            named = {spec.input: spec.output for spec in manifest.state}
-            got = session.run([named[f] for f in fills], {k: v.numpy() for k, v in encoded.items()})
+            got = session.run(list(fills.values()), {k: v.numpy() for k, v in encoded.items()})
             checks += [Check(target, "encoder", n, *_compare(a, state0[n]), True) for n, a in zip(fills, got)]
         got = prefill(tokens[:, :prompt].numpy(), state0)
         checks += [Check(target, "prefill", n, *_compare(a, e), True) for n, a, e in zip(outputs, got, expected["prefill"])]
@@ -155,7 +158,8 @@ def verify(
             state = dict(zip(names, got[1:]))
             worst: dict[str, tuple[float, float]] = {}
             for j, i in enumerate(range(prompt, prompt + steps)):
-                result = sessions["step"].run(outputs, {"input_ids": tokens[:, i : i + 1].numpy(), **state})
+                feed = {"input_ids": tokens[:, i : i + 1].numpy(), **read_only, **state}
+                result = sessions["step"].run(outputs, feed)
                 state = dict(zip(names, result[1:]))
                 for n, a, e in zip(outputs, result, expected["step"][j]):
                     e = e[:, None] if n == output else e

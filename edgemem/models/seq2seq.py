@@ -194,6 +194,11 @@ class EncoderDecoder(nn.Module):
                 for kind in ("key", "value")}
 
     @property
+    def read_only(self) -> list[str]:
+        """States a stream reads and never writes after `start` (the decoder's graphs do not output them)."""
+        return list(self.state_dims)
+
+    @property
     def kv_cache(self) -> dict[str, Any]:
         """The decoder's preallocated self-attention cache (as `LM.kv_cache`)."""
         states = [f"{i}.{kind}" for i in range(self.config.decoder_layers) for kind in ("key", "value")]

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from edgemem import kinds
-from edgemem.errors import EdgememError
+from edgemem.errors import ConfigError, EdgememError
 
 ORIGINS = ("preset", "checkpoint", "hf")
 
@@ -54,7 +54,8 @@ class Source:
                       kv_cache: Mapping[str, Any] | None) -> Source:
         """The record of a manifest (its `source`, or for older exports the keys of its config)."""
         layout = None if not kv_cache else {
-            "max_length": kv_cache["max_length"], "sinks": kv_cache["sinks"] if kv_cache["overflow"] == "sink_window" else None}
+            "max_length": kv_cache["max_length"],
+            "sinks": kv_cache["sinks"] if kv_cache["overflow"] == "sink_window" else None}
         if source:
             try:
                 return cls(**{**source, "kv_cache": source.get("kv_cache") or layout})
@@ -93,8 +94,6 @@ def apply_kv_cache(model: nn.Module, max_length: int, sinks: int | None = None) 
     """Give `model` a preallocated KV cache of `max_length` tokens: every softmax-attention layer of an
     LM (`set_kv_cache`), the decoder of an encoder-decoder (no sinks: its positions end)."""
     if kinds.of(model).name == "encoder_decoder":
-        from edgemem.errors import ConfigError
-
         if sinks is not None:
             raise ConfigError("an encoder-decoder's decoder has learned positions that end: it takes no sinks")
         config = model.config

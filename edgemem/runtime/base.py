@@ -93,6 +93,7 @@ class Engine:
         self._specs = list(manifest.state)
         self._fixed = [s for s in self._specs if not is_growing(s)]
         self._growing = [s for s in self._specs if is_growing(s)]
+        self._written = [s for s in self._growing if s.output]  # a read-only state has no output
         self.grows = bool(self._growing)
         self._initial = initial_state(manifest, directory, 1)
         self._fixed_bytes = sum(self._initial[s.input].nbytes for s in self._fixed)
@@ -179,7 +180,8 @@ class Engine:
             mask = np.zeros_like(ids)
         else:
             mask = np.asarray(global_attention_mask)
-            if mask.ndim != 1 or mask.size != ids.size or mask.dtype.kind not in "biu" or not np.isin(mask, (0, 1)).all():
+            if (mask.ndim != 1 or mask.size != ids.size or mask.dtype.kind not in "biu"
+                    or not np.isin(mask, (0, 1)).all()):
                 raise TokenError(f"global_attention_mask must hold one 0 or 1 per input token ({ids.size}); got "
                                  f"{mask.dtype} of shape {list(mask.shape)}")
             mask = mask.astype(np.int64)

@@ -271,11 +271,10 @@ class OrtEngine(Engine):
         if kind == "encoder":
             encoder = self.manifest.encoder
             want_in = set(encoder["inputs"].values())
-            named = {spec.input: spec.output for spec in self._specs}
-            want_out = {named[name] for name in encoder["fills"]}
+            want_out = set(encoder["fills"].values())
         else:
             want_in = {self._tokens_name, *(s.input for s in self._specs)}
-            want_out = {self._logits_name, *(s.output for s in self._specs)}
+            want_out = {self._logits_name, *(s.output for s in self._specs if s.output)}
         if inputs != want_in or not want_out <= outputs:
             raise BackendError(f"{path} does not match edgemem.json: inputs {sorted(inputs ^ want_in)} or outputs "
                                f"{sorted(want_out - outputs)} differ")
@@ -304,13 +303,13 @@ class OrtEngine(Engine):
                                    value.address())
             else:
                 binding.bind_ortvalue_input(spec.input, value)
-            binding.bind_output(spec.output, self._memory.device)
+            if spec.output:  # a read-only state (an encoder-decoder's cross keys/values) is an input only
+                binding.bind_output(spec.output, self._memory.device)
         return binding
 
     def _encode(self, input_ids: np.ndarray, global_attention_mask: np.ndarray) -> dict[str, np.ndarray]:
         fills = self.manifest.encoder["fills"]
-        named = {spec.input: spec.output for spec in self._specs}
-        outputs = [named[name] for name in fills]
+        outputs = list(fills.values())
         try:
             values = self._encoder.run(outputs, {"input_ids": input_ids, "global_attention_mask": global_attention_mask})
         except Exception as e:  # noqa: BLE001 — onnxruntime raises its own, varied exception types
@@ -318,7 +317,7 @@ class OrtEngine(Engine):
         return dict(zip(fills, values))
 
     def _caches(self, binding: ort.IOBinding) -> list[ort.OrtValue]:
-        """The new KV caches a run of a `_bind` binding produced, in the order of `_growing`."""
+        """The new KV caches a run of a `_bind` binding produced, in the order of `_written`."""
         return binding.get_outputs()[1 + len(self._fixed) :]
 
     def _run(self, kind: str, binding: ort.IOBinding) -> None:
@@ -355,7 +354,11 @@ class OrtEngine(Engine):
         binding = self._bind(self._step_session, slot.ids, slot.logits, slot.bufs[slot.side], slot.bufs[1 - slot.side],
                              caches)  # fresh: see the module docstring
         self._run("step", binding)
-        for spec, value in zip(self._growing, self._caches(binding)):  # each stream views its row of the new cache
+        for spec in self._growing:
+            if not spec.output:  # read only: the streams view their rows of the gathered input, the next batch reuses it
+                for i, s in enumerate(streams):
+                    s._grown[spec.input] = _Row(caches[spec.input], i, len(streams))
+        for spec, value in zip(self._written, self._caches(binding)):  # each stream views its row of the new cache
             for i, s in enumerate(streams):
                 s._grown[spec.input] = _Row(value, i, len(streams))
         return slot.logits_view[:, 0].copy()
@@ -472,7 +475,7 @@ class OrtStream(Stream):
         binding = engine._bind(engine._step_session, self._ids, self._logits, self._bufs[self._side],
                                self._bufs[1 - self._side], self._grown)
         engine._run("step", binding)
-        self._grown.update(zip((s.input for s in engine._growing), engine._caches(binding)))
+        self._grown.update(zip((s.input for s in engine._written), engine._caches(binding)))
 
     def _prefill_chunk(self, ids: np.ndarray, last_only: bool) -> np.ndarray:
         engine = self._engine
@@ -483,5 +486,5 @@ class OrtStream(Stream):
         engine._run("prefill", binding)
         logits = binding.get_outputs()[0].numpy()[0]  # [T, V], a view on onnxruntime's output
         logits = np.array(logits[-1:] if last_only else logits, copy=True)
-        self._grown.update(zip((s.input for s in engine._growing), engine._caches(binding)))
+        self._grown.update(zip((s.input for s in engine._written), engine._caches(binding)))
         return logits

@@ -66,7 +66,8 @@ def _windows(config: dict[str, Any], n_layers: int) -> list[int]:
 def seq2seq_config(config: dict[str, Any]) -> Seq2SeqConfig:
     """The `Seq2SeqConfig` an LED config.json describes; unsupported options are refused."""
     if config.get("activation_function", "gelu") != "gelu":
-        raise ConfigError(f"{WHERE}: activation_function {config['activation_function']!r} is not supported; only 'gelu'")
+        raise ConfigError(f"{WHERE}: activation_function {config['activation_function']!r} is not supported; "
+                          "only 'gelu'")
 
     def positive(key: str) -> int:
         value = require(config, key, int, WHERE)

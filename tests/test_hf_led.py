@@ -211,14 +211,15 @@ def test_checkpoint_keeps_the_kind(led, tmp_path: Path):
 
 def test_runtime_generates_as_transformers(exported):
     """Engine.encode + Stream.generate: greedy and 4-beam outputs equal transformers' generate, with
-    no, one and several global tokens; a fork of a decoder stream continues as the stream does."""
+    a global first token and several global tokens (the EOS logit is raised, so some beams end
+    early); a fork of a decoder stream continues as the stream does."""
     from edgemem.runtime import Engine
 
     out, reference = exported
     engine = Engine.load(out)
     length, new = 11, 10
     ids, mask = torch.randint(3, 50, (4, length), generator=torch.Generator().manual_seed(5)), global_rows(length)
-    for row in range(4):
+    for row in (1, 3):
         options = dict(input_ids=ids[row : row + 1], global_attention_mask=mask[row : row + 1], max_new_tokens=new,
                        do_sample=False)
         greedy = reference.generate(**options, num_beams=1)[0, 1:].tolist()

@@ -148,14 +148,14 @@ def export_command(arch, hf_dir, out_dir, targets, seed, checkpoint, overrides, 
         raise ConfigError("--sinks needs --max-length (the window is the preallocated cache)")
     if max_length is not None:
         check_cache_length(max_length, sinks)
-    extra, tokenizer = {}, []
+    tokenizer = []
     if hf_dir:
         if arch or checkpoint or overrides:
             raise ConfigError("--hf imports a model as saved: it takes no --arch, --checkpoint or --set")
         from edgemem.models.hf import from_hf, tokenizer_files
 
         model = from_hf(hf_dir)
-        extra["source"] = str(Path(hf_dir).resolve())
+        origin = {"origin": "hf", "path": hf_dir}
         tokenizer = tokenizer_files(hf_dir)
     elif checkpoint:
         if overrides:
@@ -163,23 +163,24 @@ def export_command(arch, hf_dir, out_dir, targets, seed, checkpoint, overrides, 
         model = load_checkpoint(checkpoint)
         if arch and arch != model.config.arch:
             raise ConfigError(f"{checkpoint} is a checkpoint of {model.config.arch!r}, not {arch!r}")
-        extra["checkpoint"] = str(Path(checkpoint).resolve())
+        origin = {"origin": "checkpoint", "path": checkpoint}
         tokenizer = checkpoint_tokenizer(checkpoint)  # e.g. from `edgemem linearize --hf`
     elif arch:
         model = _preset(arch, seed, overrides)
-        extra["seed"] = seed
+        origin = {"origin": "preset", "seed": seed}
     else:
         raise ConfigError("give --arch (a preset), --checkpoint or --hf DIR")
-    if max_length is not None:
-        from edgemem.models.lm import set_kv_cache
+    from edgemem.models.source import Source, apply_kv_cache
 
-        set_kv_cache(model, max_length, sinks)
+    if max_length is not None:
+        apply_kv_cache(model, max_length, sinks)
+    source = Source.of(model, **origin)
     console = Console(stderr=True)
     if not console.is_terminal:  # no spinner in a log: a line per stage instead
         logging.getLogger("edgemem.export").setLevel(logging.INFO)
     with console.status(f"exporting {model.config.arch}"):
         manifest = export(model, out_dir, targets=[t.strip() for t in targets.split(",") if t.strip()],
-                          dtype=dtype, force=force, extra_config=extra, tokenizer=tokenizer)
+                          dtype=dtype, force=force, tokenizer=tokenizer, source=source)
     itemsize = {"int64": 8, "float64": 8, "float16": 2}
     fixed = sum(_numel(s.shape) * itemsize.get(s.dtype, 4) for s in manifest.state if "past_sequence" not in s.shape)
     growth = sum(_numel(s.shape) * itemsize.get(s.dtype, 4) for s in manifest.state if "past_sequence" in s.shape)
@@ -382,7 +383,13 @@ def run_command(directory, prompt, ids_text, ids_file, print_ids, max_new_tokens
                               f"vocabulary of {engine.manifest.arch} (0 to {engine.vocab_size - 1})")
     prompt_ids = ids if ids is not None else codec.encode(prompt) if prompt else []
     print_ids = print_ids or codec is None
-    stream = engine.load_stream(load_state) if load_state else engine.new_stream()
+    if engine.kind.streams == "encode" and not load_state:  # an encoder-decoder: the prompt is the input
+        if not prompt_ids:
+            raise ConfigError(f"{engine.manifest.arch} is an encoder-decoder: give the input to encode (--prompt TEXT, "
+                              "--ids 1,2,3 or --ids-file PATH)")
+        stream, prompt_ids = engine.encode(prompt_ids), []
+    else:
+        stream = engine.load_stream(load_state) if load_state else engine.new_stream()
     out = sys.stdout.buffer  # bytes, not text: a byte-level model's output need not be UTF-8
     begin, last = stream.position, b"\n"
     try:

@@ -12,7 +12,11 @@ Pure Python (json, hashlib): the runtime reads it without torch or onnx.
      "kv_cache": {"max_length": 4096, "overflow": "error" | "sink_window", "sinks": 4,
                   "states": ["past_key_values.3.key", ...], "in_place": ["ort"]},   (only with one)
      "weights": {"ort": {"file": "ort/weights.data",
-                         "tensors": {"step": {"<initializer>": [offset, "float32", [512, 1024]], ...}, ...}}}}
+                         "tensors": {"step": {"<initializer>": [offset, "float32", [512, 1024]], ...}, ...}}},
+     "kind": "lm" | "encoder" | "encoder_decoder",
+     "source": {"origin": "preset" | "checkpoint" | "hf", "path", "seed", "kind", "kv_cache"},
+     "encoder": {"inputs": {"input_ids": ..., "global_attention_mask": ...}, "max_length": 16384,
+                 "fills": {"past_key_values.0.cross_key": "present.0.cross_key", ...}}}   (encoder-decoders)
 
 `kv_cache`: the softmax-attention layers' preallocated caches: `max_length` slots; past them an
 error, or a sliding window keeping the first `sinks` tokens; `in_place`: the targets whose graphs
@@ -22,6 +26,12 @@ on the last position only (logits [batch, 1, vocab]), which the runtime runs whe
 token's logits; its weights are the prefill graph's, in the same store.
 `weights`: per target, the one file its graphs' initializers live in and where each graph's are
 (edgemem.weights); exports written before it have none, their graphs hold their weights.
+`kind`: the model kind (`edgemem.kinds`: which graphs exist, how a stream starts); `source`: where
+the model came from (`edgemem.models.source`). `encoder`: an encoder-decoder's `encoder.onnx`
+takes `inputs` of up to `max_length` tokens and outputs the states of `fills` (state input → its
+output name: the cross keys and values, whose `encoder_sequence` dim is the input's length); a
+decoder stream starts from them, every other state at its initial value. A state whose `output`
+is "" is read only: the decoder graphs take it and do not return it.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edgemem import kinds
 from edgemem.errors import EdgememError
 from edgemem.files import as_path, sha256
 
@@ -45,6 +56,7 @@ DTYPES = ("fp32", "fp16")  # of the weights and activations (config.dtype)
 MIN_OPSET, MAX_OPSET = 18, 27  # what edgemem's graphs are written at (edgemem.export.OPSET, onnx27's LinearAttention)
 ONNX_DTYPES = {"float32": "float", "float16": "float16", "float64": "double", "int64": "int64"}  # as onnxruntime names them
 PREFILL_LAST = "prefill_last"  # graphs[...]: the prefill graph with last-position logits (see the module docstring)
+SYMBOLIC_DIMS = ("batch", "past_sequence", "encoder_sequence")  # state dims sized per stream
 
 
 class ManifestError(EdgememError):
@@ -78,6 +90,9 @@ class Manifest:
     kv_cache: dict[str, Any] | None = None  # preallocated KV caches (module docstring); None: none, or growing
     genai: dict[str, Any] | None = None  # fits onnxruntime-genai: {"fits", "config", "target"} or {"fits": false, "reasons"} (edgemem.export.genai)
     weights: dict[str, Any] | None = None  # per target: the shared weight file and its index (module docstring)
+    kind: str = kinds.DEFAULT  # the model kind (edgemem.kinds)
+    source: dict[str, Any] | None = None  # where the model came from (edgemem.models.source)
+    encoder: dict[str, Any] | None = None  # an encoder-decoder's encoder graph (module docstring)
 
     @property
     def vocab_size(self) -> int:
@@ -87,7 +102,7 @@ class Manifest:
         data = asdict(self)
         if data["quantization"] is None:
             del data["quantization"]  # float exports read as before by tools that predate quantization
-        for optional in ("kv_cache", "weights"):
+        for optional in ("kv_cache", "weights", "source", "encoder"):
             if data[optional] is None:
                 del data[optional]
         return json.dumps(data, indent=2) + "\n"
@@ -142,13 +157,16 @@ def load(directory: str | Path, *, check_files: bool = True) -> Manifest:
     vocab = manifest.config.get("vocab_size")
     if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
         raise ManifestError(f"{path}: config.vocab_size must be a positive integer; got {vocab!r}")
+    if manifest.kind not in kinds.KINDS:
+        raise ManifestError(f"{path}: kind {manifest.kind!r} is not a model kind this edgemem knows "
+                            f"({', '.join(kinds.KINDS)})")
     for spec in manifest.state:
         if spec.dtype not in STATE_DTYPES:
             raise ManifestError(f"{path}: state {spec.input} has dtype {spec.dtype!r}; expected one of {', '.join(STATE_DTYPES)}")
         if not isinstance(spec.shape, list) or not all(
-                d in ("batch", "past_sequence") or (type(d) is int and d >= 0) for d in spec.shape):
+                d in SYMBOLIC_DIMS or (type(d) is int and d >= 0) for d in spec.shape):
             raise ManifestError(f"{path}: state {spec.input} has shape {spec.shape!r}; expected non-negative sizes, "
-                                "'batch' or 'past_sequence'")
+                                "or one of " + ", ".join(map(repr, SYMBOLIC_DIMS)))
     kv = manifest.kv_cache
     if kv is not None:
         inputs = {s.input for s in manifest.state}
@@ -158,6 +176,13 @@ def load(directory: str | Path, *, check_files: bool = True) -> Manifest:
         if not ok:
             raise ManifestError(f"{path}: kv_cache is {kv!r}; expected max_length (a positive integer), overflow "
                                 "('error' or 'sink_window'), sinks, states (state inputs) and in_place (targets)")
+    encoder = manifest.encoder
+    if (encoder is not None or "encoder" in kinds.get(manifest.kind).graphs) and not (
+            isinstance(encoder, dict) and type(encoder.get("max_length")) is int and encoder["max_length"] > 0
+            and isinstance(encoder.get("inputs"), dict) and isinstance(encoder.get("fills"), dict)
+            and set(encoder["fills"]) <= {s.input for s in manifest.state}):
+        raise ManifestError(f"{path}: encoder is {encoder!r}; an {manifest.kind} export needs inputs, max_length (a "
+                            "positive integer) and fills (state input → encoder output)")
     stores = manifest.weights
     if stores is not None and not (
             isinstance(stores, dict) and all(

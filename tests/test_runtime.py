@@ -69,7 +69,7 @@ def _close(a, b, rtol=1e-4):
 RUNTIME_MODULES = ["edgemem.runtime", "edgemem.runtime.base", "edgemem.runtime.ort", "edgemem.runtime.trt",
                    "edgemem.runtime.engines", "edgemem.runtime.bench", "edgemem.runtime.state", "edgemem.runtime.sampling"]
 # what the runtime package may import of edgemem itself (the manifest, file helpers, errors)
-RUNTIME_MAY_USE = {"edgemem", "edgemem.config", "edgemem.errors", "edgemem.files", "edgemem.manifest"}
+RUNTIME_MAY_USE = {"edgemem", "edgemem.config", "edgemem.errors", "edgemem.files", "edgemem.kinds", "edgemem.manifest"}
 
 
 def test_runtime_imports_nothing_of_export_models_layers_ops_torch_or_onnx():

@@ -5,6 +5,7 @@
                                      for Titans MAC, edgemem.export.segments; absent when the model's
                                      prefill is a data-dependent loop without segments: prompts are stepped)
     DIR/<target>/step.onnx           one token (absent for bidirectional models)
+    DIR/<target>/encoder.onnx        an encoder-decoder's encoder: input → the decoder states it fills
     DIR/<target>/weights.data        the weights of the target's graphs, each tensor once (edgemem.weights)
     DIR/state_init.safetensors       initial values of the states that do not start at zero
     DIR/tokenizer/                   the model's tokenizer files, when given (config["tokenizer"]
@@ -28,15 +29,25 @@ import torch
 from safetensors.torch import save as save_safetensors
 from torch import nn
 
-from edgemem import weights
+from edgemem import kinds, weights
 from edgemem.config import fits_memory, size_text
 from edgemem.errors import ConfigError, EdgememError, named
 from edgemem.export import genai
-from edgemem.export.graphs import TRACE_TOKENS, export_graph, graph_io, growing_dims, input_name, output_name
+from edgemem.export.graphs import (
+    TRACE_TOKENS,
+    encoder_fills,
+    export_encoder,
+    export_graph,
+    graph_io,
+    input_name,
+    named_dims,
+    output_name,
+)
 from edgemem.export.lower import last_position_logits, lower
 from edgemem.export.segments import loop_over_segments, position_input, prefill_segment
 from edgemem.files import check_output_dir, save_onnx, sha256, staged_directory, write_atomic
 from edgemem.manifest import MANIFEST, PREFILL_LAST, STATE_INIT, TARGETS, TOKENIZER_DIR, Manifest, StateSpec
+from edgemem.models.source import Source
 
 log = logging.getLogger(__name__)
 
@@ -57,18 +68,21 @@ def _check_protocol(model: nn.Module) -> None:
 
 
 def state_specs(model: nn.Module, dtype: torch.dtype | None = None) -> list[StateSpec]:
-    """Manifest entries for the model's state: names, shapes (with "batch" / "past_sequence"), init."""
+    """Manifest entries for the model's state: names, shapes (with "batch", "past_sequence",
+    "encoder_sequence"), init."""
     state = model.init_state(1, dtype=dtype)
-    growing = growing_dims(model, dtype)
+    named = named_dims(model, dtype)
+    read_only = set(getattr(model, "read_only", ()))
     specs = []
     for key, tensor in state.items():
         shape: list[int | str] = ["batch", *tensor.shape[1:]]
-        for d in growing.get(key, []):
-            shape[d] = "past_sequence"
+        for d, symbol in named.get(key, {}).items():
+            shape[d] = symbol
         layer, _, kind = key.partition(".")
         specs.append(
             StateSpec(
-                input=input_name(key), output=output_name(key), shape=shape, dtype=_ONNX_DTYPES[tensor.dtype],
+                input=input_name(key), output="" if key in read_only else output_name(key), shape=shape,
+                dtype=_ONNX_DTYPES[tensor.dtype],
                 layer=layer if kind else "", kind=kind or key, init="zeros" if not tensor.any() else "file",
             )
         )
@@ -92,6 +106,14 @@ def _kv_cache(model: nn.Module, targets: Sequence[str]) -> dict[str, Any] | None
         "states": [input_name(k) for k in kv["states"]],
         "in_place": [] if window or "ort" not in targets else ["ort"],  # GroupQueryAttention (export.lower)
     }
+
+
+def _encoder_entry(model: nn.Module) -> dict[str, Any]:
+    """The manifest's `encoder` entry: its graph's inputs, longest input and the states it fills (state
+    input → the encoder graph's output)."""
+    return {"inputs": {"tokens": "input_ids", "global_attention_mask": "global_attention_mask"},
+            "max_length": model.config.max_encoder_positions,
+            "fills": {input_name(k): output_name(k) for k in encoder_fills(model)}}
 
 
 def check_cache_length(max_length: int, sinks: int | None) -> None:
@@ -159,9 +181,11 @@ def export(
     force: bool = False,
     extra_config: dict[str, Any] | None = None,
     tokenizer: Sequence[str | Path] = (),
+    source: Source | None = None,
 ) -> Manifest:
     """Export `model` (stateful protocol, `config.vocab_size`) to `out_dir` for `targets`; `tokenizer`:
-    files that travel with it (a tokenizer.json among them is what the runtime encodes text with)."""
+    files that travel with it (a tokenizer.json among them is what the runtime encodes text with);
+    `source`: where the model came from (recorded in the manifest; verify and bench rebuild from it)."""
     _check_protocol(model)
     tokenizer = [Path(p) for p in tokenizer]
     missing = [str(p) for p in tokenizer if not p.is_file()]
@@ -180,8 +204,10 @@ def export(
     _check_state_fits(model)
     _check_finite(model)
     _check_tokenizer(tokenizer, model.config.vocab_size)
-    source = (extra_config or {}).get("checkpoint")
-    out_dir = check_output_dir(out_dir, force=force, inputs=[source] if source else [])
+    extra_config = {**(extra_config or {}), **(source.config_entries() if source else {})}
+    origin = extra_config.get("checkpoint") or extra_config.get("source")
+    out_dir = check_output_dir(out_dir, force=force, inputs=[origin] if origin else [])
+    kind = kinds.of(model)
 
     model = model.eval()
     if dtype == "fp16":
@@ -191,20 +217,22 @@ def export(
     segment = prefill_segment(model)
     position = position_input(model) if segment else ""
     graphs = {"prefill": segment is not None, "step": bool(getattr(model, "streaming", True))}
+    if "encoder" in kind.graphs:
+        graphs = {"encoder": True, **graphs}
     with staged_directory(out_dir) as tmp:
         files: dict[str, str] = {}
         written: dict[str, list[Path]] = {target: [] for target in targets}
-        for kind in [k for k, present in graphs.items() if present]:
-            log.info("exporting the %s graph", kind)
-            proto = export_graph(model, kind, OPSET, state_dtype)
+        for graph in [k for k, present in graphs.items() if present]:
+            log.info("exporting the %s graph", graph)
+            proto = export_encoder(model, OPSET) if graph == "encoder" else export_graph(model, graph, OPSET, state_dtype)
             # the prefill graph with the head on the last position only, for the runtime's next-token prefill
-            streams = kind == "prefill" and graphs["step"] and not segment  # an LM whose prefill is one pass
+            streams = graph == "prefill" and graphs["step"] and not segment and kind.name == "lm"  # one-pass LM prefill
             last = last_position_logits(proto, graph_io(model)[1]) if streams else None
             for target in targets:
-                path = tmp / target / f"{kind}.onnx"
+                path = tmp / target / f"{graph}.onnx"
                 path.parent.mkdir(exist_ok=True)
                 lowered = lower(proto, target)
-                if kind == "prefill" and segment:  # lowered first: the Loop body holds the lowered nodes
+                if graph == "prefill" and segment:  # lowered first: the Loop body holds the lowered nodes
                     lowered = loop_over_segments(lowered, segment, position, ["input_ids", *graph_io(model)[0]])
                 save_onnx(lowered, path)
                 written[target].append(path)
@@ -237,7 +265,9 @@ def export(
             arch=str(getattr(model.config, "arch", "custom")), config=config, opset=OPSET, targets=list(targets),
             state=specs, graphs=graphs, files=files,
             inputs={"tokens": "input_ids", **{name: name for name in extras}}, outputs={output: output},
-            kv_cache=_kv_cache(model, targets), weights=stores or None,
+            kv_cache=_kv_cache(model, targets), weights=stores or None, kind=kind.name,
+            source=source.to_dict() if source else None,
+            encoder=_encoder_entry(model) if graphs.get("encoder") else None,
         )
         manifest.genai, genai_config = genai.entry(manifest)
         if genai_config is not None:

@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import torch
+from torch import nn
 
 from edgemem.errors import EdgememError
 from edgemem.export.genai import unfit_reasons
 from edgemem.export.graphs import graph_io
 from edgemem.manifest import PREFILL_LAST, Manifest, check_graph_file, load
-from edgemem.models import LM, LMConfig, load_checkpoint
-from edgemem.models.lm import set_kv_cache
+from edgemem.models.source import Source
 from edgemem.runtime.state import initial_state  # one definition of a fresh stream's state, shared with the runtime
 
 log = logging.getLogger(__name__)
@@ -40,29 +40,13 @@ class Check:
     ok: bool
 
 
-def rebuild(manifest: Manifest, checkpoint: str | Path | None = None) -> LM:
-    """The PyTorch model an export came from."""
-    config = dict(manifest.config)
-    path = checkpoint or config.pop("checkpoint", None)
-    if path is not None:
-        model = load_checkpoint(path)
-    elif "source" in config:  # imported with `edgemem export --hf DIR`
-        from edgemem.models.hf import from_hf
-
-        model = from_hf(config["source"])
-    else:
-        if "seed" not in config:
-            raise EdgememError("the manifest records no seed and no checkpoint: pass --checkpoint")
-        torch.manual_seed(config["seed"])
-        fields = {k: v for k, v in config.items() if k in LMConfig.__dataclass_fields__}
-        model = LM(LMConfig(**fields))
-    kv = manifest.kv_cache
-    if kv:  # a checkpoint or an imported model is saved without the export's cache layout
-        set_kv_cache(model, kv["max_length"], kv["sinks"] if kv["overflow"] == "sink_window" else None)
-    return model.eval()
+def rebuild(manifest: Manifest, checkpoint: str | Path | None = None) -> nn.Module:
+    """The PyTorch model an export came from (its `source` record, `edgemem.models.source`)."""
+    source = Source.from_manifest(manifest.source, manifest.config, manifest.kind, manifest.kv_cache)
+    return source.load(manifest.config, checkpoint)
 
 
-def _check_config(manifest: Manifest, model: LM) -> None:
+def _check_config(manifest: Manifest, model: nn.Module) -> None:
     """The model the manifest's config describes has the state the graphs take (a hand-edited width, arch or
     head count shows here)."""
     from edgemem.export import state_specs
@@ -135,22 +119,34 @@ def verify(
     rng = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, manifest.vocab_size, (batch, prompt + steps), generator=rng)
     state0 = initial_state(manifest, directory, batch)
-    names = [s.input for s in manifest.state]
+    written = [s for s in manifest.state if s.output]  # a read-only state (output "") is fed, never returned
+    names = [s.input for s in written]
     extras, output = graph_io(model)
     if extras and manifest.graphs["step"]:
         raise EdgememError(f"{directory}: verify feeds per-token inputs ({', '.join(extras)}) to prefill-only models only")
     # per-token inputs such as Longformer's global_attention_mask: about one token in four set
     extra = {name: (torch.rand(batch, prompt, generator=rng) < 0.25).to(dtype) for name, dtype in extras.items()}
-    outputs = [output, *(s.output for s in manifest.state)]
+    outputs = [output, *(s.output for s in written)]
+    encoded = None
+    if manifest.encoder:  # an encoder-decoder: decoder streams start from an encoded random input
+        length = min(13, manifest.encoder["max_length"])
+        encoded = {"input_ids": torch.randint(0, manifest.vocab_size, (batch, length), generator=rng),
+                   "global_attention_mask": (torch.rand(batch, length, generator=rng) < 0.25).long()}
+        with torch.no_grad():
+            start = model.start(*encoded.values())
+        state0 = {spec.input: start[key].numpy() for spec, key in zip(manifest.state, start)}
+    read_only = {s.input: state0[s.input] for s in manifest.state if not s.output}
 
     # the PyTorch run: prefill the prompt, then one step per token
     with torch.no_grad():
-        torch_state = {k: torch.from_numpy(v.copy()) for k, v in zip(model.init_state(batch), state0.values())}
+        keys = list(model.init_state(batch))
+        torch_state = {k: torch.from_numpy(v.copy()) for k, v in zip(keys, state0.values())}
+        keys = [k for k, spec in zip(keys, manifest.state) if spec.output]
         logits, torch_state = model.prefill(tokens[:, :prompt], torch_state, **extra)
-        expected = {"prefill": [logits.numpy(), *(t.numpy() for t in torch_state.values())], "step": []}
+        expected = {"prefill": [logits.numpy(), *(torch_state[k].numpy() for k in keys)], "step": []}
         for i in range(prompt, prompt + steps if manifest.graphs["step"] else prompt):
             logits, torch_state = model.step(tokens[:, i], torch_state)
-            expected["step"].append([logits.numpy(), *(t.numpy() for t in torch_state.values())])
+            expected["step"].append([logits.numpy(), *(torch_state[k].numpy() for k in keys)])
 
     options = ort.SessionOptions()
     if threads:
@@ -159,7 +155,8 @@ def verify(
     for target in manifest.targets:
         if target in skipped:
             continue
-        sessions = {kind: _session(directory / target / f"{kind}.onnx", options) for kind in manifest.graphs_of(target)}
+        sessions = {kind: _session(directory / target / f"{kind}.onnx", options)
+                    for kind in manifest.graphs_of(target) if kind != "encoder"}
 
         def prefill(ids: np.ndarray, state: dict[str, np.ndarray]) -> list[np.ndarray]:
             """The prefill graph, or token by token through the step graph when there is none."""
@@ -167,11 +164,17 @@ def verify(
                 return sessions["prefill"].run(outputs, {"input_ids": ids, **{k: v.numpy() for k, v in extra.items()}, **state})
             logits = []
             for i in range(ids.shape[1]):
-                result = sessions["step"].run(outputs, {"input_ids": ids[:, i : i + 1], **state})
+                result = sessions["step"].run(outputs, {"input_ids": ids[:, i : i + 1], **read_only, **state})
                 logits.append(result[0])
                 state = dict(zip(names, result[1:]))
-            return [np.concatenate(logits, axis=1), *state.values()]
+            return [np.concatenate(logits, axis=1), *(state[n] for n in names)]
 
+        if encoded is not None:
+            fills = manifest.encoder["fills"]
+            session = ort.InferenceSession(str(directory / target / "encoder.onnx"), options,
+                                           providers=["CPUExecutionProvider"])
+            got = session.run(list(fills.values()), {k: v.numpy() for k, v in encoded.items()})
+            checks += [Check(target, "encoder", n, *_compare(a, state0[n]), True) for n, a in zip(fills, got)]
         got = prefill(tokens[:, :prompt].numpy(), state0)
         checks += [Check(target, "prefill", n, *_compare(a, e), True) for n, a, e in zip(outputs, got, expected["prefill"])]
         if PREFILL_LAST in sessions:  # the last position's logits only, the same state
@@ -182,7 +185,8 @@ def verify(
             state = dict(zip(names, got[1:]))
             worst: dict[str, tuple[float, float]] = {}
             for j, i in enumerate(range(prompt, prompt + steps)):
-                result = sessions["step"].run(outputs, {"input_ids": tokens[:, i : i + 1].numpy(), **state})
+                feed = {"input_ids": tokens[:, i : i + 1].numpy(), **read_only, **state}
+                result = sessions["step"].run(outputs, feed)
                 state = dict(zip(names, result[1:]))
                 for n, a, e in zip(outputs, result, expected["step"][j]):
                     e = e[:, None] if n == output else e

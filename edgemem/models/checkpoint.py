@@ -11,9 +11,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from torch import nn
+
+from edgemem import kinds
 from edgemem.errors import ConfigError, EdgememError
 from edgemem.files import OutputError, as_path, sha256, staged_directory, write_atomic
-from edgemem.models.lm import LM, LMConfig
 
 FORMAT = "edgemem-checkpoint/1"
 
@@ -24,10 +26,10 @@ def tokenizer_dir(path: str | Path) -> Path:
     return path.with_name(f"{path.stem}.tokenizer")
 
 
-def save_checkpoint(model: LM, path: str | Path, tokenizer: Sequence[str | Path] = ()) -> None:
+def save_checkpoint(model: nn.Module, path: str | Path, tokenizer: Sequence[str | Path] = ()) -> None:
     """Write `model`'s weights and config to `path` atomically; `tokenizer` files (of the model it came
     from) go to `tokenizer_dir(path)`, and the checkpoint records their sha256."""
-    metadata = {"format": FORMAT, "config": json.dumps(model.config.to_dict())}
+    metadata = {"format": FORMAT, "kind": kinds.of(model).name, "config": json.dumps(model.config.to_dict())}
     if tokenizer:
         metadata["tokenizer"] = json.dumps(_save_tokenizer([Path(p) for p in tokenizer], Path(path)))
     tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
@@ -74,7 +76,7 @@ def _metadata(path: Path, data: bytes | None = None) -> dict[str, str]:
         raise EdgememError(f"cannot read checkpoint {path}: {e}") from None
 
 
-def _check_layers(config: LMConfig, tensors: dict) -> None:
+def _check_layers(config: object, tensors: dict) -> None:
     """The layer count the config states is the one the weights hold (before a model of that many layers is made)."""
     held = {int(k.split(".")[1]) for k in tensors if k.startswith("blocks.") and k.split(".")[1].isdigit()}
     if not isinstance(config.n_layers, int) or len(held) != config.n_layers or held != set(range(len(held))):
@@ -82,8 +84,9 @@ def _check_layers(config: LMConfig, tensors: dict) -> None:
         raise ConfigError(f"its config says n_layers={config.n_layers!r} but it holds the weights of {layers}")
 
 
-def load_checkpoint(path: str | Path) -> LM:
-    """The model saved at `path`; a clear EdgememError for anything else."""
+def load_checkpoint(path: str | Path) -> nn.Module:
+    """The model saved at `path`, of the kind it records (`edgemem.kinds`; an LM when it names none);
+    a clear EdgememError for anything else."""
     path = as_path(path, "a checkpoint")
     try:
         data = path.read_bytes()
@@ -93,10 +96,12 @@ def load_checkpoint(path: str | Path) -> LM:
     metadata = _metadata(path, data)
     if metadata.get("format") != FORMAT:
         raise EdgememError(f"{path} is not an edgemem checkpoint (no {FORMAT!r} metadata)")
+    kind = kinds.get(metadata.get("kind", kinds.DEFAULT))
     try:
-        config = LMConfig(**json.loads(metadata["config"]))
-        _check_layers(config, tensors)
-        model = LM(config)
+        config = kind.config_class()(**json.loads(metadata["config"]))
+        if hasattr(config, "n_layers"):
+            _check_layers(config, tensors)
+        model = kind.model_class()(config)
         model.load_state_dict(tensors)
     except (TypeError, KeyError, ValueError, RuntimeError, AttributeError, ArithmeticError, ConfigError) as e:
         raise EdgememError(f"checkpoint {path} does not fit its own config: {str(e).splitlines()[0]}") from None

@@ -63,16 +63,18 @@ class EncoderConfig:
 
 
 class EncoderBlock(nn.Module):
-    def __init__(self, config: EncoderConfig, window: int):
+    """One post-LN Longformer block (also LED's encoder layer): banded attention with global
+    projections → residual → LayerNorm → Linear → GELU → Linear → residual → LayerNorm."""
+
+    def __init__(self, d_model: int, num_heads: int, window: int, mlp_hidden: int, norm_eps: float):
         super().__init__()
-        d = config.d_model
-        self.attn = BandedEncoderAttention(
-            d, config.num_heads, window, global_tokens=0, bias=True, rope=False, global_projections=True
-        )
-        self.attn_norm = nn.LayerNorm(d, eps=config.norm_eps)
-        self.up = nn.Linear(d, config.mlp_hidden)
-        self.down = nn.Linear(config.mlp_hidden, d)
-        self.mlp_norm = nn.LayerNorm(d, eps=config.norm_eps)
+        d = d_model
+        self.attn = BandedEncoderAttention(d, num_heads, window, global_tokens=0, bias=True, rope=False,
+                                           global_projections=True)
+        self.attn_norm = nn.LayerNorm(d, eps=norm_eps)
+        self.up = nn.Linear(d, mlp_hidden)
+        self.down = nn.Linear(mlp_hidden, d)
+        self.mlp_norm = nn.LayerNorm(d, eps=norm_eps)
 
     def forward(self, x: torch.Tensor, global_mask: torch.Tensor) -> torch.Tensor:
         x = self.attn_norm(x + self.attn.prefill(x, {}, global_mask)[0])
@@ -106,7 +108,9 @@ class Encoder(nn.Module):
         self.positions = nn.Embedding(config.max_positions, d)
         self.token_types = nn.Embedding(config.type_vocab_size, d)
         self.embed_norm = nn.LayerNorm(d, eps=config.norm_eps)
-        self.blocks = nn.ModuleList(EncoderBlock(config, w) for w in config.windows)
+        self.blocks = nn.ModuleList(
+            EncoderBlock(d, config.num_heads, w, config.mlp_hidden, config.norm_eps) for w in config.windows
+        )
 
     def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> State:
         return {}

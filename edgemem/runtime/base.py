@@ -56,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from edgemem import kinds
 from edgemem.config import finite, positive_int
 from edgemem.config import seed as check_seed
 from edgemem.errors import CacheFullError, ConfigError, named
@@ -105,9 +106,11 @@ class Engine:
     def __init__(self, directory: Path, manifest: Manifest, chunk_size: int, has_prefill: bool):
         self.directory, self.manifest, self.chunk_size, self.has_prefill = directory, manifest, chunk_size, has_prefill
         self.vocab_size = manifest.vocab_size
+        self.kind = kinds.get(manifest.kind)
         self._specs = list(manifest.state)
         self._fixed = [s for s in self._specs if not is_growing(s)]
         self._growing = [s for s in self._specs if is_growing(s)]
+        self._written = [s for s in self._growing if s.output]  # a read-only state has no output
         self.grows = bool(self._growing)
         self._initial = initial_state(manifest, directory, 1)
         self._fixed_bytes = sum(self._initial[s.input].nbytes for s in self._fixed)
@@ -181,10 +184,42 @@ class Engine:
             )
 
     # ------------------------------------------------------------------ streams
+    def _encode(self, input_ids: np.ndarray, global_attention_mask: np.ndarray) -> dict[str, np.ndarray]:
+        """Run the encoder graph on one input ([1, S] each); the states it fills by input name."""
+        raise BackendError(f"backend {self.backend!r} does not run encoder graphs; load the export with backend 'ort'")
+
     def new_stream(self) -> Stream:
         """A fresh stream at position 0 (Titans' memory starts from `state_init.safetensors`)."""
+        if self.kind.streams == "encode":
+            raise ConfigError(f"{self.manifest.arch} is an encoder-decoder: its streams start from an input, "
+                              "engine.encode(input_ids)")
         stream = self._new(self._initial, 0, None)
         stream._fresh = True
+        return stream
+
+    def encode(self, input_ids: TokenIds, global_attention_mask: Sequence[int] | np.ndarray | None = None) -> Stream:
+        """Encode one input (an encoder-decoder export) and return a decoder stream that has consumed the
+        decoder start token: its logits are those of the first output token. `global_attention_mask`: one
+        0/1 per input token (1: the token attends, and is attended by, every token); None: no global token."""
+        if self.kind.streams != "encode":
+            raise ConfigError(f"{self.manifest.arch} is a {self.kind.name} export: encode needs an encoder-decoder "
+                              "(an export with an encoder graph); start its streams with new_stream()")
+        ids = self._tokens(input_ids, "input")
+        limit = self.manifest.encoder["max_length"]
+        if ids.size > limit:
+            raise TokenError(f"an input of {ids.size} tokens: the encoder takes 1 to {limit} (its positions)")
+        if global_attention_mask is None:
+            mask = np.zeros_like(ids)
+        else:
+            mask = np.asarray(global_attention_mask)
+            if (mask.ndim != 1 or mask.size != ids.size or mask.dtype.kind not in "biu"
+                    or not np.isin(mask, (0, 1)).all()):
+                raise TokenError(f"global_attention_mask must hold one 0 or 1 per input token ({ids.size}); got "
+                                 f"{mask.dtype} of shape {list(mask.shape)}")
+            mask = mask.astype(np.int64)
+        fills = self._encode(ids[None], mask[None])
+        stream = self._new({s.input: fills.get(s.input, self._initial[s.input]) for s in self._specs}, 0, None)
+        stream.step(int(self.manifest.config["decoder_start_token_id"]))
         return stream
 
     def load_stream(self, path: str | Path) -> Stream:
@@ -592,13 +627,21 @@ class Stream:
         save_checkpoint(path, self._engine.manifest, *self._snapshot())
 
     # ------------------------------------------------------------------ generation
+    def _eos(self, eos_token_id: int | None) -> int | None:
+        """The token that ends generation: the one given, else an encoder-decoder's (its config); None: none."""
+        if eos_token_id is not None:
+            return self._engine._token(eos_token_id)
+        return self._engine.manifest.config.get("eos_token_id") if self._engine.kind.streams == "encode" else None
+
     def generate_iter(self, prompt: bytes | str | Sequence[int] = b"", max_new_tokens: int = 64,
                       temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                       seed: int | None = None, *, draft: Draft = None, draft_tokens: int = 4,
+                      eos_token_id: int | None = None,
                       progress: Callable[[int], None] | None = None) -> Iterator[int]:
         """Yield new token ids one by one. Each yielded token has already been fed to the stream, so
         stopping early leaves a stream ready to continue. An empty prompt continues from the stream's
         last logits (e.g. after `engine.load_stream`). `progress` is the prompt's prefill progress.
+        Generation ends after the end token, if there is one (`eos_token_id`, or an encoder-decoder's).
 
         draft: speculative decoding (`edgemem.runtime.speculative`): "prompt-lookup" proposes the
             `draft_tokens` tokens that followed the latest earlier occurrence of the last few tokens (of the
@@ -606,6 +649,10 @@ class Stream:
             one prefill-graph run of this stream checks them all. Greedy output is the same as without a
             draft; sampled output has the same distribution. `self.generation` has the statistics.
         """
+        eos = self._eos(eos_token_id)
+        if draft is not None and eos is not None:
+            raise ConfigError("speculative decoding runs to max_new_tokens: give no end token (eos_token_id) with a "
+                              "draft")
         check_sampling(temperature, top_k, top_p)
         finite(temperature, "temperature")
         if seed is not None:
@@ -632,8 +679,12 @@ class Stream:
             start = time.perf_counter()
             for _ in range(max_new_tokens):
                 token = sample(logits, temperature, top_k, top_p, rng)
-                logits = self.step(token)
                 stats.tokens += 1
+                if token == eos:
+                    stats.decode_s = time.perf_counter() - start
+                    yield token
+                    return
+                logits = self.step(token)
                 stats.decode_s = time.perf_counter() - start
                 yield token
             return
@@ -645,13 +696,76 @@ class Stream:
 
     def generate(self, prompt: bytes | str | Sequence[int] = b"", max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None, *,
-                 draft: Draft = None, draft_tokens: int = 4) -> bytes | list[int]:
+                 draft: Draft = None, draft_tokens: int = 4, num_beams: int = 1, length_penalty: float = 1.0,
+                 early_stopping: bool = True, eos_token_id: int | None = None) -> bytes | list[int]:
         """The new tokens after `prompt`: bytes for a byte-level model (vocab 256), else a list of ids.
         Greedy at temperature 0; otherwise sampled with top-k / top-p, reproducibly with `seed`; `draft`
-        and `draft_tokens`: speculative decoding (`generate_iter`)."""
+        and `draft_tokens`: speculative decoding (`generate_iter`). With `num_beams` > 1, beam search
+        (`beam_search`), which leaves this stream as it was."""
+        if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
+            raise ConfigError(f"num_beams must be an integer >= 1 (1: no beam search); got {num_beams!r}")
+        if num_beams > 1:
+            if temperature:
+                raise ConfigError("beam search here is deterministic: give temperature 0 with num_beams > 1")
+            if draft is not None:
+                raise ConfigError("beam search takes no draft: give num_beams 1 for speculative decoding")
+            if len(prompt):
+                self.prefill(prompt, all_logits=False)
+            return self.beam_search(max_new_tokens, num_beams, length_penalty=length_penalty,
+                                    early_stopping=early_stopping, eos_token_id=eos_token_id)
         tokens = list(self.generate_iter(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft=draft,
-                                         draft_tokens=draft_tokens))
+                                         draft_tokens=draft_tokens, eos_token_id=eos_token_id))
         return bytes(tokens) if self._engine.vocab_size == 256 else tokens
+
+    def beam_search(self, max_new_tokens: int, num_beams: int, *, length_penalty: float = 1.0,
+                    early_stopping: bool = True, eos_token_id: int | None = None) -> list[int]:
+        """The best of `num_beams` beams continuing from this stream's logits, as transformers' beam search
+        defines it: each round keeps the 2·num_beams best continuations of every beam by summed log
+        probability; one ending in the end token among the first num_beams of them is a finished
+        hypothesis scored sum / length^length_penalty (length: tokens generated, the end token included),
+        and the best num_beams of the others run on. With `early_stopping` the search ends once num_beams
+        hypotheses are finished; at `max_new_tokens` the running beams finish too. Beams are forks of
+        this stream stepped as one batch (`Engine.step_batch`); the stream itself is left as it was."""
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be a positive integer; got {max_new_tokens!r}")
+        eos = self._eos(eos_token_id)
+        if not self._has_logits:
+            raise TokenError("nothing to continue from: the stream is fresh, give a prompt")
+        engine, keep = self._engine, 2 * num_beams
+        beams: list[Stream] = [self.fork()]
+        logits = self.logits[None]
+        sequences: list[list[int]] = [[]]
+        scores = np.zeros(1)
+        finished: list[tuple[float, list[int]]] = []
+        for length in range(1, max_new_tokens + 1):
+            shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
+            log_probs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True)) + scores[:, None]
+            flat = log_probs.reshape(-1)
+            top = np.argsort(-flat, kind="stable")[:keep]
+            vocab = logits.shape[-1]
+            last = length == max_new_tokens
+            running: list[tuple[float, int, int]] = []
+            for rank, index in enumerate(top.tolist()):
+                beam, token, score = index // vocab, index % vocab, float(flat[index])
+                if token == eos or last:
+                    if rank < num_beams:
+                        finished.append((score / length**length_penalty, sequences[beam] + [token]))
+                elif len(running) < num_beams:
+                    running.append((score, beam, token))
+            finished.sort(key=lambda f: -f[0])
+            del finished[num_beams:]
+            if last or not running or (early_stopping and len(finished) >= num_beams):
+                break
+            claimed: set[int] = set()
+            step: list[Stream] = []
+            for _, beam, _ in running:  # forks first: a beam continued twice is copied before it steps
+                step.append(beams[beam] if beam not in claimed else beams[beam].fork())
+                claimed.add(beam)
+            sequences = [sequences[beam] + [token] for _, beam, token in running]
+            scores = np.array([score for score, _, _ in running])
+            beams = step
+            logits = engine.step_batch(beams, [token for _, _, token in running])
+        return finished[0][1] if finished else []
 
     def __repr__(self) -> str:
         return f"Stream({self._engine.manifest.arch}, position={self._position}, state_bytes={self.state_bytes})"

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from edgemem.errors import EdgememError
 from edgemem.files import save_figure
 from edgemem.runtime.base import Engine, Stream
 
@@ -91,6 +92,10 @@ def run(
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     rss_before = rss_bytes()
     engine = Engine.load(directory, threads=threads, target=target, chunk_size=chunk_size)
+    if engine.kind.streams != "fresh":
+        raise EdgememError(f"bench times streams that start empty and reach positions by prefill; {engine.manifest.arch} "
+                           f"is an {engine.kind.name} export, whose streams start from Engine.encode (time those with "
+                           "benchmarks/led_encoder.py)")
     load_rss = rss_bytes() - rss_before
     rng = np.random.default_rng(seed)
     rows: list[dict[str, Any]] = []

@@ -62,7 +62,7 @@ from edgemem.errors import EdgememError, named
 from edgemem.manifest import PREFILL_LAST, Manifest, StateSpec, check_io
 from edgemem.runtime.base import BatchSlot, Engine, Stream
 from edgemem.runtime.errors import BackendError, BatchError
-from edgemem.runtime.state import GROWING, concrete_shape
+from edgemem.runtime.state import concrete_shape, variable_dim
 
 ORT_TYPES = {
     "tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
@@ -220,6 +220,8 @@ class OrtEngine(Engine):
             if manifest.graphs.get(kind):
                 self._open_session(kind)
         self._step_session = self._sessions["step"]
+        self._encoder = self._session("encoder", self._options("encoder", arena=True)) if manifest.graphs.get("encoder") \
+            else None
         if self._weights is not None:
             self._weights.release()
         logits = next(o for o in self._step_session.get_outputs() if o.name == self._logits_name)
@@ -292,8 +294,13 @@ class OrtEngine(Engine):
                                "missing or no GPU visible); use backend 'ort'")
         inputs = {i.name for i in session.get_inputs()}
         outputs = {o.name for o in session.get_outputs()}
-        want_in = {self._tokens_name, *(s.input for s in self._specs)}
-        want_out = {self._logits_name, *(s.output for s in self._specs)}
+        if kind == "encoder":
+            encoder = self.manifest.encoder
+            want_in = set(encoder["inputs"].values())
+            want_out = set(encoder["fills"].values())
+        else:
+            want_in = {self._tokens_name, *(s.input for s in self._specs)}
+            want_out = {self._logits_name, *(s.output for s in self._specs if s.output)}
         if inputs != want_in or not want_out <= outputs:
             raise BackendError(f"{path} does not match edgemem.json: inputs {sorted(inputs ^ want_in)} or outputs "
                                f"{sorted(want_out - outputs)} differ")
@@ -324,11 +331,21 @@ class OrtEngine(Engine):
                                    value.address())
             else:
                 binding.bind_ortvalue_input(spec.input, value)
-            binding.bind_output(spec.output, self._memory.device)
+            if spec.output:  # a read-only state (an encoder-decoder's cross keys/values) is an input only
+                binding.bind_output(spec.output, self._memory.device)
         return binding
 
+    def _encode(self, input_ids: np.ndarray, global_attention_mask: np.ndarray) -> dict[str, np.ndarray]:
+        fills = self.manifest.encoder["fills"]
+        outputs = list(fills.values())
+        try:
+            values = self._encoder.run(outputs, {"input_ids": input_ids, "global_attention_mask": global_attention_mask})
+        except Exception as e:  # noqa: BLE001 — onnxruntime raises its own, varied exception types
+            raise EdgememError(f"onnxruntime failed running the encoder graph of {self.manifest.arch}: {_summary(e)}") from None
+        return dict(zip(fills, values))
+
     def _caches(self, binding: ort.IOBinding) -> list[ort.OrtValue]:
-        """The new KV caches a run of a `_bind` binding produced, in the order of `_growing`."""
+        """The new KV caches a run of a `_bind` binding produced, in the order of `_written`."""
         return binding.get_outputs()[1 + len(self._fixed) :]
 
     def _run(self, kind: str, binding: ort.IOBinding) -> None:
@@ -367,7 +384,11 @@ class OrtEngine(Engine):
         binding = self._bind(self._step_session, slot.ids, slot.logits, slot.bufs[slot.side], slot.bufs[1 - slot.side],
                              caches)  # fresh: see the module docstring
         self._run("step", binding)
-        for spec, value in zip(self._growing, self._caches(binding)):  # each stream views its row of the new cache
+        for spec in self._growing:
+            if not spec.output:  # read only: the streams view their rows of the gathered input, the next batch reuses it
+                for i, s in enumerate(streams):
+                    s._grown[spec.input] = _Row(caches[spec.input], i, len(streams))
+        for spec, value in zip(self._written, self._caches(binding)):  # each stream views its row of the new cache
             for i, s in enumerate(streams):
                 s._grown[spec.input] = _Row(value, i, len(streams))
         return slot.logits_view[:, 0].copy()
@@ -484,7 +505,7 @@ class OrtStream(Stream):
 
     def _past_length(self) -> int:
         spec = self._engine._growing[0]
-        return self._grown[spec.input].shape()[spec.shape.index(GROWING)]  # OrtValue or _Row
+        return self._grown[spec.input].shape()[variable_dim(spec)]  # OrtValue or _Row
 
     @property
     def state_bytes(self) -> int:
@@ -502,7 +523,7 @@ class OrtStream(Stream):
         binding = engine._bind(engine._step_session, self._ids, self._logits, self._bufs[self._side],
                                self._bufs[1 - self._side], self._grown)
         engine._run("step", binding)
-        self._grown.update(zip((s.input for s in engine._growing), engine._caches(binding)))
+        self._grown.update(zip((s.input for s in engine._written), engine._caches(binding)))
 
     def _prefill_chunk(self, ids: np.ndarray, last_only: bool) -> np.ndarray:
         engine = self._engine
@@ -514,5 +535,5 @@ class OrtStream(Stream):
         engine._run(kind, binding)
         logits = binding.get_outputs()[0].numpy()[0]  # [T, V] ([1, V] from prefill_last), a view on onnxruntime's output
         logits = np.array(logits[-1:] if last_only else logits, copy=True)
-        self._grown.update(zip((s.input for s in engine._growing), engine._caches(binding)))
+        self._grown.update(zip((s.input for s in engine._written), engine._caches(binding)))
         return logits

@@ -37,15 +37,25 @@ FORMAT = "edgemem-state/1"
 LOGITS = "logits"
 GROWING = "past_sequence"
 MAX_POSITION = 2**62  # graphs take positions as int64; a stream this long would take centuries at any speed
+ENCODED = "encoder_sequence"  # an encoder-decoder's cross keys/values: the encoded input's length, set per stream
 
 
-def concrete_shape(spec: StateSpec, batch: int, past: int = 0) -> list[int]:
-    """The shape of one state tensor for `batch` rows and a KV cache of `past` tokens."""
-    return [batch if d == "batch" else past if d == GROWING else int(d) for d in spec.shape]
+def concrete_shape(spec: StateSpec, batch: int, past: int = 0, encoded: int = 0) -> list[int]:
+    """The shape of one state tensor for `batch` rows, a KV cache of `past` tokens and an encoded input
+    of `encoded` tokens."""
+    sizes = {"batch": batch, GROWING: past, ENCODED: encoded}
+    return [sizes[d] if isinstance(d, str) else int(d) for d in spec.shape]
 
 
 def is_growing(spec: StateSpec) -> bool:
-    return GROWING in spec.shape
+    """Whether the tensor's size is set per stream (a growing KV cache, cross keys/values): such states
+    are rebound at every run instead of living in fixed buffers."""
+    return GROWING in spec.shape or ENCODED in spec.shape
+
+
+def variable_dim(spec: StateSpec) -> int:
+    """The index of the per-stream dim of a growing state."""
+    return next(i for i, d in enumerate(spec.shape) if d in (GROWING, ENCODED))
 
 
 def initial_state(manifest: Manifest, directory: str | Path, batch: int = 1) -> dict[str, np.ndarray]:
@@ -222,7 +232,7 @@ def check_state(manifest: Manifest, state: Mapping[str, np.ndarray], where: str 
     if missing or unexpected:
         parts = [f"missing {', '.join(missing)}" if missing else "", f"unexpected {', '.join(unexpected)}" if unexpected else ""]
         raise StateFileError(f"{where} does not hold this model's state tensors: {'; '.join(p for p in parts if p)}")
-    past = None
+    lengths: dict[str, int] = {}
     for spec in manifest.state:
         array = state[spec.input]
         if not isinstance(array, np.ndarray):
@@ -230,11 +240,12 @@ def check_state(manifest: Manifest, state: Mapping[str, np.ndarray], where: str 
         if array.dtype != np.dtype(spec.dtype):
             raise StateFileError(f"{where}: {spec.input} is {array.dtype}, expected {spec.dtype}")
         if is_growing(spec) and array.ndim == len(spec.shape):
-            length = array.shape[spec.shape.index(GROWING)]
-            if past is not None and length != past:
-                raise StateFileError(f"{where}: KV caches of different lengths ({past} and {length} at {spec.input})")
-            past = length
-        want = concrete_shape(spec, 1, past or 0)
+            symbol = spec.shape[variable_dim(spec)]
+            length = array.shape[variable_dim(spec)]
+            if lengths.setdefault(symbol, length) != length:
+                raise StateFileError(f"{where}: states of different {symbol} lengths ({lengths[symbol]} and {length} "
+                                     f"at {spec.input})")
+        want = concrete_shape(spec, 1, lengths.get(GROWING, 0), lengths.get(ENCODED, 0))
         if list(array.shape) != want:
             raise StateFileError(f"{where}: {spec.input} has shape {list(array.shape)}, expected {want} "
                                  f"(manifest: {spec.shape}, batch 1)")

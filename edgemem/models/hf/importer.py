@@ -44,6 +44,7 @@ FAMILIES = {
     "gated_deltanet": "fla",
     "delta_net": "fla",
     "longformer": "longformer",
+    "led": "led",
 }
 
 Table = Mapping[str, str | tuple[str, ...]]  # edgemem name → checkpoint name(s), concatenated along dim 0

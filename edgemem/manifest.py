@@ -204,10 +204,12 @@ def load(directory: str | Path, *, check_files: bool = True) -> Manifest:
 
 
 def check_io(manifest: Manifest, where: str | Path, inputs: dict[str, tuple[str, list]],
-             outputs: dict[str, tuple[str, list]]) -> None:
+             outputs: dict[str, tuple[str, list]], graph: str = "step") -> None:
     """The manifest against one graph's inputs and outputs (name → (element type as onnxruntime names it,
     e.g. "float", and dims: ints, or names/None for symbolic ones)): the state tensors by name, dtype and fixed
-    sizes, the token input, the outputs, and logits as wide as config.vocab_size. A cheap check, no hashing."""
+    sizes (a read-only state, output "", is an input only), the token input, the outputs, and logits as wide as
+    config.vocab_size; an encoder graph (`graph` "encoder"): its inputs and the states it fills. A cheap check,
+    no hashing."""
     def differ(what: str, spec: StateSpec, graph: tuple[str, list]) -> str | None:
         kind, dims = graph
         if kind != ONNX_DTYPES[spec.dtype]:
@@ -218,8 +220,23 @@ def check_io(manifest: Manifest, where: str | Path, inputs: dict[str, tuple[str,
         return None
 
     problems = []
+    if graph == "encoder":
+        encoder = manifest.encoder or {}
+        problems += [f"encoder input {name!r} is not in the graph" for name in encoder.get("inputs", {}).values()
+                     if name not in inputs]
+        specs = {s.input: s for s in manifest.state}
+        for state, name in encoder.get("fills", {}).items():
+            if name not in outputs:
+                problems.append(f"encoder output {name!r} is not in the graph")
+            elif (why := differ(name, specs[state], outputs[name])) is not None:
+                problems.append(why)
+        if problems:
+            raise ManifestError(f"{where} does not match {MANIFEST}: {problems[0]}; edited by hand? re-export the model")
+        return
     for spec in manifest.state:
         for name, side in ((spec.input, inputs), (spec.output, outputs)):
+            if not name:
+                continue
             if name not in side:
                 problems.append(f"state {name} is not in the graph")
             elif (why := differ(name, spec, side[name])) is not None:
@@ -248,6 +265,8 @@ def check_graph_file(manifest: Manifest, path: Path, target: str) -> None:
         model = onnx.load(str(path), load_external_data=False)
     except (DecodeError, OSError, ValueError) as e:
         raise ManifestError(f"{path} is not a readable ONNX graph (truncated or corrupt?): {str(e).splitlines()[0]}") from None
+    if not model.graph.node and not model.opset_import:  # protobuf reads an empty file as an empty message
+        raise ManifestError(f"{path} is not a readable ONNX graph (empty or truncated?)")
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     want = 27 if target == "onnx27" else manifest.opset
     if opset != want:
@@ -262,4 +281,4 @@ def check_graph_file(manifest: Manifest, path: Path, target: str) -> None:
             found[v.name] = (_ELEMENT.get(t.elem_type, onnx.TensorProto.DataType.Name(t.elem_type).lower()), dims)
         return found
 
-    check_io(manifest, path, values(model.graph.input), values(model.graph.output))
+    check_io(manifest, path, values(model.graph.input), values(model.graph.output), graph=path.stem)

@@ -641,6 +641,22 @@ def test_trt_registry_creates_every_exported_node(trt_libs, root, trt_nodes, bin
 # edgemem build: without TensorRT (or a GPU) a clear error, not a traceback
 
 
+def _logits_graph(path: Path, vocab: int, opset: int) -> None:
+    """input_ids [batch, sequence] -> logits [batch, sequence, vocab]: the I/O of a stateless step graph."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Cast", ["input_ids"], ["x"], to=TensorProto.FLOAT),
+             helper.make_node("Unsqueeze", ["x", "axis"], ["y"]),
+             helper.make_node("Tile", ["y", "repeats"], ["logits"])]
+    graph = helper.make_graph(
+        nodes, "step", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "sequence", vocab])],
+        [helper.make_tensor("axis", TensorProto.INT64, [1], [-1]),
+         helper.make_tensor("repeats", TensorProto.INT64, [3], [1, 1, vocab])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(path))
+
+
 def test_build_command_says_what_is_missing(tmp_path):
     from click.testing import CliRunner
 
@@ -659,6 +675,11 @@ def test_build_command_says_what_is_missing(tmp_path):
     result = runner.invoke(main, ["build", str(tmp_path), "--fp16"])  # strongly typed: FP16 comes from the export
     assert result.exit_code == 2 and "fp32 export" in result.output and "--dtype fp16" in result.output
     result = runner.invoke(main, ["build", str(tmp_path), "--max-batch", "4"])
+    assert result.exit_code == 2 and "step.onnx is not a readable ONNX graph" in result.output, result.output
+    _logits_graph(tmp_path / "trt" / "step.onnx", vocab=4, opset=20)  # a graph the manifest describes
+    (library := tmp_path / "libedgemem_trt_plugins.so").write_bytes(b"")  # loaded only once TensorRT is imported
+    result = runner.invoke(main, ["build", str(tmp_path), "--max-batch", "4", "--plugins", str(library),
+                                  "--out", str(tmp_path / "engines")])
     assert result.exit_code == 2, result.output
     if importlib.util.find_spec("tensorrt") is None:
         assert "TensorRT's Python package is not installed" in result.output

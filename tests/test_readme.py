@@ -66,6 +66,14 @@ class Background(Run):
 
 
 @dataclass(frozen=True)
+class Elsewhere:
+    """Not run here: the test `test` (tests/FILE.py::NAME) builds and runs it; that test must exist and name
+    the program (`program`)."""
+    test: str
+    program: str
+
+
+@dataclass(frozen=True)
 class SetUp:
     """A set-up step of the README's two commands: one of `.ci/run`'s steps, or an editable install of extras
     that `pyproject.toml` defines."""
@@ -82,6 +90,7 @@ class Pinned:
     extra: str
 
 
+NATIVE = "tests/test_native_runtime.py::test_the_sample_app_builds_on_the_installed_package_and_generates_what_python_does"
 GPU = "needs an NVIDIA GPU and TensorRT; tests/test_trt_runtime.py runs it where one is present"
 COMMANDS: dict[str, object] = {
     # README.md: the two commands
@@ -102,11 +111,20 @@ COMMANDS: dict[str, object] = {
     # README.md: runtime
     "edgemem export --arch gated-deltanet --out out/gdn": Run(add=SMALL),
     "edgemem run DIR --prompt TEXT | --ids 1,2,3 | --ids-file F [--print-ids] [--max-new-tokens N] [--load-state P] "
-    "[--save-state P] [--temperature T [--top-k K] [--top-p P]] [--seed S] [--threads N]":
+    "[--save-state P] [--temperature T [--top-k K] [--top-p P]] [--seed S] [--threads N] "
+    "[--draft prompt-lookup|DIR [--draft-tokens K]] [--prefix-cache BYTES]":
         Help("a synopsis", instance="edgemem run out/gdn --ids 1,2,3 --print-ids --max-new-tokens 4 --save-state r.safetensors "
-                                    "--temperature 0.8 --top-k 5 --top-p 0.9 --seed 1 --threads 1"),
+                                    "--temperature 0.8 --top-k 5 --top-p 0.9 --seed 1 --threads 1 --draft prompt-lookup "
+                                    "--draft-tokens 2 --prefix-cache 1000000"),
     "edgemem bench DIR [--positions 1000,10000] [--batch 1,8,64] [--threads 1] [--json F] [--plot F.png]":
         Help("a synopsis", instance="edgemem bench out/gdn --positions 8 --batch 1,2 --threads 1 --json b.json --no-eager"),
+    # README.md: the native runtime (built, installed and run by its own test, with the sanitizers on)
+    "cmake -S native -B build/native": Elsewhere(NATIVE, "samples\" / \"native"),
+    "cmake --build build/native": Elsewhere(NATIVE, "--build"),
+    "cmake --install build/native --prefix $HOME/.local/edgemem": Elsewhere(NATIVE, "--install"),
+    "cmake -S samples/native -B build/sample -DCMAKE_PREFIX_PATH=$HOME/.local/edgemem": Elsewhere(NATIVE, "CMAKE_PREFIX_PATH"),
+    "cmake --build build/sample": Elsewhere(NATIVE, "--build"),
+    "build/sample/generate out/gdn s.safetensors 72 101 108 108 111 --tokens 16": Elsewhere(NATIVE, "--tokens"),
     # README.md: your own model (path/to/model is a tiny Qwen3.5 with a tokenizer, made by the test)
     "edgemem export --hf path/to/model --out out/mine [--target generic,ort,trt] [--dtype fp32|fp16] [--force]":
         Help("a synopsis", instance="edgemem export --hf path/to/model --out out/mine --target generic,ort"),
@@ -131,7 +149,7 @@ COMMANDS: dict[str, object] = {
         Help("needs nvcc and TensorRT 11's headers; tests/test_plugins.py and tests/test_rtx.py build what builds here"),
     "edgemem build DIR --rtx --sm 86,89,120 --plugins build/rtx/libedgemem_trt_plugins.so":
         Help("needs the plugin library built by nvcc; tests/test_rtx.py builds engines with a CPU-built library"),
-    "edgemem triton DIR --out REPO [--max-live N] [--idle-seconds S]":
+    "edgemem triton DIR --out REPO [--max-live N] [--idle-seconds S] [--prefix-cache BYTES]":
         Help("a synopsis", instance="edgemem triton out/gdn --out repo --max-live 2 --idle-seconds 5"),
     "edgemem serve REPO": Help("a synopsis: samples/triton-server/README.md's serve runs"),
     # samples/triton-server/README.md
@@ -190,6 +208,15 @@ COMMANDS: dict[str, object] = {
     "bash plugins/scripts/gpu_check.sh": Help("needs an NVIDIA GPU and nvcc"),
     "python benchmarks/footprint.py": Help("a 45M-parameter import measured in fresh processes (minutes); "
                                            "tests/test_footprint.py measures a small one"),
+    "python benchmarks/long_run.py": Help("1,000,000 tokens (minutes); tests/test_hardening_2.py checks the resume and "
+                                          "bounds it relies on"),
+    "python benchmarks/prefix_spec.py": Help("a 2,048-token prompt and several models (minutes); "
+                                             "tests/test_prefix_spec.py checks what it times"),
+    "python benchmarks/native.py --json benchmarks/results/native.json": Help(
+        "builds libedgemem in Release and streams 100,000 tokens (minutes); tests/test_native_runtime.py checks it"),
+    "bash native/scripts/aarch64.sh": Help("a cross toolchain, qemu-user and the aarch64 onnxruntime wheel (minutes)"),
+    "python benchmarks/led_encoder.py": Help("16,384 tokens through LED's encoder and transformers' (minutes); "
+                                             "tests/test_hf_led.py checks the encoder's numbers"),
     "python benchmarks/first_hour.py": Help("a fresh clone and virtual environment at full sizes (about half an hour); "
                                             "this file runs the same commands small"),
     "CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
@@ -448,7 +475,7 @@ def _toml(block: Block, cwd: Path) -> None:
 
 def _copy(tmp_path: Path) -> Path:
     repo = tmp_path / "edgemem"
-    keep = ("README.md", "pyproject.toml", ".ci", "samples", "export", "calib", "checkpoints", "benchmarks", "plugins")
+    keep = ("README.md", "pyproject.toml", ".ci", "samples", "export", "calib", "checkpoints", "benchmarks", "plugins", "native")
     for name in keep:
         source = ROOT / name
         if source.is_dir():
@@ -485,11 +512,21 @@ def run_doc(doc: str, tmp_path: Path, monkeypatch) -> Shell:
                                 shell.run(how.instance)
                         elif isinstance(how, Pinned):
                             _pinned(text, how.extra)
+                        elif isinstance(how, Elsewhere):
+                            _elsewhere(how)
                         # SetUp and SameAsCI: test_the_two_big_commands_are_what_ci_and_pyproject_say
                 shell.stop()
     finally:
         shell.stop()
     return shell
+
+
+def _elsewhere(how: Elsewhere) -> None:
+    path, _, name = how.test.partition("::")
+    source = (ROOT / path).read_text()
+    body = source[source.index(f"def {name}("):]
+    body = body[: body.find("\ndef ", 1) if "\ndef " in body[1:] else len(body)]
+    assert how.program in body, f"{how.test} does not run {how.program}"
 
 
 def _pinned(command: str, extra: str) -> None:

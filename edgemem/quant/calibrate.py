@@ -161,11 +161,13 @@ def _select(paths: dict[tuple[str, str], Path], state_names: set[str], recipe: R
     MatMul only, it has no Gemm form, but a weight read through a Transpose counts, and so does the tied head's
     Gemm, which `fold_transposed_weights` turns back into a MatMul); each recipe exclusion must
     name a projection of some graph."""
+    models = {key: onnx.load(str(path), load_external_data=False) for key, path in paths.items()}
     found: dict[tuple[str, str], list[Projection]] = {
-        key: projections(onnx.load(str(path), load_external_data=False), state_names, transposed=matmul_only,
-                         subgraphs=subgraphs)
-        for key, path in paths.items()
+        key: projections(model, state_names, transposed=matmul_only, subgraphs=subgraphs) for key, model in models.items()
     }
+    # fold_transposed_weights reaches the top-level graph only, not a segment Loop's body: where an export's
+    # prefill is such a Loop, Gemm heads stay float in every graph, so that prefill and steps quantize alike
+    looped = subgraphs and any(n.op_type == "Loop" for model in models.values() for n in model.graph.node)
     everything = [p for ps in found.values() for p in ps]
     unknown = [pattern for pattern in recipe.exclude if not any(p.matches(pattern) for p in everything)]
     if unknown:
@@ -174,7 +176,7 @@ def _select(paths: dict[tuple[str, str], Path], state_names: set[str], recipe: R
                           f"(known projections: {', '.join(modules)})")
     selected = {
         key: [p.node for p in ps if p.quantizable and not any(p.matches(x) for x in recipe.exclude)
-              and (p.op_type == "MatMul" or p.head or not matmul_only)]
+              and (not matmul_only or p.op_type == "MatMul" or (p.head and not looped))]
         for key, ps in found.items()
     }
     return found, selected

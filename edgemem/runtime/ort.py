@@ -305,7 +305,7 @@ class OrtEngine(Engine):
             raise BackendError(f"{path} does not match edgemem.json: inputs {sorted(inputs ^ want_in)} or outputs "
                                f"{sorted(want_out - outputs)} differ")
         check_io(self.manifest, path, *({v.name: (v.type.removeprefix("tensor(").rstrip(")"), v.shape) for v in values}
-                                        for values in (session.get_inputs(), session.get_outputs())))
+                                        for values in (session.get_inputs(), session.get_outputs())), graph=kind)
         return session
 
     # ------------------------------------------------------------------ bindings and runs

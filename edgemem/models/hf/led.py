@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from edgemem.errors import ConfigError
-from edgemem.models.hf import load_table, require, tied_ignore
+from edgemem.models.hf.importer import load_table, require, tied_ignore
 from edgemem.models.seq2seq import EncoderDecoder, Seq2SeqConfig
 
 MODEL_TYPES = ("led",)

@@ -5,7 +5,7 @@ full sizes, each step's wall time and output length (lines, characters) written 
 
 The steps are the README's commands in its order (synopses instantiated with the README's own values);
 the Python steps are the README's Python blocks, read from README.md at run time.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ words = ["<unk>", "Once", "upon", "a", "time", *(f"w{i}" for i in range(4091))]
 tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
 tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
 tokenizer.save("path/to/model/tokenizer.json")
-"""
+"""  # noqa: E501
 
 
 def python_block(readme: str, first: str) -> str:
@@ -55,19 +55,28 @@ def steps(readme: str) -> list[tuple[str, str]]:
         ("edgemem verify out/titans-mag", None),
         ("Python: the stateful protocol", "python - <<'EOF'\n" + python_block(readme, "import torch") + "EOF"),
         ("edgemem export --arch gated-deltanet --out out/gdn", None),
-        ("Python: the runtime", "python - <<'EOF'\n" + python_block(readme, "from edgemem.runtime import Engine") + "EOF"),
+        (
+            "Python: the runtime",
+            "python - <<'EOF'\n" + python_block(readme, "from edgemem.runtime import Engine") + "EOF",
+        ),
         ("edgemem run out/gdn --prompt Hello --max-new-tokens 32", None),
         ("edgemem bench out/gdn --positions 1000 --batch 1,8", None),
         ("pip install -e '.[hf]'", None),
         ("(a Qwen3.5-shaped model: 4 layers, hidden 256, vocab 4096)", "python - <<'EOF'\n" + MODEL + "EOF"),
         ("edgemem export --hf path/to/model --out out/mine", None),
         ("edgemem verify out/mine", None),
-        ("edgemem run out/mine --prompt \"Once upon a time\" --max-new-tokens 32", None),
-        ("Python: your own model", "python - <<'EOF'\n" + python_block(readme, "from edgemem.models import from_hf") + "EOF"),
+        ('edgemem run out/mine --prompt "Once upon a time" --max-new-tokens 32', None),
+        (
+            "Python: your own model",
+            "python - <<'EOF'\n" + python_block(readme, "from edgemem.models import from_hf") + "EOF",
+        ),
         ("edgemem calibrate out/gdn --method int4", None),
         ("edgemem run out/gdn-int4 --prompt Hello --max-new-tokens 32", None),
         ("edgemem calibrate out/gdn --method dynamic --no-drift", None),
-        ("edgemem train --arch deltanet --task mqar --steps 100 --set d_model=64 --set mlp_hidden=128 --out mqar.safetensors", None),
+        (
+            "edgemem train --arch deltanet --task mqar --steps 100 --set d_model=64 --set mlp_hidden=128 --out mqar.safetensors",  # noqa: E501
+            None,
+        ),
         ("edgemem eval --checkpoint checkpoints/deltanet-mqar.safetensors --task mqar", None),
         ("edgemem linearize --hf path/to/model --out liza.safetensors", None),
         ("edgemem export --checkpoint liza.safetensors --out out/liza", None),
@@ -87,22 +96,34 @@ def main() -> int:
     args.work.mkdir(parents=True)
     rows, start = [], time.monotonic()
     began = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    clone = subprocess.run(["git", "clone", "-q", args.source, str(args.work / "edgemem")], capture_output=True, text=True)
+    clone = subprocess.run(
+        ["git", "clone", "-q", args.source, str(args.work / "edgemem")], capture_output=True, text=True
+    )
     if clone.returncode:
         raise SystemExit(clone.stderr)
-    commit = subprocess.run(["git", "-C", str(args.work / "edgemem"), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "-C", str(args.work / "edgemem"), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     readme = (args.work / "edgemem" / "README.md").read_text()
     for label, command in steps(readme):
         script = command or label
         activate = "" if script.startswith("python3 -m venv") else ". .venv/bin/activate && "
         t0 = time.monotonic()
         try:
-            done = subprocess.run(["bash", "-c", activate + script], cwd=args.work / "edgemem", capture_output=True,
-                                  text=True, errors="replace", timeout=args.timeout)
+            done = subprocess.run(
+                ["bash", "-c", activate + script],
+                cwd=args.work / "edgemem",
+                capture_output=True,
+                text=True,
+                errors="replace",
+                timeout=args.timeout,
+            )
             code, output = done.returncode, done.stdout + done.stderr
         except subprocess.TimeoutExpired as e:
-            code, output = "timeout", (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+            code, output = (
+                "timeout",
+                (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace"),
+            )
         seconds = time.monotonic() - t0
         rows.append((label, seconds, code, output.count("\n"), len(output), output.strip().splitlines()[-1:] or [""]))
         print(f"{seconds:8.1f} s  exit {code}  {output.count(chr(10)):5d} lines  {label}", flush=True)

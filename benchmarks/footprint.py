@@ -53,10 +53,23 @@ def build_model(path: Path) -> int:
 
     layers = (["linear_attention"] * 3 + ["full_attention"]) * 2
     config = Qwen3_5TextConfig(
-        vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=len(layers), layer_types=layers,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_conv_kernel_dim=4, linear_key_head_dim=64,
-        linear_value_head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, tie_word_embeddings=True,
-        eos_token_id=None, pad_token_id=None, bos_token_id=None,
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=len(layers),
+        layer_types=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        tie_word_embeddings=True,
+        eos_token_id=None,
+        pad_token_id=None,
+        bos_token_id=None,
     )
     torch.manual_seed(0)
     model = Qwen3_5ForCausalLM(config).eval()
@@ -98,10 +111,27 @@ def main() -> int:
         weights = build_model(tmp / "hf")
         fp32, int4 = tmp / "fp32", tmp / "int4"
         edgemem = [sys.executable, "-c", "from edgemem.cli import main; main()"]
-        subprocess.run([*edgemem, "export", "--hf", str(tmp / "hf"), "--target", "ort", "--max-length", "1024",
-                        "--out", str(fp32)], check=True, capture_output=True)
-        subprocess.run([*edgemem, "calibrate", str(fp32), "--method", "int4", "--no-drift", "--out", str(int4)],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [
+                *edgemem,
+                "export",
+                "--hf",
+                str(tmp / "hf"),
+                "--target",
+                "ort",
+                "--max-length",
+                "1024",
+                "--out",
+                str(fp32),
+            ],
+            check=True,
+            capture_output=True,
+        )
+        subprocess.run(
+            [*edgemem, "calibrate", str(fp32), "--method", "int4", "--no-drift", "--out", str(int4)],
+            check=True,
+            capture_output=True,
+        )
         rows = {"fp32": measure(fp32), "int4": measure(int4)}
         same = rows["fp32"]["tokens"] == reference_tokens(tmp / "hf")
     print(f"fp32 weights: {weights / 1e6:.1f} MB; greedy tokens equal transformers' generate: {same}")
@@ -110,8 +140,11 @@ def main() -> int:
         cells = "".join(f"{r[k] / 1e6:>9.1f} MB {r[k] / weights:>4.2f}×" for k in ("files", "load", "peak"))
         print(f"{name:<8}{cells}")
     if args.json:
-        result = {"weights": weights, "greedy_equal": same,
-                  **{k: {m: v for m, v in r.items() if m != "tokens"} for k, r in rows.items()}}
+        result = {
+            "weights": weights,
+            "greedy_equal": same,
+            **{k: {m: v for m, v in r.items() if m != "tokens"} for k, r in rows.items()},
+        }
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0
 

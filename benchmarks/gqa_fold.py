@@ -40,8 +40,14 @@ def export_layer(directory: Path) -> None:
     from edgemem.models.lm import LM, LMConfig, set_kv_cache
 
     attention = dict(num_heads=8, num_kv_heads=2, head_dim=256, qk_norm=True, output_gate=True, rotary_dim=64)
-    config = LMConfig(arch="qwen3.5-0.8b-attention", mixer="softmax", d_model=1024, n_layers=1, mlp_hidden=3584,
-                      mixer_options=attention)
+    config = LMConfig(
+        arch="qwen3.5-0.8b-attention",
+        mixer="softmax",
+        d_model=1024,
+        n_layers=1,
+        mlp_hidden=3584,
+        mixer_options=attention,
+    )
     torch.manual_seed(0)
     model = LM(config).eval()
     set_kv_cache(model, LENGTH)
@@ -58,7 +64,9 @@ def pin_plain(directory: Path, out: Path) -> None:
     shutil.copytree(directory, out)
     step = out / "ort" / "step.onnx"
     model = onnx.load(str(step))
-    model.graph.node.insert(0, helper.make_node("Constant", [], ["plain"], value=helper.make_tensor("plain", TensorProto.BOOL, [], [False])))
+    model.graph.node.insert(
+        0, helper.make_node("Constant", [], ["plain"], value=helper.make_tensor("plain", TensorProto.BOOL, [], [False]))
+    )
     pinned = 0
     for node in model.graph.node:
         if node.op_type == "If":
@@ -92,8 +100,10 @@ def main() -> None:
         folded, plain = Path(tmp) / "folded", Path(tmp) / "plain"
         export_layer(folded)
         pin_plain(folded, plain)
-        engines = {"folded": Engine.load(folded, target="ort", threads=args.threads),
-                   "plain": Engine.load(plain, target="ort", threads=args.threads)}
+        engines = {
+            "folded": Engine.load(folded, target="ort", threads=args.threads),
+            "plain": Engine.load(plain, target="ort", threads=args.threads),
+        }
         results = {}
         for position in args.positions:
             streams = {}
@@ -116,12 +126,19 @@ def main() -> None:
                     times[name].append(time.perf_counter() - t0)
             ms = {name: round(statistics.median(t[2:]) * 1e3, 3) for name, t in times.items()}
             results[str(position)] = {**ms, "speedup": round(ms["plain"] / ms["folded"], 2)}
-            print(f"position {position:>6}: folded {ms['folded']:8.3f} ms   plain {ms['plain']:8.3f} ms   "
-                  f"{results[str(position)]['speedup']:.2f}x", flush=True)
+            print(
+                f"position {position:>6}: folded {ms['folded']:8.3f} ms   plain {ms['plain']:8.3f} ms   "
+                f"{results[str(position)]['speedup']:.2f}x",
+                flush=True,
+            )
     args.out.mkdir(parents=True, exist_ok=True)
-    record = {"what": "one Qwen3.5-0.8B-shaped attention layer, batch-1 step, KV cache of 32768 slots",
-              "threads": args.threads, "steps": args.steps, "machine": platform.processor() or platform.machine(),
-              "ms_per_step": results}
+    record = {
+        "what": "one Qwen3.5-0.8B-shaped attention layer, batch-1 step, KV cache of 32768 slots",
+        "threads": args.threads,
+        "steps": args.steps,
+        "machine": platform.processor() or platform.machine(),
+        "ms_per_step": results,
+    }
     path = args.out / "gqa-fold.json"
     write_atomic(path, (json.dumps(record, indent=1) + "\n").encode())
     print(f"wrote {path}")

@@ -64,16 +64,27 @@ def worker(side: str, directory: Path, length: int, threads: int) -> None:
         before = _rss_mib()
         start = time.perf_counter()
         with torch.no_grad():
-            encoded = model.get_encoder()(input_ids=torch.from_numpy(ids),
-                                          global_attention_mask=torch.from_numpy(mask)).last_hidden_state
+            encoded = model.get_encoder()(
+                input_ids=torch.from_numpy(ids), global_attention_mask=torch.from_numpy(mask)
+            ).last_hidden_state
             heads = model.config.decoder_attention_heads
-            out = [layer.encoder_attn.k_proj(encoded).unflatten(2, (heads, -1)).transpose(1, 2)
-                   for layer in model.get_decoder().layers][0].numpy()
+            out = [
+                layer.encoder_attn.k_proj(encoded).unflatten(2, (heads, -1)).transpose(1, 2)
+                for layer in model.get_decoder().layers
+            ][0].numpy()
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     np.save(directory / f"{side}.npy", out)
-    print(json.dumps({"side": side, "peak_rss_mib": round(peak), "rss_before_run_mib": round(before),
-                      "seconds": round(seconds, 2)}))
+    print(
+        json.dumps(
+            {
+                "side": side,
+                "peak_rss_mib": round(peak),
+                "rss_before_run_mib": round(before),
+                "seconds": round(seconds, 2),
+            }
+        )
+    )
 
 
 def measure(directory: Path, args: argparse.Namespace) -> dict:
@@ -84,9 +95,16 @@ def measure(directory: Path, args: argparse.Namespace) -> dict:
     from edgemem.models.hf import from_hf
 
     config = transformers.LEDConfig(
-        vocab_size=1000, d_model=args.hidden, encoder_layers=args.layers, decoder_layers=args.layers,
-        encoder_attention_heads=args.heads, decoder_attention_heads=args.heads, encoder_ffn_dim=4 * args.hidden,
-        decoder_ffn_dim=4 * args.hidden, attention_window=args.window, max_encoder_position_embeddings=args.length,
+        vocab_size=1000,
+        d_model=args.hidden,
+        encoder_layers=args.layers,
+        decoder_layers=args.layers,
+        encoder_attention_heads=args.heads,
+        decoder_attention_heads=args.heads,
+        encoder_ffn_dim=4 * args.hidden,
+        decoder_ffn_dim=4 * args.hidden,
+        attention_window=args.window,
+        max_encoder_position_embeddings=args.length,
         max_decoder_position_embeddings=64,
     )
     torch.manual_seed(0)
@@ -96,16 +114,35 @@ def measure(directory: Path, args: argparse.Namespace) -> dict:
     export_seconds = time.perf_counter() - start
     sides = []
     for side in ("onnxruntime", "transformers"):
-        command = [sys.executable, __file__, "--worker", side, "--dir", str(directory), "--length", str(args.length),
-                   "--threads", str(args.threads)]
+        command = [
+            sys.executable,
+            __file__,
+            "--worker",
+            side,
+            "--dir",
+            str(directory),
+            "--length",
+            str(args.length),
+            "--threads",
+            str(args.threads),
+        ]
         line = subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
         sides.append(json.loads(line))
     ours, theirs = (np.load(directory / f"{s['side']}.npy") for s in sides)
     return {
-        "model": {"length": args.length, "d_model": args.hidden, "heads": args.heads, "layers": args.layers,
-                  "attention_window": args.window, "global_tokens": 2},
-        "threads": args.threads, "machine": platform.machine(), "export_seconds": round(export_seconds, 1),
-        "sides": sides, "dense_scores_one_layer_mib": round(args.heads * args.length**2 * 4 / 2**20),
+        "model": {
+            "length": args.length,
+            "d_model": args.hidden,
+            "heads": args.heads,
+            "layers": args.layers,
+            "attention_window": args.window,
+            "global_tokens": 2,
+        },
+        "threads": args.threads,
+        "machine": platform.machine(),
+        "export_seconds": round(export_seconds, 1),
+        "sides": sides,
+        "dense_scores_one_layer_mib": round(args.heads * args.length**2 * 4 / 2**20),
         "max_rel_difference": float(np.abs(ours - theirs).max() / np.abs(theirs).max()),
     }
 
@@ -128,11 +165,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="led-encoder-") as tmp:
         result = measure(Path(tmp), args)
     m = result["model"]
-    print(f"{m['length']} tokens, d_model {m['d_model']}, {m['heads']} heads, {m['layers']} layers, attention_window "
-          f"{m['attention_window']}, 2 global tokens, {result['threads']} thread(s)")
+    print(
+        f"{m['length']} tokens, d_model {m['d_model']}, {m['heads']} heads, {m['layers']} layers, attention_window "
+        f"{m['attention_window']}, 2 global tokens, {result['threads']} thread(s)"
+    )
     for s in result["sides"]:
-        print(f"  {s['side']:<13} peak RSS {s['peak_rss_mib']:>6} MiB  (before the run {s['rss_before_run_mib']} MiB)  "
-              f"{s['seconds']:.2f} s")
+        print(
+            f"  {s['side']:<13} peak RSS {s['peak_rss_mib']:>6} MiB  (before the run {s['rss_before_run_mib']} MiB)  "
+            f"{s['seconds']:.2f} s"
+        )
     print(f"  one layer's dense T×T scores would take {result['dense_scores_one_layer_mib']} MiB")
     print(f"  layer 0 cross keys: max |difference| / max |value| = {result['max_rel_difference']:.2e}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -88,8 +88,10 @@ def main() -> None:
         samples.append((stream.position, rss()))
         if index % 50 == 49:
             elapsed = time.perf_counter() - start
-            print(f"{stream.position:,} tokens, {stream.position / elapsed:,.0f} tok/s, RSS {rss() / 2**20:.1f} MiB",
-                  flush=True)
+            print(
+                f"{stream.position:,} tokens, {stream.position / elapsed:,.0f} tok/s, RSS {rss() / 2**20:.1f} MiB",
+                flush=True,
+            )
         if args.time_limit and time.perf_counter() - start > args.time_limit:
             break
     seconds = time.perf_counter() - start
@@ -115,7 +117,7 @@ def main() -> None:
         "tokens_streamed": reached,
         "seconds": round(seconds, 1),
         "tokens_per_second": round(reached / seconds),
-        "step_share": "every tenth block of %d tokens through the step graph" % args.block,
+        "step_share": "every tenth block of %d tokens through the step graph" % args.block,  # noqa: UP031
         "blocks_with_nonfinite_logits": nonfinite,
         "state_bytes": engine.state_bytes(),
         "rss_mib": {

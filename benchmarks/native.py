@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,19 +62,34 @@ def export(arch: str, out: Path, d_model: int, n_layers: int) -> int:
 
 
 def build_library(build: Path) -> Path:
-    subprocess.run(["cmake", "-S", ROOT / "native", "-B", build, "-DCMAKE_BUILD_TYPE=Release",
-                    f"-DPython3_EXECUTABLE={sys.executable}"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "cmake",
+            "-S",
+            ROOT / "native",
+            "-B",
+            build,
+            "-DCMAKE_BUILD_TYPE=Release",
+            f"-DPython3_EXECUTABLE={sys.executable}",
+        ],
+        check=True,
+        capture_output=True,
+    )
     subprocess.run(["cmake", "--build", build, "-j", str(os.cpu_count() or 1)], check=True, capture_output=True)
     return build
 
 
 def c_run(build: Path, directory: Path, steps: int, every: int = 0) -> dict:
-    out = subprocess.run([build / "em_bench", directory, str(steps), str(every)], check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [build / "em_bench", directory, str(steps), str(every)], check=True, capture_output=True, text=True
+    )
     return json.loads(out.stdout)
 
 
 def python_run(directory: Path, steps: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", PYTHON_PROBE, directory, str(steps)], check=True, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", PYTHON_PROBE, directory, str(steps)], check=True, capture_output=True, text=True
+    )
     return json.loads(out.stdout)
 
 
@@ -88,7 +102,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per runtime, alternating; the best median counts")
     parser.add_argument("--long", type=int, default=100_000, help="tokens of the C stream whose memory is sampled")
     parser.add_argument("--every", type=int, default=5000)
-    parser.add_argument("--footprint-d", type=int, default=768, help="d_model of the export whose load footprint is measured")
+    parser.add_argument(
+        "--footprint-d", type=int, default=768, help="d_model of the export whose load footprint is measured"
+    )
     parser.add_argument("--build", type=Path, default=ROOT / "build" / "native-bench")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -107,23 +123,43 @@ def main() -> None:
         c_wide, python_wide = c_run(build, wide, 0), python_run(wide, 0)
     rss = [r for _, r in long["rss"]]
     result = {
-        "arch": args.arch, "d_model": args.d_model, "layers": args.layers, "threads": 1, "steps": args.steps,
-        "c_step_us": min(r["median_us"] for r in c), "python_step_us": min(r["median_us"] for r in python),
-        "c_step_us_runs": [r["median_us"] for r in c], "python_step_us_runs": [r["median_us"] for r in python],
-        "long_tokens": args.long, "long_rss": long["rss"], "long_rss_growth_bytes": rss[-1] - rss[0],
-        "long_median_us": long["median_us"], "state_bytes": long["state_bytes"],
-        "footprint": {"d_model": args.footprint_d, "layers": 4, "weight_bytes": wide_bytes,
-                      "c_load_bytes": c_wide["rss_loaded"] - c_wide["rss_start"],
-                      "python_load_bytes": python_wide["rss_loaded"] - python_wide["rss_start"]},
-        "library_bytes": library.stat().st_size, "date": time.strftime("%Y-%m-%d"),
+        "arch": args.arch,
+        "d_model": args.d_model,
+        "layers": args.layers,
+        "threads": 1,
+        "steps": args.steps,
+        "c_step_us": min(r["median_us"] for r in c),
+        "python_step_us": min(r["median_us"] for r in python),
+        "c_step_us_runs": [r["median_us"] for r in c],
+        "python_step_us_runs": [r["median_us"] for r in python],
+        "long_tokens": args.long,
+        "long_rss": long["rss"],
+        "long_rss_growth_bytes": rss[-1] - rss[0],
+        "long_median_us": long["median_us"],
+        "state_bytes": long["state_bytes"],
+        "footprint": {
+            "d_model": args.footprint_d,
+            "layers": 4,
+            "weight_bytes": wide_bytes,
+            "c_load_bytes": c_wide["rss_loaded"] - c_wide["rss_start"],
+            "python_load_bytes": python_wide["rss_loaded"] - python_wide["rss_start"],
+        },
+        "library_bytes": library.stat().st_size,
+        "date": time.strftime("%Y-%m-%d"),
     }
-    print(f"{args.arch} d_model {args.d_model} × {args.layers} layers, batch 1, 1 thread: step {result['c_step_us']:.1f} µs in C, "
-          f"{result['python_step_us']:.1f} µs in Python (medians, best of {args.repeats})")
-    print(f"C stream of {args.long} tokens: RSS {rss[0] / 2**20:.1f} MiB at {long['rss'][0][0]} → {rss[-1] / 2**20:.1f} MiB at "
-          f"{long['rss'][-1][0]} (max {max(rss) / 2**20:.1f}); state {long['state_bytes']} bytes")
+    print(
+        f"{args.arch} d_model {args.d_model} × {args.layers} layers, batch 1, 1 thread: step {result['c_step_us']:.1f} µs in C, "  # noqa: E501
+        f"{result['python_step_us']:.1f} µs in Python (medians, best of {args.repeats})"
+    )
+    print(
+        f"C stream of {args.long} tokens: RSS {rss[0] / 2**20:.1f} MiB at {long['rss'][0][0]} → {rss[-1] / 2**20:.1f} MiB at "  # noqa: E501
+        f"{long['rss'][-1][0]} (max {max(rss) / 2**20:.1f}); state {long['state_bytes']} bytes"
+    )
     f = result["footprint"]
-    print(f"load footprint, d_model {f['d_model']} × 4 layers ({f['weight_bytes'] / 2**20:.1f} MiB of weights): C "
-          f"{f['c_load_bytes'] / 2**20:.1f} MiB, Python {f['python_load_bytes'] / 2**20:.1f} MiB")
+    print(
+        f"load footprint, d_model {f['d_model']} × 4 layers ({f['weight_bytes'] / 2**20:.1f} MiB of weights): C "
+        f"{f['c_load_bytes'] / 2**20:.1f} MiB, Python {f['python_load_bytes'] / 2**20:.1f} MiB"
+    )
     print(f"libedgemem: {result['library_bytes']} bytes")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

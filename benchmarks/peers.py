@@ -63,17 +63,43 @@ CHUNK = 512
 CONFIGS: dict[str, dict[str, Any]] = {
     # Qwen3.5-0.8B's text model (see benchmarks/README.md for the sources of these numbers)
     "qwen3.5-0.8b": dict(
-        vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, full_attention_interval=4,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
-        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=16, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, rope_theta=10_000_000.0, partial_rotary_factor=0.25,
+        vocab_size=248320,
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=24,
+        full_attention_interval=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=16,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        rope_theta=10_000_000.0,
+        partial_rotary_factor=0.25,
     ),
     # the same shape of model, small enough for a test
     "tiny": dict(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, full_attention_interval=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, rope_theta=10_000_000.0, partial_rotary_factor=0.25,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        full_attention_interval=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        rope_theta=10_000_000.0,
+        partial_rotary_factor=0.25,
     ),
 }
 
@@ -90,10 +116,21 @@ def hf_config(name: str):
 
     c = dict(CONFIGS[name])
     every = c.pop("full_attention_interval")
-    rope = {"rope_type": "default", "rope_theta": c.pop("rope_theta"), "partial_rotary_factor": c.pop("partial_rotary_factor")}
+    rope = {
+        "rope_type": "default",
+        "rope_theta": c.pop("rope_theta"),
+        "partial_rotary_factor": c.pop("partial_rotary_factor"),
+    }
     layers = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(c["num_hidden_layers"])]
-    return Qwen3_5TextConfig(**c, layer_types=layers, rope_parameters=rope, max_position_embeddings=262144,
-                             bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    return Qwen3_5TextConfig(
+        **c,
+        layer_types=layers,
+        rope_parameters=rope,
+        max_position_embeddings=262144,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=None,
+    )
 
 
 def write_tokenizer(directory: Path, vocab_size: int) -> None:
@@ -117,8 +154,9 @@ def write_tokenizer(directory: Path, vocab_size: int) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
-                                                                  "model_max_length": 262144}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 262144})
+    )
 
 
 def make_model(cache: Path, name: str) -> Path:
@@ -138,8 +176,9 @@ def make_model(cache: Path, name: str) -> Path:
     return hf
 
 
-def make_exports(cache: Path, hf: Path, max_length: int, preallocated: bool,
-                 precisions: list[str]) -> dict[str, dict[str, Path]]:
+def make_exports(
+    cache: Path, hf: Path, max_length: int, preallocated: bool, precisions: list[str]
+) -> dict[str, dict[str, Path]]:
     """{"growing" | "preallocated": {precision: export directory}}; the preallocated cache holds `max_length`.
     The growing export is always made (the floor counts its weights); the preallocated one only for the edgemem
     row, and int4 only when asked for."""
@@ -148,8 +187,13 @@ def make_exports(cache: Path, hf: Path, max_length: int, preallocated: bool,
     from edgemem.models.lm import set_kv_cache
     from edgemem.quant import calibrate
 
-    out = {"growing": {"fp32": cache / "edgemem-fp32", "int4": cache / "edgemem-int4"},
-           "preallocated": {"fp32": cache / f"edgemem-fp32-cache{max_length}", "int4": cache / f"edgemem-int4-cache{max_length}"}}
+    out = {
+        "growing": {"fp32": cache / "edgemem-fp32", "int4": cache / "edgemem-int4"},
+        "preallocated": {
+            "fp32": cache / f"edgemem-fp32-cache{max_length}",
+            "int4": cache / f"edgemem-int4-cache{max_length}",
+        },
+    }
     if not preallocated:
         del out["preallocated"]
     for kind, dirs in out.items():
@@ -158,8 +202,14 @@ def make_exports(cache: Path, hf: Path, max_length: int, preallocated: bool,
             model = from_hf(hf)
             if kind == "preallocated":
                 set_kv_cache(model, max_length)
-            export(model, dirs["fp32"], targets=["ort"], extra_config={"source": str(hf)}, tokenizer=tokenizer_files(hf),
-                   force=True)
+            export(
+                model,
+                dirs["fp32"],
+                targets=["ort"],
+                extra_config={"source": str(hf)},
+                tokenizer=tokenizer_files(hf),
+                force=True,
+            )
         if "int4" in precisions and not (dirs["int4"] / "edgemem.json").is_file():
             log(f"edgemem calibrate --method int4 ({kind} KV cache)")
             calibrate(dirs["fp32"], "int4", out=dirs["int4"], force=True)
@@ -189,10 +239,12 @@ def make_gguf(cache: Path, hf: Path, src: Path | None) -> tuple[dict[str, Path],
             return {}, "no llama.cpp source tree (--llama-cpp-src DIR with convert_hf_to_gguf.py) to convert the model"
         log("convert_hf_to_gguf.py (f32)")
         # the random model's tokenizer is not one the converter knows by hash: name Qwen's pre-tokenizer (ids only here)
-        runner = (f"import sys, runpy; sys.path[:0] = [{str(src)!r}, {str(src / 'gguf-py')!r}]; "
-                  "import conversion.base as b; b.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'qwen2'; "
-                  f"sys.argv = ['convert_hf_to_gguf.py', {str(hf)!r}, '--outtype', 'f32', '--no-mtp', '--outfile', {str(out['fp32'])!r}]; "
-                  f"runpy.run_path({str(script)!r}, run_name='__main__')")
+        runner = (
+            f"import sys, runpy; sys.path[:0] = [{str(src)!r}, {str(src / 'gguf-py')!r}]; "
+            "import conversion.base as b; b.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'qwen2'; "
+            f"sys.argv = ['convert_hf_to_gguf.py', {str(hf)!r}, '--outtype', 'f32', '--no-mtp', '--outfile', {str(out['fp32'])!r}]; "  # noqa: E501
+            f"runpy.run_path({str(script)!r}, run_name='__main__')"
+        )
         done = subprocess.run([sys.executable, "-c", runner], capture_output=True, text=True)
         if done.returncode != 0:
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:]
@@ -291,10 +343,17 @@ class GenaiRunner(Runner):
         import onnxruntime_genai as og
 
         config = og.Config(str(path))
-        config.overlay(json.dumps({
-            "model": {"context_length": max_len, "decoder": {"session_options": {"intra_op_num_threads": threads}}},
-            "search": {"max_length": max_len},
-        }))
+        config.overlay(
+            json.dumps(
+                {
+                    "model": {
+                        "context_length": max_len,
+                        "decoder": {"session_options": {"intra_op_num_threads": threads}},
+                    },
+                    "search": {"max_length": max_len},
+                }
+            )
+        )
         self.og, self.model, self.max_len = og, og.Model(config), max_len
         self.history: list[int] = []
         self.generated = False
@@ -324,8 +383,15 @@ class LlamaRunner(Runner):
     def __init__(self, path: Path, threads: int, max_len: int):
         from llama_cpp import Llama
 
-        self.llm = Llama(model_path=str(path), n_ctx=max_len, n_batch=CHUNK, n_ubatch=CHUNK, n_threads=threads,
-                         n_threads_batch=threads, verbose=False)
+        self.llm = Llama(
+            model_path=str(path),
+            n_ctx=max_len,
+            n_batch=CHUNK,
+            n_ubatch=CHUNK,
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+        )
 
     def prefill(self, ids):
         self.llm.eval([int(t) for t in ids])
@@ -359,8 +425,12 @@ class TransformersRunner(Runner):
 
     def _run(self, ids):
         with self.torch.inference_mode():
-            self.model(input_ids=self.torch.as_tensor(np.asarray(ids)[None]), past_key_values=self.cache, use_cache=True,
-                       logits_to_keep=1)
+            self.model(
+                input_ids=self.torch.as_tensor(np.asarray(ids)[None]),
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
 
     def prefill(self, ids):
         for begin in range(0, len(ids), CHUNK):
@@ -370,8 +440,13 @@ class TransformersRunner(Runner):
         self._run([token])
 
 
-RUNNERS = {"edgemem": EdgememRunner, "edgemem-growing": EdgememRunner, "genai": GenaiRunner, "llama.cpp": LlamaRunner,
-           "transformers": TransformersRunner}
+RUNNERS = {
+    "edgemem": EdgememRunner,
+    "edgemem-growing": EdgememRunner,
+    "genai": GenaiRunner,
+    "llama.cpp": LlamaRunner,
+    "transformers": TransformersRunner,
+}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -392,8 +467,11 @@ def worker(args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             runner.prefill(ids[position:target])
             seconds = time.perf_counter() - t0
-            result["prefill"][f"{position}-{target}"] = {"tokens": target - position, "seconds": round(seconds, 3),
-                                                         "tok_s": round((target - position) / seconds, 1)}
+            result["prefill"][f"{position}-{target}"] = {
+                "tokens": target - position,
+                "seconds": round(seconds, 3),
+                "tok_s": round((target - position) / seconds, 1),
+            }
             position = target
         times = []
         for i in range(args.steps):
@@ -408,10 +486,27 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_worker(engine: str, precision: str, path: Path, args: argparse.Namespace) -> dict[str, Any]:
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", engine, "--path", str(path), "--config", args.config,
-               "--positions", ",".join(map(str, args.positions)), "--steps", str(args.steps), "--threads", str(args.threads)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        engine,
+        "--path",
+        str(path),
+        "--config",
+        args.config,
+        "--positions",
+        ",".join(map(str, args.positions)),
+        "--steps",
+        str(args.steps),
+        "--threads",
+        str(args.threads),
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+    }
     log(f"{engine} {precision}: {path.name}")
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -426,23 +521,48 @@ def run_worker(engine: str, precision: str, path: Path, args: argparse.Namespace
 def table(report: dict[str, Any]) -> str:
     positions = report["positions"]
     first, last = positions[0], positions[-1]
-    head = ["engine", "precision", *(f"decode tok/s @{p}" for p in positions), f"step time @{last} / @{first}",
-            f"prefill tok/s (0→{first})", "peak RSS (GiB)", "model files (GB)", "floor tok/s", "note"]
+    head = [
+        "engine",
+        "precision",
+        *(f"decode tok/s @{p}" for p in positions),
+        f"step time @{last} / @{first}",
+        f"prefill tok/s (0→{first})",
+        "peak RSS (GiB)",
+        "model files (GB)",
+        "floor tok/s",
+        "note",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for engine, rows in report["engines"].items():
         for precision, row in rows.items():
             floor = report["floor"].get(precision, {}).get("tok_s", "")
             if "decode" not in row:
-                lines.append(f"| {engine} | {precision} | " + " | ".join([""] * (len(head) - 3))
-                             + f" | {row.get('skipped') or row.get('error')} |")
+                lines.append(
+                    f"| {engine} | {precision} | "
+                    + " | ".join([""] * (len(head) - 3))
+                    + f" | {row.get('skipped') or row.get('error')} |"
+                )
                 continue
             decode = row["decode"]
             prefill = next(iter(row["prefill"].values()))["tok_s"]
             note = f"reached {', '.join(row['filled'])} by filling its cache" if row.get("filled") else ""
-            lines.append("| " + " | ".join([
-                engine, precision, *(f"{decode[str(p)]['tok_s']:.2f}" for p in positions),
-                f"{decode[str(last)]['us_per_token'] / decode[str(first)]['us_per_token']:.2f}", f"{prefill:.1f}",
-                f"{row['peak_rss_bytes'] / 2**30:.2f}", f"{row.get('model_bytes', 0) / 1e9:.2f}", f"{floor}", note]) + " |")
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        engine,
+                        precision,
+                        *(f"{decode[str(p)]['tok_s']:.2f}" for p in positions),
+                        f"{decode[str(last)]['us_per_token'] / decode[str(first)]['us_per_token']:.2f}",
+                        f"{prefill:.1f}",
+                        f"{row['peak_rss_bytes'] / 2**30:.2f}",
+                        f"{row.get('model_bytes', 0) / 1e9:.2f}",
+                        f"{floor}",
+                        note,
+                    ]
+                )
+                + " |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -458,21 +578,34 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ran = [(e, rows[precision]) for e, rows in report["engines"].items() if "decode" in rows.get(precision, {})]
         width = 0.8 / max(len(ran), 1)
         for i, (engine, row) in enumerate(ran):
-            ax.bar(np.arange(len(positions)) + i * width, [row["decode"][str(p)]["tok_s"] for p in positions], width,
-                   label=engine)
+            ax.bar(
+                np.arange(len(positions)) + i * width,
+                [row["decode"][str(p)]["tok_s"] for p in positions],
+                width,
+                label=engine,
+            )
         floor = report["floor"].get(precision)
         if floor:
             ax.axhline(floor["tok_s"], color="k", ls="--", lw=1, label="bandwidth floor")
-        ax.set(xticks=np.arange(len(positions)) + 0.4 - width / 2, xticklabels=[f"{p:,}" for p in positions],
-               xlabel="position (tokens)", ylabel="batch-1 decode tokens/s", title=f"decode, {precision}")
+        ax.set(
+            xticks=np.arange(len(positions)) + 0.4 - width / 2,
+            xticklabels=[f"{p:,}" for p in positions],
+            xlabel="position (tokens)",
+            ylabel="batch-1 decode tokens/s",
+            title=f"decode, {precision}",
+        )
         ax.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)
     ax = axes[-1]
     names = [(e, p) for e, rows in report["engines"].items() for p, row in rows.items() if "prefill" in row]
-    ax.barh([f"{e} {p}" for e, p in names],
-            [next(iter(report["engines"][e][p]["prefill"].values()))["tok_s"] for e, p in names])
+    ax.barh(
+        [f"{e} {p}" for e, p in names],
+        [next(iter(report["engines"][e][p]["prefill"].values()))["tok_s"] for e, p in names],
+    )
     ax.set(xlabel=f"prefill tokens/s (0→{positions[0]})", title="prefill")
-    fig.suptitle(f"{report['model']['name']}, {report['machine']['threads']} thread(s), "
-                 f"{report['machine']['cpu']}", fontsize="small")
+    fig.suptitle(
+        f"{report['model']['name']}, {report['machine']['threads']} thread(s), {report['machine']['cpu']}",
+        fontsize="small",
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -484,17 +617,35 @@ def plot(report: dict[str, Any], path: Path) -> None:
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="qwen3.5-0.8b")
-    parser.add_argument("--positions", type=lambda s: [int(p) for p in s.split(",")], default=None,
-                        help="decode positions, comma-separated (default 1024,10240,16384; --quick: 256,1024)")
+    parser.add_argument(
+        "--positions",
+        type=lambda s: [int(p) for p in s.split(",")],
+        default=None,
+        help="decode positions, comma-separated (default 1024,10240,16384; --quick: 256,1024)",
+    )
     parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated subset of {', '.join(ENGINES)}")
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help="fp32, int4 or both")
-    parser.add_argument("--steps", type=int, default=None, help="decode steps timed per position (default 32; --quick: 8)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads per engine (default: all cores)")
-    parser.add_argument("--quick", action="store_true", help="short positions and few steps: a check that everything runs")
-    parser.add_argument("--cache", type=Path, default=None, help="where the model and its conversions are kept "
-                        "(default ~/.cache/edgemem-bench/<config>)")
-    parser.add_argument("--llama-cpp-src", type=Path, default=os.environ.get("LLAMA_CPP_SRC"),
-                        help="llama.cpp source tree for convert_hf_to_gguf.py (or $LLAMA_CPP_SRC)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="decode steps timed per position (default 32; --quick: 8)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="threads per engine (default: all cores)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="short positions and few steps: a check that everything runs"
+    )
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        help="where the model and its conversions are kept (default ~/.cache/edgemem-bench/<config>)",
+    )
+    parser.add_argument(
+        "--llama-cpp-src",
+        type=Path,
+        default=os.environ.get("LLAMA_CPP_SRC"),
+        help="llama.cpp source tree for convert_hf_to_gguf.py (or $LLAMA_CPP_SRC)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
@@ -521,8 +672,9 @@ def main() -> None:
     cache = args.cache or Path.home() / ".cache" / "edgemem-bench" / args.config
     cache.mkdir(parents=True, exist_ok=True)
     hf = make_model(cache, args.config)
-    exports = make_exports(cache, hf, cache_length(args.positions, args.steps), "edgemem" in args.engines,
-                           args.precisions)
+    exports = make_exports(
+        cache, hf, cache_length(args.positions, args.steps), "edgemem" in args.engines, args.precisions
+    )
     ggufs, no_llama = make_gguf(cache, hf, args.llama_cpp_src) if "llama.cpp" in args.engines else ({}, "")
     bandwidth = copy_bandwidth(64 if args.config == "tiny" else 512)
     floor = {}
@@ -543,22 +695,37 @@ def main() -> None:
             elif engine == "transformers" and precision == "int4":
                 engines[engine][precision] = {"skipped": "transformers has no int4 CPU path in this environment"}
             else:
-                path = {"edgemem": exports.get("preallocated"), "edgemem-growing": exports["growing"], "genai": exports["growing"],
-                        "llama.cpp": ggufs, "transformers": {"fp32": hf}}[engine][precision]
+                path = {
+                    "edgemem": exports.get("preallocated"),
+                    "edgemem-growing": exports["growing"],
+                    "genai": exports["growing"],
+                    "llama.cpp": ggufs,
+                    "transformers": {"fp32": hf},
+                }[engine][precision]
                 engines[engine][precision] = {"graph": GRAPHS[engine], **run_worker(engine, precision, path, args)}
                 engines[engine][precision]["model_bytes"] = sum(
-                    f.stat().st_size for f in ([path] if path.is_file() else path.rglob("*")) if f.is_file()
-                    and f.suffix in (".onnx", ".data", ".gguf", ".safetensors"))
+                    f.stat().st_size
+                    for f in ([path] if path.is_file() else path.rglob("*"))
+                    if f.is_file() and f.suffix in (".onnx", ".data", ".gguf", ".safetensors")
+                )
     report = {
         "model": {"name": f"{args.config} (random weights, seed 0)", "config": CONFIGS[args.config]},
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": args.threads,
-                    "copy_bandwidth_GBps": round(bandwidth / 1e9, 2)},
-        "positions": sorted(args.positions), "steps": args.steps, "precisions": args.precisions, "prefill_chunk": CHUNK,
-        "floor": floor, "engines": engines,
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "threads": args.threads,
+            "copy_bandwidth_GBps": round(bandwidth / 1e9, 2),
+        },
+        "positions": sorted(args.positions),
+        "steps": args.steps,
+        "precisions": args.precisions,
+        "prefill_chunk": CHUNK,
+        "floor": floor,
+        "engines": engines,
         "kv_cache_length": cache_length(args.positions, args.steps),
         "method": "each engine in its own process; positions reached by a real chunked prefill, except where a row "
-                  "lists `filled` (random rows appended to its attention caches); decode = median of `steps` batch-1 "
-                  "tokens; floor = decode weight bytes / copy bandwidth",
+        "lists `filled` (random rows appended to its attention caches); decode = median of `steps` batch-1 "
+        "tokens; floor = decode weight bytes / copy bandwidth",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -39,17 +39,19 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 
 def export_models(work: Path) -> dict[str, Path]:
+    from test_hf_qwen3_5 import randomise, save, text_config
+    from transformers import Qwen3_5ForCausalLM
+
     from edgemem.export import export
     from edgemem.models import build, from_hf, load_checkpoint
     from edgemem.models.lm import set_kv_cache
-    from test_hf_qwen3_5 import randomise, save, text_config
-    from transformers import Qwen3_5ForCausalLM
 
     out = {name: work / name for name in ("gdn", "modest", "hybrid", "trained", "draft")}
     export(build("gated-deltanet", seed=0), out["gdn"], targets=["ort"])
     export(build("gated-deltanet", seed=0, d_model=512, n_layers=4), out["modest"], targets=["ort"])
-    config = text_config(["linear_attention", "full_attention"] * 2, heads=4, kv_heads=2, head_dim=64, k_heads=2,
-                         v_heads=4, dk=64, dv=64)
+    config = text_config(
+        ["linear_attention", "full_attention"] * 2, heads=4, kv_heads=2, head_dim=64, k_heads=2, v_heads=4, dk=64, dv=64
+    )
     config.vocab_size, config.hidden_size, config.intermediate_size = 256, 256, 512
     hybrid = from_hf(save(randomise(Qwen3_5ForCausalLM(config), seed=3), work / "hf"))
     set_kv_cache(hybrid, 1280)
@@ -116,11 +118,19 @@ def speculation(directories: dict[str, Path], new_tokens: int, k: int) -> list[d
                     stats = stream.generation
                     best = stats if best is None or stats.tokens_per_s > best.tokens_per_s else best
                 plain = plain if plain is not None else (out, best.tokens_per_s)
-                rows.append({"model": label_model, "input": kind, "decoding": label, "draft_tokens": k,
-                             "tokens": best.tokens, "tokens_per_s": round(best.tokens_per_s, 1),
-                             "speedup": round(best.tokens_per_s / plain[1], 2),
-                             "acceptance": None if best.acceptance_rate is None else round(best.acceptance_rate, 3),
-                             "same_output": out == plain[0]})
+                rows.append(
+                    {
+                        "model": label_model,
+                        "input": kind,
+                        "decoding": label,
+                        "draft_tokens": k,
+                        "tokens": best.tokens,
+                        "tokens_per_s": round(best.tokens_per_s, 1),
+                        "speedup": round(best.tokens_per_s / plain[1], 2),
+                        "acceptance": None if best.acceptance_rate is None else round(best.acceptance_rate, 3),
+                        "same_output": out == plain[0],
+                    }
+                )
     return rows
 
 
@@ -156,14 +166,20 @@ def rollback_costs(directory: Path, k: int, repeats: int = 100) -> dict:
         stream.step(1)
         stream._rollback(mark)
 
-    row = {"k": k, "state_bytes": engine.state_bytes(0), "step_us": timed(step_back),
-           "verify_run_us": timed(lambda: run_back(block)),
-           "keep_by_flipping_sides_us": timed(lambda: stream._rollback(stream._mark(k + 1, one_run=True))),
-           "keep_by_copy_us": timed(lambda: Stream._rollback(stream, Stream._mark(stream, k + 1, one_run=False)))}
+    row = {
+        "k": k,
+        "state_bytes": engine.state_bytes(0),
+        "step_us": timed(step_back),
+        "verify_run_us": timed(lambda: run_back(block)),
+        "keep_by_flipping_sides_us": timed(lambda: stream._rollback(stream._mark(k + 1, one_run=True))),
+        "keep_by_copy_us": timed(lambda: Stream._rollback(stream, Stream._mark(stream, k + 1, one_run=False))),
+    }
     for m in range(1, k + 1):
         tokens = block[:m]
         row[f"reapply_{m}_one_run_us"] = timed(lambda t=tokens: run_back(t))
-        row[f"reapply_{m}_steps_us"] = round(timed(lambda t=tokens: run_back(t, by_steps=True)) - row["keep_by_copy_us"], 1)
+        row[f"reapply_{m}_steps_us"] = round(
+            timed(lambda t=tokens: run_back(t, by_steps=True)) - row["keep_by_copy_us"], 1
+        )
     return row
 
 
@@ -177,11 +193,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         dirs = export_models(Path(tmp))
         result = {
-            "environment": {"cpus": os.cpu_count(), "machine": platform.machine(), "threads": 1,
-                            "load_avg": os.getloadavg()},
-            "time_to_first_token": {"gated-deltanet preset": time_to_first_token(dirs["gdn"], 2048, args.repeats),
-                                    "qwen3.5 hybrid (KV cache 1280)": time_to_first_token(dirs["hybrid"], 1024,
-                                                                                          args.repeats)},
+            "environment": {
+                "cpus": os.cpu_count(),
+                "machine": platform.machine(),
+                "threads": 1,
+                "load_avg": os.getloadavg(),
+            },
+            "time_to_first_token": {
+                "gated-deltanet preset": time_to_first_token(dirs["gdn"], 2048, args.repeats),
+                "qwen3.5 hybrid (KV cache 1280)": time_to_first_token(dirs["hybrid"], 1024, args.repeats),
+            },
             "speculation": speculation(dirs, args.new_tokens, args.draft_tokens),
             "rollback": rollback_costs(dirs["modest"], args.draft_tokens),
         }

@@ -109,10 +109,23 @@ def fits_memory(nbytes: float, what: str, error: type[ConfigError] = ConfigError
 
 
 # Settings (preset keys and mixer options) that must be > 0; every other numeric setting must be ≥ 0.
-POSITIVE_SETTINGS = frozenset({
-    "d_model", "n_layers", "vocab_size", "norm_eps", "num_heads", "chunk_size", "depth", "expansion",
-    "window", "dilation", "max_lr", "eps", "s",
-})
+POSITIVE_SETTINGS = frozenset(
+    {
+        "d_model",
+        "n_layers",
+        "vocab_size",
+        "norm_eps",
+        "num_heads",
+        "chunk_size",
+        "depth",
+        "expansion",
+        "window",
+        "dilation",
+        "max_lr",
+        "eps",
+        "s",
+    }
+)
 
 
 LAYER_BYTES = 32 * 1024  # what one layer's modules and parameter objects cost in Python before any weight
@@ -135,5 +148,7 @@ def check_settings(settings: dict[str, Any], name: str = "model") -> None:
     mlp, vocab, expansion = settings.get("mlp_hidden", 0), settings.get("vocab_size", 256), settings.get("expansion", 1)
     if all(isinstance(v, int) and not isinstance(v, bool) for v in (d, layers, mlp, vocab, expansion)):
         params = 2 * vocab * d + layers * (4 * d * d * max(1, expansion) + 2 * d * mlp)  # a lower bound, fp32
-        fits_memory(4 * params + LAYER_BYTES * layers,
-                    f"{name} with d_model={d}, n_layers={layers}, mlp_hidden={mlp}, vocab_size={vocab}")
+        fits_memory(
+            4 * params + LAYER_BYTES * layers,
+            f"{name} with d_model={d}, n_layers={layers}, mlp_hidden={mlp}, vocab_size={vocab}",
+        )

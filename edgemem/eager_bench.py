@@ -26,25 +26,53 @@ from edgemem.runtime import bench
 from edgemem.runtime.state import decode_checkpoint
 
 
-def run_with_eager(directory: str | Path, *, steps: int = 100, warmup: int = 5, time_limit: float = 2.0,
-                   threads: int | None = 1, seed: int = 0, progress: bench.Progress | None = None,
-                   **runtime: Any) -> dict[str, Any]:
+def run_with_eager(
+    directory: str | Path,
+    *,
+    steps: int = 100,
+    warmup: int = 5,
+    time_limit: float = 2.0,
+    threads: int | None = 1,
+    seed: int = 0,
+    progress: bench.Progress | None = None,
+    **runtime: Any,
+) -> dict[str, Any]:
     """`edgemem.runtime.bench.run(directory, ..., **runtime)`, then the baselines: every row that was timed
     gains `eager_us_per_token`, `eager_tokens_per_s`, `speedup_vs_eager`; every row `softmax_kv_bytes`."""
     if importlib.util.find_spec("torch") is None:  # say so before minutes of runtime measurements
-        raise EdgememError("the PyTorch eager baseline needs torch, which is not installed: pass --no-eager for the "
-                           "runtime alone, or install PyTorch")
+        raise EdgememError(
+            "the PyTorch eager baseline needs torch, which is not installed: pass --no-eager for the "
+            "runtime alone, or install PyTorch"
+        )
     progress = progress or (lambda _: None)
     with tempfile.TemporaryDirectory(prefix="edgemem-bench-") as checkpoints:
-        result = bench.run(directory, steps=steps, warmup=warmup, time_limit=time_limit, threads=threads, seed=seed,
-                           checkpoints=Path(checkpoints), progress=progress, **runtime)
+        result = bench.run(
+            directory,
+            steps=steps,
+            warmup=warmup,
+            time_limit=time_limit,
+            threads=threads,
+            seed=seed,
+            checkpoints=Path(checkpoints),
+            progress=progress,
+            **runtime,
+        )
         manifest = load_manifest(directory, check_files=False)  # the runtime has just checked the files
         _eager(manifest, result, Path(checkpoints), steps, warmup, time_limit, threads, seed, progress)
     return result
 
 
-def _eager(manifest: Manifest, result: dict[str, Any], checkpoints: Path, steps: int, warmup: int, time_limit: float,
-           threads: int | None, seed: int, progress: bench.Progress) -> None:
+def _eager(
+    manifest: Manifest,
+    result: dict[str, Any],
+    checkpoints: Path,
+    steps: int,
+    warmup: int,
+    time_limit: float,
+    threads: int | None,
+    seed: int,
+    progress: bench.Progress,
+) -> None:
     import torch  # noqa: PLC0415 — after every runtime measurement
 
     from edgemem.export.verify import rebuild  # noqa: PLC0415
@@ -59,8 +87,11 @@ def _eager(manifest: Manifest, result: dict[str, Any], checkpoints: Path, steps:
     softmax = describe("softmax", **sizes)
     result["model"].update(
         params=sum(p.numel() for p in model.parameters()),
-        softmax_baseline={"d_model": softmax["d_model"], "layers": softmax["layers"],
-                          "kv_bytes_per_token": softmax["state_bytes_per_token"]},
+        softmax_baseline={
+            "d_model": softmax["d_model"],
+            "layers": softmax["layers"],
+            "kv_bytes_per_token": softmax["state_bytes_per_token"],
+        },
         torch=torch.__version__,
     )
     keys = {s.input: s.input.removeprefix("past_key_values.") for s in manifest.state}
@@ -82,8 +113,10 @@ def _eager(manifest: Manifest, result: dict[str, Any], checkpoints: Path, steps:
         progress(f"PyTorch eager: position {row['position']:,}, batch {row['batch']}")
         checkpoint = decode_checkpoint(bench.checkpoint_path(checkpoints, row["position"]).read_bytes(), manifest)
         batch = row["batch"]
-        state = {keys[name]: torch.from_numpy(a).expand(batch, *a.shape[1:]).contiguous()
-                 for name, a in checkpoint.state.items()}
+        state = {
+            keys[name]: torch.from_numpy(a).expand(batch, *a.shape[1:]).contiguous()
+            for name, a in checkpoint.state.items()
+        }
         tokens = torch.from_numpy(rng.integers(0, manifest.vocab_size, (max(steps, 3) + warmup, batch)))
         seconds = time_eager(state, tokens, steps, warmup)
         del state

@@ -140,7 +140,9 @@ def save_onnx(model: Any, path: Path) -> list[Path]:
         onnx.save(model, path)
         return [path]
     data = path.with_name(path.name + ".data")
-    onnx.save(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location=data.name, size_threshold=1024)
+    onnx.save(
+        model, path, save_as_external_data=True, all_tensors_to_one_file=True, location=data.name, size_threshold=1024
+    )
     data.chmod(0o666 & ~umask())  # onnx creates it 0600
     return [path, data]
 
@@ -205,7 +207,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def engine_files(folder: Path) -> set[str] | None:
-    """What `edgemem build` wrote in `folder`: engines.json and the engines it lists; None if it holds no engines.json."""
+    """What `edgemem build` wrote in `folder`: engines.json and the engines it lists; None if it holds no engines.json."""  # noqa: E501
     info = _read_json(Path(folder) / ENGINES_JSON)
     if info is None or not isinstance(info.get("engines"), dict):
         return None
@@ -228,7 +230,7 @@ def export_files(folder: Path) -> set[str] | None:
 
 def foreign_files(folder: Path, own: set[str] | None) -> list[str]:
     """The entries of `folder` ('/'-separated paths) that are not in `own` (edgemem's files and folders there)
-    nor a folder of them: every top-level entry when `own` is None. Links count as foreign; write_atomic's temporary files do not."""
+    nor a folder of them: every top-level entry when `own` is None. Links count as foreign; write_atomic's temporary files do not."""  # noqa: E501
     folder = Path(folder)
     if own is None:
         return sorted(p.name for p in folder.iterdir())
@@ -256,13 +258,19 @@ def _listing(names: list[str], most: int = 5) -> str:
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-def check_output_dir(out: str | Path, *, force: bool, inputs: Iterable[str | Path] = (), what: str = "output",
-                     own: Callable[[Path], set[str] | None] = export_files) -> Path:
+def check_output_dir(
+    out: str | Path,
+    *,
+    force: bool,
+    inputs: Iterable[str | Path] = (),
+    what: str = "output",
+    own: Callable[[Path], set[str] | None] = export_files,
+) -> Path:
     """Before long work: `out` may receive a new directory (an export unless `own` says otherwise).
 
     It must not be (or hold) the current directory or any of `inputs`, nor lie inside an input, nor be a
     mount point; an existing non-empty `out` is replaced only with `force`, and only if edgemem wrote every
-    entry in it (`own(out)`: the paths it wrote there, None for a directory it did not write). Returns `out` resolved."""
+    entry in it (`own(out)`: the paths it wrote there, None for a directory it did not write). Returns `out` resolved."""  # noqa: E501
     given = as_path(out, what)
     out = given.resolve()
     if _inside(Path.cwd().resolve(), out):
@@ -270,21 +278,27 @@ def check_output_dir(out: str | Path, *, force: bool, inputs: Iterable[str | Pat
     for source in inputs:
         source = Path(source).resolve()
         if _inside(source, out) or _inside(out, source):
-            raise OutputError(f"{what} {given} would overwrite or sit inside the command's own input {source}; "
-                              "choose another directory")
+            raise OutputError(
+                f"{what} {given} would overwrite or sit inside the command's own input {source}; "
+                "choose another directory"
+            )
     if out.exists() and not out.is_dir():
         raise OutputError(f"{what} {given} exists and is not a directory")
     if out.is_dir() and os.path.ismount(out):
         raise OutputError(f"{what} {given} is a mount point, which cannot be replaced; give a directory inside it")
     if out.is_dir() and any(out.iterdir()):
         if not force:
-            raise OutputError(f"{what} {given} is not empty; pass {named('force=True', '--force')} to replace what "
-                              "edgemem wrote there")
+            raise OutputError(
+                f"{what} {given} is not empty; pass {named('force=True', '--force')} to replace what "
+                "edgemem wrote there"
+            )
         foreign = foreign_files(out, own(out))
         if foreign:
-            raise OutputError(f"{what} {given} holds files edgemem did not write ({_listing(foreign)}); "
-                              f"{named('force', '--force')} only replaces what edgemem wrote: move them or choose "
-                              "another directory")
+            raise OutputError(
+                f"{what} {given} holds files edgemem did not write ({_listing(foreign)}); "
+                f"{named('force', '--force')} only replaces what edgemem wrote: move them or choose "
+                "another directory"
+            )
     _writable_ancestor(out, what)
     return out
 
@@ -323,8 +337,10 @@ def _identity(path: Path) -> tuple[int, int, bool] | None:
 
 def _place(tmp: Path, out: Path, before: tuple[int, int, bool] | None) -> None:
     """Move the directory `tmp` to `out`, replacing only what was there when the work began (`before`)."""
-    changed = OutputError(f"{out} appeared or changed while this command wrote it (another command writing the "
-                          "same output?); it was left as it is and nothing was written")
+    changed = OutputError(
+        f"{out} appeared or changed while this command wrote it (another command writing the "
+        "same output?); it was left as it is and nothing was written"
+    )
     if before is None or not before[2]:  # nothing, or an empty directory: rename replaces no more than that
         try:
             os.rename(tmp, out)

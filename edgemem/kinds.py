@@ -40,12 +40,20 @@ class Kind:
         return self.model_class()(cls(**{k: v for k, v in config.items() if k in names}))
 
 
-KINDS = {k.name: k for k in (
-    Kind("lm", "edgemem.models.lm:LM", "edgemem.models.lm:LMConfig", ("prefill", "step"), "fresh"),
-    Kind("encoder", "edgemem.models.encoder:Encoder", "edgemem.models.encoder:EncoderConfig", ("prefill",), "none"),
-    Kind("encoder_decoder", "edgemem.models.seq2seq:EncoderDecoder", "edgemem.models.seq2seq:Seq2SeqConfig",
-         ("encoder", "prefill", "step"), "encode"),
-)}
+KINDS = {
+    k.name: k
+    for k in (
+        Kind("lm", "edgemem.models.lm:LM", "edgemem.models.lm:LMConfig", ("prefill", "step"), "fresh"),
+        Kind("encoder", "edgemem.models.encoder:Encoder", "edgemem.models.encoder:EncoderConfig", ("prefill",), "none"),
+        Kind(
+            "encoder_decoder",
+            "edgemem.models.seq2seq:EncoderDecoder",
+            "edgemem.models.seq2seq:Seq2SeqConfig",
+            ("encoder", "prefill", "step"),
+            "encode",
+        ),
+    )
+}
 DEFAULT = "lm"  # the kind of checkpoints and exports that name none (written before kinds existed)
 
 

@@ -54,7 +54,12 @@ TOKENIZER_DIR = "tokenizer"  # the tokenizer files an export carries
 TARGETS = ("generic", "ort", "onnx27", "trt")
 DTYPES = ("fp32", "fp16")  # of the weights and activations (config.dtype)
 MIN_OPSET, MAX_OPSET = 18, 27  # what edgemem's graphs are written at (edgemem.export.OPSET, onnx27's LinearAttention)
-ONNX_DTYPES = {"float32": "float", "float16": "float16", "float64": "double", "int64": "int64"}  # as onnxruntime names them
+ONNX_DTYPES = {
+    "float32": "float",
+    "float16": "float16",
+    "float64": "double",
+    "int64": "int64",
+}  # as onnxruntime names them
 PREFILL_LAST = "prefill_last"  # graphs[...]: the prefill graph with last-position logits (see the module docstring)
 SYMBOLIC_DIMS = ("batch", "past_sequence", "encoder_sequence")  # state dims sized per stream
 
@@ -88,7 +93,9 @@ class Manifest:
     format: str = FORMAT
     quantization: dict[str, Any] | None = None  # how an INT8 export was made (edgemem.quant); None: not quantized
     kv_cache: dict[str, Any] | None = None  # preallocated KV caches (module docstring); None: none, or growing
-    genai: dict[str, Any] | None = None  # fits onnxruntime-genai: {"fits", "config", "target"} or {"fits": false, "reasons"} (edgemem.export.genai)
+    genai: dict[str, Any] | None = (
+        None  # fits onnxruntime-genai: {"fits", "config", "target"} or {"fits": false, "reasons"} (edgemem.export.genai)  # noqa: E501
+    )
     weights: dict[str, Any] | None = None  # per target: the shared weight file and its index (module docstring)
     kind: str = kinds.DEFAULT  # the model kind (edgemem.kinds)
     source: dict[str, Any] | None = None  # where the model came from (edgemem.models.source)
@@ -145,71 +152,123 @@ def load(directory: str | Path, *, check_files: bool = True) -> Manifest:
     if not isinstance(manifest.config, dict):
         raise ManifestError(f"{path}: config must be an object; got {manifest.config!r}")
     if manifest.config.get("dtype", "fp32") not in DTYPES:
-        raise ManifestError(f"{path}: config.dtype is {manifest.config.get('dtype')!r}; expected one of {', '.join(DTYPES)}")
+        raise ManifestError(
+            f"{path}: config.dtype is {manifest.config.get('dtype')!r}; expected one of {', '.join(DTYPES)}"
+        )
     if manifest.config.get("arch", manifest.arch) != manifest.arch:
-        raise ManifestError(f"{path}: arch is {manifest.arch!r} but config.arch is {manifest.config['arch']!r} "
-                            "(edited by hand?); re-export the model")
+        raise ManifestError(
+            f"{path}: arch is {manifest.arch!r} but config.arch is {manifest.config['arch']!r} "
+            "(edited by hand?); re-export the model"
+        )
     if type(manifest.opset) is not int or not MIN_OPSET <= manifest.opset <= MAX_OPSET:
         raise ManifestError(f"{path}: opset is {manifest.opset!r}; expected an integer in {MIN_OPSET}..{MAX_OPSET}")
-    bad = [t for t in manifest.targets if t not in TARGETS] if isinstance(manifest.targets, list) else [manifest.targets]
+    bad = (
+        [t for t in manifest.targets if t not in TARGETS] if isinstance(manifest.targets, list) else [manifest.targets]
+    )
     if bad or not manifest.targets:
         raise ManifestError(f"{path}: targets {manifest.targets!r}; expected a list of {', '.join(TARGETS)}")
     vocab = manifest.config.get("vocab_size")
     if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
         raise ManifestError(f"{path}: config.vocab_size must be a positive integer; got {vocab!r}")
     if manifest.kind not in kinds.KINDS:
-        raise ManifestError(f"{path}: kind {manifest.kind!r} is not a model kind this edgemem knows "
-                            f"({', '.join(kinds.KINDS)})")
+        raise ManifestError(
+            f"{path}: kind {manifest.kind!r} is not a model kind this edgemem knows ({', '.join(kinds.KINDS)})"
+        )
     for spec in manifest.state:
         if spec.dtype not in STATE_DTYPES:
-            raise ManifestError(f"{path}: state {spec.input} has dtype {spec.dtype!r}; expected one of {', '.join(STATE_DTYPES)}")
+            raise ManifestError(
+                f"{path}: state {spec.input} has dtype {spec.dtype!r}; expected one of {', '.join(STATE_DTYPES)}"
+            )
         if not isinstance(spec.shape, list) or not all(
-                d in SYMBOLIC_DIMS or (type(d) is int and d >= 0) for d in spec.shape):
-            raise ManifestError(f"{path}: state {spec.input} has shape {spec.shape!r}; expected non-negative sizes, "
-                                "or one of " + ", ".join(map(repr, SYMBOLIC_DIMS)))
+            d in SYMBOLIC_DIMS or (type(d) is int and d >= 0) for d in spec.shape
+        ):
+            raise ManifestError(
+                f"{path}: state {spec.input} has shape {spec.shape!r}; expected non-negative sizes, "
+                "or one of " + ", ".join(map(repr, SYMBOLIC_DIMS))
+            )
     kv = manifest.kv_cache
     if kv is not None:
         inputs = {s.input for s in manifest.state}
-        ok = (isinstance(kv, dict) and type(kv.get("max_length")) is int and kv["max_length"] > 0
-              and kv.get("overflow") in ("error", "sink_window") and isinstance(kv.get("states"), list)
-              and set(kv["states"]) <= inputs and isinstance(kv.get("in_place"), list) and type(kv.get("sinks")) is int)
+        ok = (
+            isinstance(kv, dict)
+            and type(kv.get("max_length")) is int
+            and kv["max_length"] > 0
+            and kv.get("overflow") in ("error", "sink_window")
+            and isinstance(kv.get("states"), list)
+            and set(kv["states"]) <= inputs
+            and isinstance(kv.get("in_place"), list)
+            and type(kv.get("sinks")) is int
+        )
         if not ok:
-            raise ManifestError(f"{path}: kv_cache is {kv!r}; expected max_length (a positive integer), overflow "
-                                "('error' or 'sink_window'), sinks, states (state inputs) and in_place (targets)")
+            raise ManifestError(
+                f"{path}: kv_cache is {kv!r}; expected max_length (a positive integer), overflow "
+                "('error' or 'sink_window'), sinks, states (state inputs) and in_place (targets)"
+            )
     encoder = manifest.encoder
     if (encoder is not None or "encoder" in kinds.get(manifest.kind).graphs) and not (
-            isinstance(encoder, dict) and type(encoder.get("max_length")) is int and encoder["max_length"] > 0
-            and isinstance(encoder.get("inputs"), dict) and isinstance(encoder.get("fills"), dict)
-            and set(encoder["fills"]) <= {s.input for s in manifest.state}):
-        raise ManifestError(f"{path}: encoder is {encoder!r}; an {manifest.kind} export needs inputs, max_length (a "
-                            "positive integer) and fills (state input → encoder output)")
+        isinstance(encoder, dict)
+        and type(encoder.get("max_length")) is int
+        and encoder["max_length"] > 0
+        and isinstance(encoder.get("inputs"), dict)
+        and isinstance(encoder.get("fills"), dict)
+        and set(encoder["fills"]) <= {s.input for s in manifest.state}
+    ):
+        raise ManifestError(
+            f"{path}: encoder is {encoder!r}; an {manifest.kind} export needs inputs, max_length (a "
+            "positive integer) and fills (state input → encoder output)"
+        )
     stores = manifest.weights
     if stores is not None and not (
-            isinstance(stores, dict) and all(
-                isinstance(w, dict) and w.get("file") in manifest.files and isinstance(w.get("tensors"), dict)
-                and all(isinstance(t, dict) and all(isinstance(e, list) and len(e) == 3 and type(e[0]) is int
-                                                    and e[0] >= 0 and isinstance(e[1], str) and isinstance(e[2], list)
-                                                    for e in t.values()) for t in w["tensors"].values())
-                for w in stores.values())):
-        raise ManifestError(f"{path}: weights is not a map of target to {{file (one of files), tensors: {{graph: "
-                            "{initializer: [offset, dtype, shape]}}}}}")
+        isinstance(stores, dict)
+        and all(
+            isinstance(w, dict)
+            and w.get("file") in manifest.files
+            and isinstance(w.get("tensors"), dict)
+            and all(
+                isinstance(t, dict)
+                and all(
+                    isinstance(e, list)
+                    and len(e) == 3
+                    and type(e[0]) is int
+                    and e[0] >= 0
+                    and isinstance(e[1], str)
+                    and isinstance(e[2], list)
+                    for e in t.values()
+                )
+                for t in w["tensors"].values()
+            )
+            for w in stores.values()
+        )
+    ):
+        raise ManifestError(
+            f"{path}: weights is not a map of target to {{file (one of files), tensors: {{graph: "
+            "{initializer: [offset, dtype, shape]}}}}}"
+        )
     if check_files:
         for name, digest in manifest.files.items():
             file = directory / name
             if not file.is_file():
                 raise ManifestError(f"{directory}: {name} listed in {MANIFEST} is missing")
             if sha256(file) != digest:
-                raise ManifestError(f"{directory}: {name} does not match its sha256 in {MANIFEST} (modified or corrupt)")
+                raise ManifestError(
+                    f"{directory}: {name} does not match its sha256 in {MANIFEST} (modified or corrupt)"
+                )
     return manifest
 
 
-def check_io(manifest: Manifest, where: str | Path, inputs: dict[str, tuple[str, list]],
-             outputs: dict[str, tuple[str, list]], graph: str = "step") -> None:
+def check_io(
+    manifest: Manifest,
+    where: str | Path,
+    inputs: dict[str, tuple[str, list]],
+    outputs: dict[str, tuple[str, list]],
+    graph: str = "step",
+) -> None:
     """The manifest against one graph's inputs and outputs (name → (element type as onnxruntime names it,
     e.g. "float", and dims: ints, or names/None for symbolic ones)): the state tensors by name, dtype and fixed
     sizes (a read-only state, output "", is an input only), the token input, the outputs, and logits as wide as
     config.vocab_size; an encoder graph (`graph` "encoder"): its inputs and the states it fills. A cheap check,
     no hashing."""
+
     def differ(what: str, spec: StateSpec, graph: tuple[str, list]) -> str | None:
         kind, dims = graph
         if kind != ONNX_DTYPES[spec.dtype]:
@@ -222,8 +281,11 @@ def check_io(manifest: Manifest, where: str | Path, inputs: dict[str, tuple[str,
     problems = []
     if graph == "encoder":
         encoder = manifest.encoder or {}
-        problems += [f"encoder input {name!r} is not in the graph" for name in encoder.get("inputs", {}).values()
-                     if name not in inputs]
+        problems += [
+            f"encoder input {name!r} is not in the graph"
+            for name in encoder.get("inputs", {}).values()
+            if name not in inputs
+        ]
         specs = {s.input: s for s in manifest.state}
         for state, name in encoder.get("fills", {}).items():
             if name not in outputs:
@@ -231,7 +293,9 @@ def check_io(manifest: Manifest, where: str | Path, inputs: dict[str, tuple[str,
             elif (why := differ(name, specs[state], outputs[name])) is not None:
                 problems.append(why)
         if problems:
-            raise ManifestError(f"{where} does not match {MANIFEST}: {problems[0]}; edited by hand? re-export the model")
+            raise ManifestError(
+                f"{where} does not match {MANIFEST}: {problems[0]}; edited by hand? re-export the model"
+            )
         return
     for spec in manifest.state:
         for name, side in ((spec.input, inputs), (spec.output, outputs)):
@@ -249,7 +313,9 @@ def check_io(manifest: Manifest, where: str | Path, inputs: dict[str, tuple[str,
         problems.append(f"logits are {logits[1][-1]} wide in the graph, config.vocab_size is {manifest.vocab_size}")
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise ManifestError(f"{where} does not match {MANIFEST}: {problems[0]}{more}; edited by hand? re-export the model")
+        raise ManifestError(
+            f"{where} does not match {MANIFEST}: {problems[0]}{more}; edited by hand? re-export the model"
+        )
 
 
 _ELEMENT = {1: "float", 10: "float16", 11: "double", 7: "int64"}
@@ -264,14 +330,17 @@ def check_graph_file(manifest: Manifest, path: Path, target: str) -> None:
     try:
         model = onnx.load(str(path), load_external_data=False)
     except (DecodeError, OSError, ValueError) as e:
-        raise ManifestError(f"{path} is not a readable ONNX graph (truncated or corrupt?): {str(e).splitlines()[0]}") from None
+        raise ManifestError(
+            f"{path} is not a readable ONNX graph (truncated or corrupt?): {str(e).splitlines()[0]}"
+        ) from None
     if not model.graph.node and not model.opset_import:  # protobuf reads an empty file as an empty message
         raise ManifestError(f"{path} is not a readable ONNX graph (empty or truncated?)")
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     want = 27 if target == "onnx27" else manifest.opset
     if opset != want:
-        raise ManifestError(f"{path} is written at ONNX opset {opset}, {MANIFEST} says {want} (edited by hand?); "
-                            "re-export the model")
+        raise ManifestError(
+            f"{path} is written at ONNX opset {opset}, {MANIFEST} says {want} (edited by hand?); re-export the model"
+        )
 
     def values(items) -> dict[str, tuple[str, list]]:
         found = {}

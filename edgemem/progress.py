@@ -41,8 +41,9 @@ class Tracker:
         self.start = time.monotonic()
         self._lock = threading.Lock()
 
-    def update(self, description: str | None = None, *, advance: float = 0, completed: float | None = None,
-               **fields: Any) -> None:
+    def update(
+        self, description: str | None = None, *, advance: float = 0, completed: float | None = None, **fields: Any
+    ) -> None:
         with self._lock:
             if description is not None:
                 self.description = description
@@ -117,10 +118,14 @@ def track(description: str, total: float | None = None, *, terminal: bool | None
     if terminal:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-        columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()] if total else \
-            [SpinnerColumn(), TextColumn("{task.description}")]
-        with Progress(*columns, TextColumn("{task.fields[extra]}"), TimeElapsedColumn(), console=console,
-                      transient=True) as progress:
+        columns = (
+            [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()]
+            if total
+            else [SpinnerColumn(), TextColumn("{task.description}")]
+        )
+        with Progress(
+            *columns, TextColumn("{task.fields[extra]}"), TimeElapsedColumn(), console=console, transient=True
+        ) as progress:
             yield _Bar(description, total, progress)
         return
     lines = _Lines(description, total).__enter__()

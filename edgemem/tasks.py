@@ -105,8 +105,10 @@ class Task:
         for row in range(batch):
             rng = held_out_rng(seed, row)
             rows.append([self.batch(1, self.length, rng) for _ in range(count)])
-        return Sample(np.stack([np.concatenate([e.tokens[0] for e in r])[:length] for r in rows]),
-                      np.stack([np.concatenate([e.targets[0] for e in r])[:length] for r in rows]))
+        return Sample(
+            np.stack([np.concatenate([e.tokens[0] for e in r])[:length] for r in rows]),
+            np.stack([np.concatenate([e.targets[0] for e in r])[:length] for r in rows]),
+        )
 
     def score(self, logits: np.ndarray, targets: np.ndarray) -> float:
         """Accuracy of the argmax over positions with a target ≥ 0."""
@@ -167,8 +169,10 @@ class MQARFar(Task):
         """Episodes: the pairs, `gap` filler tokens, the queries."""
         check_shape(batch, length)
         if length != self.length:
-            raise ConfigError(f"an mqar-far episode with {self.pairs} pairs and gap {self.gap} is "
-                              f"{self.length} tokens (3 × pairs + gap); got length {length}")
+            raise ConfigError(
+                f"an mqar-far episode with {self.pairs} pairs and gap {self.gap} is "
+                f"{self.length} tokens (3 × pairs + gap); got length {length}"
+            )
         p = self.pairs
         keys, values, tokens, targets = _pairs(batch, length, p, rng)
         rows = np.arange(batch)[:, None]

@@ -14,9 +14,10 @@ import math
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -99,8 +100,10 @@ def train(
     arch = model.config.arch
     _check_vocabulary(model, task)
     if not model.streaming:
-        raise ConfigError(f"{arch} is bidirectional (every position sees the whole sequence) and {task.name} is a "
-                          "next-token task: it would see its targets; train a causal preset")
+        raise ConfigError(
+            f"{arch} is bidirectional (every position sees the whole sequence) and {task.name} is a "
+            "next-token task: it would see its targets; train a causal preset"
+        )
     model = model.to(device)
     model.train()
     rng = train_rng(seed)
@@ -118,11 +121,19 @@ def train(
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.95),
+        lr=lr,
+        betas=(0.9, 0.95),
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    log.info("training %s on %s: %d steps × %d × %d tokens, %d parameters", arch, task.name, steps, batch, length,
-             sum(p.numel() for p in model.parameters()))
+    log.info(
+        "training %s on %s: %d steps × %d × %d tokens, %d parameters",
+        arch,
+        task.name,
+        steps,
+        batch,
+        length,
+        sum(p.numel() for p in model.parameters()),
+    )
     result = TrainResult(model)
     start = time.perf_counter()
     with _progress(progress, f"training {arch} on {task.name}", steps) as advance, _deferred_interrupt() as interrupted:
@@ -136,8 +147,10 @@ def train(
             loss = _loss(model, torch.from_numpy(sample.tokens).to(device), torch.from_numpy(sample.targets).to(device))
             if not torch.isfinite(loss):
                 kept = f"; {out} was not written" if out is not None else ""
-                raise TrainingError(f"the loss is {loss.item()} at step {step + 1} of {steps}: training diverged "
-                                    f"(lower --lr or check --set values){kept}")
+                raise TrainingError(
+                    f"the loss is {loss.item()} at step {step + 1} of {steps}: training diverged "
+                    f"(lower --lr or check --set values){kept}"
+                )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -158,8 +171,10 @@ def train(
 
 def _check_vocabulary(model: LM, task: Task) -> None:
     if model.config.vocab_size < VOCAB:
-        raise ConfigError(f"{task.name} feeds byte ids 0-{VOCAB - 1} (edgemem.tasks) but {model.config.arch} has a "
-                          f"vocabulary of {model.config.vocab_size}: the tasks need a model of at least {VOCAB} tokens")
+        raise ConfigError(
+            f"{task.name} feeds byte ids 0-{VOCAB - 1} (edgemem.tasks) but {model.config.arch} has a "
+            f"vocabulary of {model.config.vocab_size}: the tasks need a model of at least {VOCAB} tokens"
+        )
 
 
 @contextlib.contextmanager

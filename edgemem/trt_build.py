@@ -87,17 +87,23 @@ def _check_shapes(manifest: Manifest, max_batch: int, max_sequence: int) -> None
     """Before any work: the engines can hold the largest shapes asked for, and the trt runtime can run them."""
     growing = [s.input for s in manifest.state if is_growing(s)]
     if growing:
-        raise EdgememError(f"{manifest.arch}'s KV cache grows ({growing[0]}), and the trt runtime runs fixed-size state "
-                           "only: export with --max-length N (a preallocated cache) and build that")
+        raise EdgememError(
+            f"{manifest.arch}'s KV cache grows ({growing[0]}), and the trt runtime runs fixed-size state "
+            "only: export with --max-length N (a preallocated cache) and build that"
+        )
     kv = manifest.kv_cache
     if kv and kv["overflow"] == "error" and max_sequence > kv["max_length"]:
-        raise EdgememError(f"--max-sequence {max_sequence:,} is past the export's KV cache of --max-length "
-                           f"{kv['max_length']:,} tokens; give --max-sequence {kv['max_length']} or less")
+        raise EdgememError(
+            f"--max-sequence {max_sequence:,} is past the export's KV cache of --max-length "
+            f"{kv['max_length']:,} tokens; give --max-sequence {kv['max_length']} or less"
+        )
     if max_batch * max_sequence * manifest.vocab_size > VOLUME:
         most = VOLUME // (max_batch * manifest.vocab_size)
         hint = f"--max-sequence {most:,} or less" if most else "a smaller --max-batch"
-        raise EdgememError(f"--max-batch {max_batch} × --max-sequence {max_sequence:,} × a vocabulary of "
-                           f"{manifest.vocab_size:,} logits is past TensorRT's 2**31 elements per tensor; give {hint}")
+        raise EdgememError(
+            f"--max-batch {max_batch} × --max-sequence {max_sequence:,} × a vocabulary of "
+            f"{manifest.vocab_size:,} logits is past TensorRT's 2**31 elements per tensor; give {hint}"
+        )
 
 
 def _import_library(module: str) -> Any:
@@ -107,10 +113,15 @@ def _import_library(module: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        hint = ("`pip install 'edgemem-toolkit[rtx]'` (tensorrt-rtx-cu13); it builds without a GPU" if module == RTX
-                else "`pip install tensorrt`, or JetPack's python3-libnvinfer; `edgemem build` needs TensorRT and an "
-                     "NVIDIA GPU (or `--rtx`: TensorRT for RTX, no GPU needed)")
-        raise EdgememError(f"{engines_json.LIBRARIES[module]}'s Python package is not installed: {hint} ({e})") from None
+        hint = (
+            "`pip install 'edgemem-toolkit[rtx]'` (tensorrt-rtx-cu13); it builds without a GPU"
+            if module == RTX
+            else "`pip install tensorrt`, or JetPack's python3-libnvinfer; `edgemem build` needs TensorRT and an "
+            "NVIDIA GPU (or `--rtx`: TensorRT for RTX, no GPU needed)"
+        )
+        raise EdgememError(
+            f"{engines_json.LIBRARIES[module]}'s Python package is not installed: {hint} ({e})"
+        ) from None
 
 
 def compute_capabilities(trt: Any, sm: Sequence[int]) -> list[Any]:
@@ -118,16 +129,16 @@ def compute_capabilities(trt: Any, sm: Sequence[int]) -> list[Any]:
     known = {name: value for name, value in trt.ComputeCapability.__members__.items() if name.startswith("SM")}
     wrong = [s for s in sm if f"SM{s}" not in known]
     if wrong:
-        raise EdgememError(f"--sm {','.join(map(str, wrong))}: TensorRT for RTX {trt.__version__} targets compute "
-                           f"capabilities {','.join(n[2:] for n in known)}")
+        raise EdgememError(
+            f"--sm {','.join(map(str, wrong))}: TensorRT for RTX {trt.__version__} targets compute "
+            f"capabilities {','.join(n[2:] for n in known)}"
+        )
     return [known[f"SM{s}"] for s in sm]
 
 
 def dim_names(model: Any) -> dict[str, list[str | int]]:
     """Each graph input's dims (`onnx.ModelProto`): a name for symbolic dims, else the size."""
-    return {
-        i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input
-    }
+    return {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
 
 
 def _profile_range(name: str | int, max_batch: int, max_sequence: int) -> tuple[int, int, int]:
@@ -171,8 +182,13 @@ def in_place_states(model: Any, manifest: Manifest) -> list[str]:
     found = []
     for spec in manifest.state:
         node = producer.get(spec.output)
-        if (node is not None and node.domain == DOMAIN and spec.input in node.input
-                and readers.get(spec.input) == 1 and spec.output in outputs):
+        if (
+            node is not None
+            and node.domain == DOMAIN
+            and spec.input in node.input
+            and readers.get(spec.input) == 1
+            and spec.output in outputs
+        ):
             found.append(spec.input)
     return found
 
@@ -189,8 +205,16 @@ def plugin_layers(trt: Any, network: Any) -> list[dict[str, str]]:
     return found
 
 
-def _build_graphs(module: str, directory: Path, graphs: Sequence[Path], library: Path, out_dir: Path, max_batch: int,
-                  max_sequence: int, sm: Sequence[int]) -> dict[str, Any]:
+def _build_graphs(
+    module: str,
+    directory: Path,
+    graphs: Sequence[Path],
+    library: Path,
+    out_dir: Path,
+    max_batch: int,
+    max_sequence: int,
+    sm: Sequence[int],
+) -> dict[str, Any]:
     """Parse and build each graph with `module` (tensorrt or tensorrt_rtx); write the engines; their records."""
     import onnx  # noqa: PLC0415
 
@@ -215,8 +239,10 @@ def _build_graphs(module: str, directory: Path, graphs: Sequence[Path], library:
         plugins = plugin_layers(trt, network)
         foreign = [p for p in plugins if p["namespace"] != DOMAIN]
         if foreign:
-            raise EdgememError(f"{onnx_path}: {foreign[0]['op']} became another library's plugin (namespace "
-                               f"{foreign[0]['namespace']!r}), not edgemem's: is {library} the edgemem plugin library?")
+            raise EdgememError(
+                f"{onnx_path}: {foreign[0]['op']} became another library's plugin (namespace "
+                f"{foreign[0]['namespace']!r}), not edgemem's: is {library} the edgemem plugin library?"
+            )
         config = builder.create_builder_config()
         if targets:
             config.num_compute_capabilities = len(targets)
@@ -230,8 +256,9 @@ def _build_graphs(module: str, directory: Path, graphs: Sequence[Path], library:
         config.add_optimization_profile(optimisation)
         serialized = builder.build_serialized_network(network, config)
         if serialized is None:
-            raise EdgememError(f"{engines_json.LIBRARIES[module]} failed to build an engine from {onnx_path} "
-                               "(see its log above)")
+            raise EdgememError(
+                f"{engines_json.LIBRARIES[module]} failed to build an engine from {onnx_path} (see its log above)"
+            )
         path = out_dir / f"{onnx_path.stem}.engine"
         write_atomic(path, bytes(serialized))
         log.info("built %s", path.name)
@@ -252,8 +279,10 @@ def _rtx_environment(folder: Path) -> dict[str, str]:
     libs = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
     real = sorted((f for d in libs for f in d.glob("libtensorrt_rtx.so.*")), key=lambda f: len(f.name))
     if not real:
-        raise EdgememError("TensorRT for RTX's libraries (package tensorrt_rtx_libs, libtensorrt_rtx.so.*) were not "
-                           "found: reinstall `pip install 'edgemem-toolkit[rtx]'`")
+        raise EdgememError(
+            "TensorRT for RTX's libraries (package tensorrt_rtx_libs, libtensorrt_rtx.so.*) were not "
+            "found: reinstall `pip install 'edgemem-toolkit[rtx]'`"
+        )
     (folder / "libtensorrt_rtx.so").symlink_to(real[0])
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(folder), env.get("LD_LIBRARY_PATH")) if p)
@@ -265,23 +294,50 @@ def _child() -> None:
     job = json.loads(sys.stdin.read())
     logging.basicConfig(level=job["log_level"], format="%(levelname)s %(name)s: %(message)s")
     try:
-        engines = _build_graphs(RTX, Path(job["directory"]), [Path(g) for g in job["graphs"]], Path(job["library"]),
-                                Path(job["out"]), job["max_batch"], job["max_sequence"], job["sm"])
+        engines = _build_graphs(
+            RTX,
+            Path(job["directory"]),
+            [Path(g) for g in job["graphs"]],
+            Path(job["library"]),
+            Path(job["out"]),
+            job["max_batch"],
+            job["max_sequence"],
+            job["sm"],
+        )
     except EdgememError as e:
         print(json.dumps({"error": str(e)}))
         return
     print(json.dumps({"engines": engines}))
 
 
-def _build_rtx(directory: Path, graphs: Sequence[Path], library: Path, out_dir: Path, max_batch: int,
-               max_sequence: int, sm: Sequence[int]) -> dict[str, Any]:
+def _build_rtx(
+    directory: Path,
+    graphs: Sequence[Path],
+    library: Path,
+    out_dir: Path,
+    max_batch: int,
+    max_sequence: int,
+    sm: Sequence[int],
+) -> dict[str, Any]:
     """`_build_graphs` with TensorRT for RTX, in a child process (`_rtx_environment`)."""
-    job = {"directory": str(directory), "graphs": [str(g) for g in graphs], "library": str(library), "out": str(out_dir),
-           "max_batch": max_batch, "max_sequence": max_sequence, "sm": list(sm),
-           "log_level": logging.getLogger("edgemem").getEffectiveLevel()}
+    job = {
+        "directory": str(directory),
+        "graphs": [str(g) for g in graphs],
+        "library": str(library),
+        "out": str(out_dir),
+        "max_batch": max_batch,
+        "max_sequence": max_sequence,
+        "sm": list(sm),
+        "log_level": logging.getLogger("edgemem").getEffectiveLevel(),
+    }
     with tempfile.TemporaryDirectory(prefix="edgemem-rtx-") as folder:
-        proc = subprocess.run([sys.executable, "-c", "from edgemem.trt_build import _child; _child()"],
-                              input=json.dumps(job), stdout=subprocess.PIPE, text=True, env=_rtx_environment(Path(folder)))
+        proc = subprocess.run(
+            [sys.executable, "-c", "from edgemem.trt_build import _child; _child()"],
+            input=json.dumps(job),
+            stdout=subprocess.PIPE,
+            text=True,
+            env=_rtx_environment(Path(folder)),
+        )
     lines = proc.stdout.strip().splitlines()
     try:
         result = json.loads(lines[-1]) if proc.returncode == 0 and lines else {}
@@ -290,8 +346,10 @@ def _build_rtx(directory: Path, graphs: Sequence[Path], library: Path, out_dir: 
     if "error" in result:
         raise EdgememError(result["error"])
     if "engines" not in result:
-        raise EdgememError(f"TensorRT for RTX's build process ended with status {proc.returncode} and no result "
-                           f"(see its log above){': ' + lines[-1] if lines else ''}")
+        raise EdgememError(
+            f"TensorRT for RTX's build process ended with status {proc.returncode} and no result "
+            f"(see its log above){': ' + lines[-1] if lines else ''}"
+        )
     return result["engines"]
 
 
@@ -319,14 +377,21 @@ def build_engines(
     if max_batch < 1 or max_sequence < 1:
         raise EdgememError("--max-batch and the maximum sequence must be at least 1")
     if sm and not rtx:
-        raise EdgememError("--sm picks TensorRT for RTX's target GPUs: add --rtx (TensorRT builds for the GPU it runs on)")
+        raise EdgememError(
+            "--sm picks TensorRT for RTX's target GPUs: add --rtx (TensorRT builds for the GPU it runs on)"
+        )
     _check_shapes(manifest, max_batch, max_sequence)
     for graph in graphs:
         check_graph_file(manifest, graph, "trt")
     library = engines_json.plugin_library(plugins)
     inputs = [library, directory / MANIFEST, *(directory / name for name in manifest.files)]
-    out_dir = check_output_dir(Path(out) if out else directory / engines_json.ENGINES_DIR, force=force, inputs=inputs,
-                               what=named("out", "--out"), own=engine_files)
+    out_dir = check_output_dir(
+        Path(out) if out else directory / engines_json.ENGINES_DIR,
+        force=force,
+        inputs=inputs,
+        what=named("out", "--out"),
+        own=engine_files,
+    )
     module = RTX if rtx else "tensorrt"
     trt = _import_library(module)
     targets = [c.name for c in compute_capabilities(trt, sm)] if rtx else []

@@ -36,14 +36,26 @@ POSITIONS = (1024, 10240)
 
 
 def hybrid(d_model: int, heads: int) -> LM:
-    return LM(LMConfig(arch=f"hybrid-{d_model}", mixer="gated_deltanet", d_model=d_model, n_layers=4, mlp_hidden=3 * d_model,
-                       mixer_options={"num_heads": 4}, layer_types=["gated_deltanet"] * 3 + ["softmax"],
-                       layer_type_options={"softmax": {"num_heads": heads, "num_kv_heads": 2}}))
+    return LM(
+        LMConfig(
+            arch=f"hybrid-{d_model}",
+            mixer="gated_deltanet",
+            d_model=d_model,
+            n_layers=4,
+            mlp_hidden=3 * d_model,
+            mixer_options={"num_heads": 4},
+            layer_types=["gated_deltanet"] * 3 + ["softmax"],
+            layer_type_options={"softmax": {"num_heads": heads, "num_kv_heads": 2}},
+        )
+    )
 
 
 def models(max_length: int) -> dict[str, LM]:
-    makers = {"softmax": lambda: build("softmax", seed=0), "hybrid-256": lambda: hybrid(256, 4),
-              "hybrid-512": lambda: hybrid(512, 8)}
+    makers = {
+        "softmax": lambda: build("softmax", seed=0),
+        "hybrid-256": lambda: hybrid(256, 4),
+        "hybrid-512": lambda: hybrid(512, 8),
+    }
     out = {}
     for name, make in makers.items():
         torch.manual_seed(0)
@@ -63,8 +75,11 @@ def step_us(engine: Engine, position: int, rng: np.random.Generator) -> float:
         shape = list(value.shape)
         if "past_sequence" in next(s.shape for s in engine.manifest.state if s.input == name):
             shape[2] = position
-        state[name] = (np.full(shape, position, value.dtype) if value.dtype == np.int64
-                       else rng.standard_normal(shape).astype(value.dtype) * 0.1)
+        state[name] = (
+            np.full(shape, position, value.dtype)
+            if value.dtype == np.int64
+            else rng.standard_normal(shape).astype(value.dtype) * 0.1
+        )
     if cache:  # slots past the position stay empty
         for name in cache["states"]:
             state[name][:, :, position:] = 0
@@ -89,11 +104,17 @@ def main() -> None:
             engine = Engine.load(directory, threads=args.threads)
             rng = np.random.default_rng(0)
             us = {p: round(step_us(engine, p, rng), 1) for p in POSITIONS}
-            results[name] = {"us_per_step": us, "ratio_10k_1k": round(us[POSITIONS[1]] / us[POSITIONS[0]], 2),
-                             "weight_bytes": sum(p.numel() * 4 for p in model.parameters()),
-                             "state_bytes": {p: engine.state_bytes(p) for p in POSITIONS}}
-            print(f"{name:26s} step µs at {POSITIONS[0]}: {us[POSITIONS[0]]:9.1f}  at {POSITIONS[1]}: "
-                  f"{us[POSITIONS[1]]:9.1f}  ratio {results[name]['ratio_10k_1k']:.2f}", flush=True)
+            results[name] = {
+                "us_per_step": us,
+                "ratio_10k_1k": round(us[POSITIONS[1]] / us[POSITIONS[0]], 2),
+                "weight_bytes": sum(p.numel() * 4 for p in model.parameters()),
+                "state_bytes": {p: engine.state_bytes(p) for p in POSITIONS},
+            }
+            print(
+                f"{name:26s} step µs at {POSITIONS[0]}: {us[POSITIONS[0]]:9.1f}  at {POSITIONS[1]}: "
+                f"{us[POSITIONS[1]]:9.1f}  ratio {results[name]['ratio_10k_1k']:.2f}",
+                flush=True,
+            )
     info = {"max_length": args.max_length, "threads": args.threads, "cpus": os.cpu_count(), "load_avg": os.getloadavg()}
     args.out.write_text(json.dumps({**info, "results": results}, indent=2) + "\n")
     print(f"wrote {args.out}")

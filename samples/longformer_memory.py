@@ -67,7 +67,11 @@ def worker(side: str, directory: Path, length: int, threads: int) -> None:
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     np.save(directory / f"{side}.npy", out)
-    print(json.dumps({"side": side, "peak_rss_mb": round(peak), "rss_before_run_mb": round(before), "seconds": round(seconds, 2)}))
+    print(
+        json.dumps(
+            {"side": side, "peak_rss_mb": round(peak), "rss_before_run_mb": round(before), "seconds": round(seconds, 2)}
+        )
+    )
 
 
 def main() -> None:
@@ -99,29 +103,50 @@ def measure(directory: Path, args: argparse.Namespace) -> None:
     from edgemem.models.hf.longformer import build
 
     config = transformers.LongformerConfig(
-        vocab_size=1000, hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        intermediate_size=4 * args.hidden, attention_window=args.window, max_position_embeddings=args.length + 2,
+        vocab_size=1000,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        intermediate_size=4 * args.hidden,
+        attention_window=args.window,
+        max_position_embeddings=args.length + 2,
     )
     torch.manual_seed(0)
     transformers.LongformerModel(config).save_pretrained(directory / "hf")
-    model = build(json.loads((directory / "hf" / "config.json").read_text()), load_file(directory / "hf" / "model.safetensors"))
+    model = build(
+        json.loads((directory / "hf" / "config.json").read_text()), load_file(directory / "hf" / "model.safetensors")
+    )
     start = time.perf_counter()
     export(model, directory / "export", targets=("generic",))
     print(f"exported in {time.perf_counter() - start:.1f} s")
 
     results = []
     for side in ("onnxruntime", "transformers"):
-        command = [sys.executable, __file__, "--worker", side, "--dir", str(directory), "--length", str(args.length),
-                   "--threads", str(args.threads)]
+        command = [
+            sys.executable,
+            __file__,
+            "--worker",
+            side,
+            "--dir",
+            str(directory),
+            "--length",
+            str(args.length),
+            "--threads",
+            str(args.threads),
+        ]
         line = subprocess.run(command, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
         results.append(json.loads(line))
     ours, theirs = (np.load(directory / f"{r['side']}.npy") for r in results)
     dense_mb = args.heads * args.length**2 * 4 / 2**20
-    print(f"{args.length} tokens, hidden {args.hidden}, {args.heads} heads, {args.layers} layers, "
-          f"attention_window {args.window}, 2 global tokens, {args.threads} thread(s)")
+    print(
+        f"{args.length} tokens, hidden {args.hidden}, {args.heads} heads, {args.layers} layers, "
+        f"attention_window {args.window}, 2 global tokens, {args.threads} thread(s)"
+    )
     for r in results:
-        print(f"  {r['side']:<13} peak RSS {r['peak_rss_mb']:>6} MiB  (before the run {r['rss_before_run_mb']} MiB)  "
-              f"{r['seconds']:.2f} s")
+        print(
+            f"  {r['side']:<13} peak RSS {r['peak_rss_mb']:>6} MiB  (before the run {r['rss_before_run_mb']} MiB)  "
+            f"{r['seconds']:.2f} s"
+        )
     print(f"  one layer's dense T×T scores would take {dense_mb:.0f} MiB")
     print(f"  max |difference| relative to max |output|: {np.abs(ours - theirs).max() / np.abs(theirs).max():.2e}")
 

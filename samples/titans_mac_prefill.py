@@ -47,15 +47,31 @@ def measure(directory: Path, lengths: list[int], repeats: int, threads: int) -> 
             return np.stack([stream.step(int(t)) for t in ids])
 
         step_s, stepped = _best(step, repeats)
-        rows.append({
-            "tokens": length, "prefill_s": prefill_s, "step_s": step_s,
-            "prefill_tokens_per_s": length / prefill_s, "step_tokens_per_s": length / step_s,
-            "speedup": step_s / prefill_s, "max_abs_logit_diff": float(np.abs(prefilled - stepped).max()),
-        })
-        print(f"{length:6d} tokens: prefill {prefill_s * 1e3:9.1f} ms ({length / prefill_s:8.0f} tok/s)   "
-              f"steps {step_s * 1e3:9.1f} ms ({length / step_s:7.0f} tok/s)   ×{step_s / prefill_s:.1f}", flush=True)
-    return {"engine": {"backend": engine.backend, "target": engine.target, "threads": threads,
-                       "chunk_size": engine.chunk_size}, "results": rows}
+        rows.append(
+            {
+                "tokens": length,
+                "prefill_s": prefill_s,
+                "step_s": step_s,
+                "prefill_tokens_per_s": length / prefill_s,
+                "step_tokens_per_s": length / step_s,
+                "speedup": step_s / prefill_s,
+                "max_abs_logit_diff": float(np.abs(prefilled - stepped).max()),
+            }
+        )
+        print(
+            f"{length:6d} tokens: prefill {prefill_s * 1e3:9.1f} ms ({length / prefill_s:8.0f} tok/s)   "
+            f"steps {step_s * 1e3:9.1f} ms ({length / step_s:7.0f} tok/s)   ×{step_s / prefill_s:.1f}",
+            flush=True,
+        )
+    return {
+        "engine": {
+            "backend": engine.backend,
+            "target": engine.target,
+            "threads": threads,
+            "chunk_size": engine.chunk_size,
+        },
+        "results": rows,
+    }
 
 
 def main() -> None:
@@ -73,8 +89,12 @@ def main() -> None:
         model = build("titans-mac", seed=0)
         export(model, Path(tmp) / "mac", targets=["ort"], extra_config={"seed": 0})
         report = {
-            "arch": "titans-mac", "d_model": model.config.d_model, "n_layers": model.config.n_layers,
-            "segment": model.prefill_segment, "machine": platform.machine(), "processor": platform.processor(),
+            "arch": "titans-mac",
+            "d_model": model.config.d_model,
+            "n_layers": model.config.n_layers,
+            "segment": model.prefill_segment,
+            "machine": platform.machine(),
+            "processor": platform.processor(),
             **measure(Path(tmp) / "mac", [int(n) for n in args.lengths.split(",")], args.repeats, args.threads),
         }
     text = json.dumps(report, indent=2)

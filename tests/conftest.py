@@ -3,7 +3,7 @@
 `small_exports` is each preset at one layer of width 64 (MLP width 64 where it has one; every other
 setting as shipped), in all four targets, exported in two processes side by side. It is kept in pytest's cache (when enabled) under a key
 of everything an export depends on, so only the first run after a change pays for it.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -45,8 +45,12 @@ def _sources_key(*extra: object) -> str:
     return digest.hexdigest()[:16]
 
 
-def export_presets(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, name: str,
-                   jobs: dict[str, tuple[dict, list[str]]]) -> dict[str, Path]:
+def export_presets(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    jobs: dict[str, tuple[dict, list[str]]],
+) -> dict[str, Path]:
     """{arch: directory} of `jobs` ({arch: (overrides, targets)}) exported in two processes, cached under `name`;
     parallel test workers (pytest-xdist) wait for the one that exports."""
     cache = getattr(request.config, "cache", None)
@@ -74,8 +78,12 @@ def _cached(folder: Path, key: str, root: Path, jobs: dict[str, tuple[dict, list
 def _export(root: Path, jobs: dict[str, tuple[dict, list[str]]]) -> dict[str, Path]:
     work = [[arch, str(root / arch), overrides, targets] for arch, (overrides, targets) in jobs.items()]
     procs = [
-        subprocess.Popen([sys.executable, "-c", _EXPORT, json.dumps(work[i::2])], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", _EXPORT, json.dumps(work[i::2])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for i in range(2)
     ]
     for p in procs:
@@ -87,7 +95,9 @@ def _export(root: Path, jobs: dict[str, tuple[dict, list[str]]]) -> dict[str, Pa
 @pytest.fixture(scope="session")
 def small_exports(request, tmp_path_factory) -> dict[str, Path]:
     """{arch: directory}: every preset, one layer of width 64, exported to all four targets."""
-    return export_presets(request, tmp_path_factory, "small-exports", {arch: (small(arch), TARGETS) for arch in archs()})
+    return export_presets(
+        request, tmp_path_factory, "small-exports", {arch: (small(arch), TARGETS) for arch in archs()}
+    )
 
 
 def small(arch: str) -> dict:

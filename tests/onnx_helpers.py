@@ -31,7 +31,10 @@ def single_node_model(
     graph = helper.make_graph(
         [node],
         function.name,
-        [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), list(a.shape)) for n, a in feeds.items()],
+        [
+            helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), list(a.shape))
+            for n, a in feeds.items()
+        ],
         [helper.make_tensor_value_info(n, t, [f"{n}_{i}" for i in range(rank)]) for n, (t, rank) in outputs.items()],
     )
     model = helper.make_model(

@@ -14,7 +14,9 @@ JOBS = str(os.cpu_count() or 2)
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
     if proc.returncode:
-        raise AssertionError(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        raise AssertionError(
+            f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 

@@ -46,10 +46,12 @@ def workspace(small_exports, tmp_path_factory) -> Path:
     raw = json.dumps(header).encode().ljust(size)
     (root / "notjson.safetensors").write_bytes(data[:8] + raw + data[8 + size :])
     (root / "garbage.safetensors").write_bytes(b"\x00" * 5)
-    for name, edit in {"novocab": lambda m: m["config"].pop("vocab_size"),
-                       "baddtype": lambda m: m["state"][0].update(dtype="complex7"),
-                       "badshape": lambda m: m["state"][0].update(shape=["batch", -3]),
-                       "notjson": None}.items():
+    for name, edit in {
+        "novocab": lambda m: m["config"].pop("vocab_size"),
+        "baddtype": lambda m: m["state"][0].update(dtype="complex7"),
+        "badshape": lambda m: m["state"][0].update(shape=["batch", -3]),
+        "notjson": None,
+    }.items():
         target = root / "broken" / name
         shutil.copytree(small_exports["linear"], target)
         if edit is None:
@@ -64,8 +66,11 @@ def workspace(small_exports, tmp_path_factory) -> Path:
     nan_state = {k: np.full_like(v, np.nan) for k, v in state.items()}
     (root / "nan.state").write_bytes(encode_checkpoint(manifest, nan_state, 3, None))  # checksum re-recorded
     (root / "nanlogits.state").write_bytes(
-        encode_checkpoint(manifest, state, 3, np.full(manifest.vocab_size, np.inf, np.float32)))
-    (root / "neg.state").write_bytes(encode_checkpoint(manifest, state, 0, None).replace(b'"position":"0"', b'"position":"-1"'))
+        encode_checkpoint(manifest, state, 3, np.full(manifest.vocab_size, np.inf, np.float32))
+    )
+    (root / "neg.state").write_bytes(
+        encode_checkpoint(manifest, state, 0, None).replace(b'"position":"0"', b'"position":"-1"')
+    )
     other = Engine.load(small_exports["deltanet"], threads=1).new_stream()
     other.save(root / "other.state")
     good = engine.new_stream()
@@ -96,19 +101,32 @@ def _leftovers(*roots: Path) -> list[str]:
 # export of preset X (read only); {ws}: the workspace.
 S = "--set"
 SET_CASES = [
-    ("norm_eps", "nan", "norm_eps must be a finite number"), ("norm_eps", "inf", "norm_eps must be a finite"),
-    ("norm_eps", "-1", "norm_eps must be positive"), ("norm_eps", "0", "norm_eps must be positive"),
-    ("d_model", "0", "d_model must be positive"), ("d_model", "-4", "d_model must be positive"),
-    ("d_model", "1000000", "would need about .* of memory"), ("d_model", "1.5", "d_model must be of type int"),
-    ("d_model", "wide", "d_model must be of type int"), ("n_layers", "0", "n_layers must be positive"),
-    ("n_layers", "1000000000", "would need about .* of memory"), ("mlp_hidden", "-1", "mlp_hidden must be ≥ 0"),
-    ("vocab_size", "0", "vocab_size must be positive"), ("num_heads", "0", "num_heads must be positive"),
-    ("num_heads", "-4", "num_heads must be positive"), ("conv_size", "-1", "conv_size must be ≥ 0"),
-    ("bogus", "1", "unknown override 'bogus'"), ("nokey", None, "--set expects key=value"),
+    ("norm_eps", "nan", "norm_eps must be a finite number"),
+    ("norm_eps", "inf", "norm_eps must be a finite"),
+    ("norm_eps", "-1", "norm_eps must be positive"),
+    ("norm_eps", "0", "norm_eps must be positive"),
+    ("d_model", "0", "d_model must be positive"),
+    ("d_model", "-4", "d_model must be positive"),
+    ("d_model", "1000000", "would need about .* of memory"),
+    ("d_model", "1.5", "d_model must be of type int"),
+    ("d_model", "wide", "d_model must be of type int"),
+    ("n_layers", "0", "n_layers must be positive"),
+    ("n_layers", "1000000000", "would need about .* of memory"),
+    ("mlp_hidden", "-1", "mlp_hidden must be ≥ 0"),
+    ("vocab_size", "0", "vocab_size must be positive"),
+    ("num_heads", "0", "num_heads must be positive"),
+    ("num_heads", "-4", "num_heads must be positive"),
+    ("conv_size", "-1", "conv_size must be ≥ 0"),
+    ("bogus", "1", "unknown override 'bogus'"),
+    ("nokey", None, "--set expects key=value"),
 ]
-TITANS_SET_CASES = [("max_lr", "inf", "max_lr must be a finite"), ("max_lr", "nan", "max_lr must be a finite"),
-                    ("max_lr", "-1", "max_lr must be positive"), ("chunk_size", "0", "chunk_size must be positive"),
-                    ("depth", "0", "depth must be positive")]
+TITANS_SET_CASES = [
+    ("max_lr", "inf", "max_lr must be a finite"),
+    ("max_lr", "nan", "max_lr must be a finite"),
+    ("max_lr", "-1", "max_lr must be positive"),
+    ("chunk_size", "0", "chunk_size must be positive"),
+    ("depth", "0", "depth must be positive"),
+]
 
 
 def _set(key: str, value: str | None) -> list[str]:
@@ -118,55 +136,135 @@ def _set(key: str, value: str | None) -> list[str]:
 CLI_CASES: list[tuple[str, list[str], str]] = []
 for arch, sets in (("deltanet", SET_CASES), ("titans-mac", TITANS_SET_CASES)):
     for key, value, message in sets:
-        CLI_CASES.append((f"export-set-{arch}-{key}={value}", ["export", "--arch", arch, *_set(key, value),
-                                                               "--out", "{ws}/new"], message))
-        CLI_CASES.append((f"train-set-{arch}-{key}={value}", ["train", "--arch", arch, "--task", "mqar", "--steps", "1",
-                                                              *_set(key, value), "--out", "{ws}/new.safetensors"], message))
+        CLI_CASES.append(
+            (
+                f"export-set-{arch}-{key}={value}",
+                ["export", "--arch", arch, *_set(key, value), "--out", "{ws}/new"],
+                message,
+            )
+        )
+        CLI_CASES.append(
+            (
+                f"train-set-{arch}-{key}={value}",
+                [
+                    "train",
+                    "--arch",
+                    arch,
+                    "--task",
+                    "mqar",
+                    "--steps",
+                    "1",
+                    *_set(key, value),
+                    "--out",
+                    "{ws}/new.safetensors",
+                ],
+                message,
+            )
+        )
 CLI_CASES += [
     # --force and --out: nothing but an earlier export is ever replaced
-    ("export-force-source-tree", ["export", "--arch", "linear", "--out", "{ws}/src", "--force"], "edgemem did not write"),
+    (
+        "export-force-source-tree",
+        ["export", "--arch", "linear", "--out", "{ws}/src", "--force"],
+        "edgemem did not write",
+    ),
     ("export-nonempty-no-force", ["export", "--arch", "linear", "--out", "{ws}/work/e"], "not empty; pass --force"),
     ("export-out-dot", ["export", "--arch", "linear", "--out", ".", "--force"], "current directory"),
     ("export-out-parent-of-cwd", ["export", "--arch", "linear", "--out", "..", "--force"], "current directory"),
     ("export-out-file", ["export", "--arch", "linear", "--out", "{ws}/afile"], "is a file|not a directory"),
     ("export-out-under-file", ["export", "--arch", "linear", "--out", "{ws}/afile/sub"], "is a file, not a directory"),
     ("export-out-proc", ["export", "--arch", "linear", "--out", "/proc/x"], "cannot write in /proc"),
-    ("export-force-holds-checkpoint", ["export", "--checkpoint", "{ws}/model.safetensors", "--out", "{ws}", "--force"],
-     "current directory|own input"),
-    ("export-out-is-checkpoint-folder", ["export", "--checkpoint", "{ws}/work/e/edgemem.json", "--out", "{ws}/work",
-                                         "--force"], "own input|edgemem did not write"),
-    ("export-target-twice", ["export", "--arch", "linear", "--target", "ort,ort", "--out", "{ws}/new"], "targets repeat"),
+    (
+        "export-force-holds-checkpoint",
+        ["export", "--checkpoint", "{ws}/model.safetensors", "--out", "{ws}", "--force"],
+        "current directory|own input",
+    ),
+    (
+        "export-out-is-checkpoint-folder",
+        ["export", "--checkpoint", "{ws}/work/e/edgemem.json", "--out", "{ws}/work", "--force"],
+        "own input|edgemem did not write",
+    ),
+    (
+        "export-target-twice",
+        ["export", "--arch", "linear", "--target", "ort,ort", "--out", "{ws}/new"],
+        "targets repeat",
+    ),
     ("export-target-unknown", ["export", "--arch", "linear", "--target", "tpu", "--out", "{ws}/new"], "unknown target"),
     ("export-target-empty", ["export", "--arch", "linear", "--target", ",", "--out", "{ws}/new"], "unknown target"),
-    ("export-seed-64bit", ["export", "--arch", "linear", "--seed", str(BIG), "--out", "{ws}/new"], "--seed must be an integer"),
-    ("export-seed-negative", ["export", "--arch", "linear", "--seed", "-1", "--out", "{ws}/new"], "--seed must be an integer"),
-    ("export-seed-text", ["export", "--arch", "linear", "--seed", "x", "--out", "{ws}/new"], "'x' is not a valid integer"),
+    (
+        "export-seed-64bit",
+        ["export", "--arch", "linear", "--seed", str(BIG), "--out", "{ws}/new"],
+        "--seed must be an integer",
+    ),
+    (
+        "export-seed-negative",
+        ["export", "--arch", "linear", "--seed", "-1", "--out", "{ws}/new"],
+        "--seed must be an integer",
+    ),
+    (
+        "export-seed-text",
+        ["export", "--arch", "linear", "--seed", "x", "--out", "{ws}/new"],
+        "'x' is not a valid integer",
+    ),
     ("export-no-arch", ["export", "--out", "{ws}/new"], "give --arch"),
     ("export-unknown-arch", ["export", "--arch", "mamba", "--out", "{ws}/new"], "unknown arch 'mamba'"),
     ("export-missing-recipe", ["export", "--arch", "{ws}/none.toml", "--out", "{ws}/new"], "does not exist"),
-    ("export-bad-dtype", ["export", "--arch", "linear", "--dtype", "bf16", "--out", "{ws}/new"], "'bf16' is not one of"),
-    ("export-checkpoint-missing", ["export", "--checkpoint", "{ws}/none.safetensors", "--out", "{ws}/new"],
-     "cannot read checkpoint"),
-    ("export-checkpoint-garbage", ["export", "--checkpoint", "{ws}/garbage.safetensors", "--out", "{ws}/new"],
-     "cannot read checkpoint"),
-    ("export-checkpoint-config-not-json", ["export", "--checkpoint", "{ws}/notjson.safetensors", "--out", "{ws}/new"],
-     "does not fit its own config"),
-    ("export-checkpoint-with-set", ["export", "--checkpoint", "{ws}/model.safetensors", "--set", "d_model=8", "--out",
-                                    "{ws}/new"], "--set cannot change"),
-    ("export-checkpoint-other-arch", ["export", "--checkpoint", "{ws}/model.safetensors", "--arch", "deltanet", "--out",
-                                      "{ws}/new"], "is a checkpoint of 'linear'"),
+    (
+        "export-bad-dtype",
+        ["export", "--arch", "linear", "--dtype", "bf16", "--out", "{ws}/new"],
+        "'bf16' is not one of",
+    ),
+    (
+        "export-checkpoint-missing",
+        ["export", "--checkpoint", "{ws}/none.safetensors", "--out", "{ws}/new"],
+        "cannot read checkpoint",
+    ),
+    (
+        "export-checkpoint-garbage",
+        ["export", "--checkpoint", "{ws}/garbage.safetensors", "--out", "{ws}/new"],
+        "cannot read checkpoint",
+    ),
+    (
+        "export-checkpoint-config-not-json",
+        ["export", "--checkpoint", "{ws}/notjson.safetensors", "--out", "{ws}/new"],
+        "does not fit its own config",
+    ),
+    (
+        "export-checkpoint-with-set",
+        ["export", "--checkpoint", "{ws}/model.safetensors", "--set", "d_model=8", "--out", "{ws}/new"],
+        "--set cannot change",
+    ),
+    (
+        "export-checkpoint-other-arch",
+        ["export", "--checkpoint", "{ws}/model.safetensors", "--arch", "deltanet", "--out", "{ws}/new"],
+        "is a checkpoint of 'linear'",
+    ),
     ("export-no-out", ["export", "--arch", "linear"], "Missing option '--out'"),
     # calibrate: never its own input
     ("calibrate-out-is-input", ["calibrate", "{ws}/work/e", "--out", "{ws}/work/e", "--force"], "own input"),
     ("calibrate-out-holds-input", ["calibrate", "{ws}/work/e", "--out", "{ws}/work", "--force"], "own input"),
     ("calibrate-out-inside-input", ["calibrate", "{ws}/work/e", "--out", "{ws}/work/e/q"], "own input"),
-    ("calibrate-force-source-tree", ["calibrate", "{ws}/work/e", "--out", "{ws}/src", "--force"], "edgemem did not write"),
+    (
+        "calibrate-force-source-tree",
+        ["calibrate", "{ws}/work/e", "--out", "{ws}/src", "--force"],
+        "edgemem did not write",
+    ),
     ("calibrate-out-proc", ["calibrate", "{ws}/work/e", "--out", "/proc/x"], "cannot write in /proc"),
-    ("calibrate-report-proc", ["calibrate", "{ws}/work/e", "--out", "{ws}/q", "--report", "/proc/x.json"],
-     "--report /proc/x.json: cannot write"),
-    ("calibrate-report-under-file", ["calibrate", "{ws}/work/e", "--out", "{ws}/q", "--report", "{ws}/afile/r.json"],
-     "is a file, not a directory"),
-    ("calibrate-report-is-dir", ["calibrate", "{ws}/work/e", "--out", "{ws}/q", "--report", "{ws}/adir"], "is a directory"),
+    (
+        "calibrate-report-proc",
+        ["calibrate", "{ws}/work/e", "--out", "{ws}/q", "--report", "/proc/x.json"],
+        "--report /proc/x.json: cannot write",
+    ),
+    (
+        "calibrate-report-under-file",
+        ["calibrate", "{ws}/work/e", "--out", "{ws}/q", "--report", "{ws}/afile/r.json"],
+        "is a file, not a directory",
+    ),
+    (
+        "calibrate-report-is-dir",
+        ["calibrate", "{ws}/work/e", "--out", "{ws}/q", "--report", "{ws}/adir"],
+        "is a directory",
+    ),
     ("calibrate-plot-proc", ["calibrate", "{ws}/work/e", "--out", "{ws}/q", "--plot", "/proc/x.png"], "cannot write"),
     ("calibrate-method", ["calibrate", "{ws}/work/e", "--method", "int3", "--out", "{ws}/q"], "'int3' is not one of"),
     ("calibrate-recipe", ["calibrate", "{ws}/work/e", "--recipe", "nosuch", "--out", "{ws}/q"], "nosuch"),
@@ -181,10 +279,17 @@ CLI_CASES += [
     ("verify-manifest-bad-dtype", ["verify", "{ws}/broken/baddtype"], "dtype 'complex7'"),
     ("verify-manifest-bad-shape", ["verify", "{ws}/broken/badshape"], "non-negative sizes"),
     ("verify-manifest-not-json", ["verify", "{ws}/broken/notjson"], "not a valid edgemem manifest"),
-    ("verify-checkpoint-garbage", ["verify", "{linear}", "--checkpoint", "{ws}/garbage.safetensors"],
-     "cannot read checkpoint"),
+    (
+        "verify-checkpoint-garbage",
+        ["verify", "{linear}", "--checkpoint", "{ws}/garbage.safetensors"],
+        "cannot read checkpoint",
+    ),
     # run
-    ("run-temperature-inf", ["run", "{linear}", "--prompt", "a", "--temperature", "inf"], "--temperature must be a finite"),
+    (
+        "run-temperature-inf",
+        ["run", "{linear}", "--prompt", "a", "--temperature", "inf"],
+        "--temperature must be a finite",
+    ),
     ("run-temperature-nan", ["run", "{linear}", "--prompt", "a", "--temperature", "nan"], "temperature"),
     ("run-temperature-negative", ["run", "{linear}", "--prompt", "a", "--temperature", "-1"], "not in the range"),
     ("run-top-p-0", ["run", "{linear}", "--prompt", "a", "--top-p", "0"], "not in the range"),
@@ -208,7 +313,11 @@ CLI_CASES += [
     ("run-load-other-model", ["run", "{linear}", "--load-state", "{ws}/other.state"], "saved from another model"),
     ("run-load-flipped", ["run", "{linear}", "--load-state", "{ws}/flipped.state"], "corrupt"),
     ("run-load-export-dir", ["run", "{linear}", "--load-state", "{ws}/adir"], "(?i)is a directory"),
-    ("run-save-proc", ["run", "{linear}", "--prompt", "a", "--save-state", "/proc/x.state"], "--save-state /proc/x.state"),
+    (
+        "run-save-proc",
+        ["run", "{linear}", "--prompt", "a", "--save-state", "/proc/x.state"],
+        "--save-state /proc/x.state",
+    ),
     ("run-save-under-file", ["run", "{linear}", "--prompt", "a", "--save-state", "{ws}/afile/x"], "is a file, not"),
     ("run-save-dir", ["run", "{linear}", "--prompt", "a", "--save-state", "{ws}/adir"], "is a directory"),
     # bench
@@ -219,23 +328,49 @@ CLI_CASES += [
     ("bench-positions-empty", ["bench", "{linear}", "--positions", ",", "--no-eager"], "non-negative integers"),
     ("bench-batch-0", ["bench", "{linear}", "--batch", "0", "--no-eager"], "at least 1"),
     ("bench-steps-1", ["bench", "{linear}", "--steps", "1", "--no-eager"], "not in the range"),
-    ("bench-time-limit-inf", ["bench", "{linear}", "--time-limit", "inf", "--no-eager"], "--time-limit must be a finite"),
+    (
+        "bench-time-limit-inf",
+        ["bench", "{linear}", "--time-limit", "inf", "--no-eager"],
+        "--time-limit must be a finite",
+    ),
     ("bench-time-limit-0", ["bench", "{linear}", "--time-limit", "0", "--no-eager"], "--time-limit must be positive"),
-    ("bench-time-limit-nan", ["bench", "{linear}", "--time-limit", "nan", "--no-eager"], "--time-limit must be a finite"),
+    (
+        "bench-time-limit-nan",
+        ["bench", "{linear}", "--time-limit", "nan", "--no-eager"],
+        "--time-limit must be a finite",
+    ),
     ("bench-threads-0", ["bench", "{linear}", "--threads", "0", "--no-eager"], "not in the range"),
     ("bench-chunk-0", ["bench", "{linear}", "--chunk-size", "0", "--no-eager"], "not in the range"),
     ("bench-json-proc", ["bench", "{linear}", "--json", "/proc/x.json", "--no-eager"], "--json /proc/x.json"),
     ("bench-json-under-file", ["bench", "{linear}", "--json", "{ws}/afile/x.json", "--no-eager"], "is a file, not"),
     ("bench-json-dir", ["bench", "{linear}", "--json", "{ws}/adir", "--no-eager"], "is a directory"),
     ("bench-plot-proc", ["bench", "{linear}", "--plot", "/proc/x.png", "--no-eager"], "matplotlib|--plot /proc/x.png"),
-    ("bench-not-export", ["bench", "{ws}/src", "--no-eager", "--positions", "10", "--batch", "1"], "not an edgemem export"),
+    (
+        "bench-not-export",
+        ["bench", "{ws}/src", "--no-eager", "--positions", "10", "--batch", "1"],
+        "not an edgemem export",
+    ),
     # train
-    ("train-bidirectional-on-bytes", ["train", "--arch", "longformer-encoder", "--task", "bytes", "--steps", "1",
-                                      "--out", "{ws}/new.safetensors"], "bidirectional"),
-    ("train-bidirectional-on-mqar", ["train", "--arch", "longformer-encoder", "--task", "mqar", "--steps", "1",
-                                     "--out", "{ws}/new.safetensors"], "bidirectional"),
-    ("train-unknown-task", ["train", "--arch", "linear", "--task", "chess", "--out", "{ws}/new.safetensors"], "unknown task"),
-    ("train-unknown-arch", ["train", "--arch", "mamba", "--task", "mqar", "--out", "{ws}/new.safetensors"], "unknown arch"),
+    (
+        "train-bidirectional-on-bytes",
+        ["train", "--arch", "longformer-encoder", "--task", "bytes", "--steps", "1", "--out", "{ws}/new.safetensors"],
+        "bidirectional",
+    ),
+    (
+        "train-bidirectional-on-mqar",
+        ["train", "--arch", "longformer-encoder", "--task", "mqar", "--steps", "1", "--out", "{ws}/new.safetensors"],
+        "bidirectional",
+    ),
+    (
+        "train-unknown-task",
+        ["train", "--arch", "linear", "--task", "chess", "--out", "{ws}/new.safetensors"],
+        "unknown task",
+    ),
+    (
+        "train-unknown-arch",
+        ["train", "--arch", "mamba", "--task", "mqar", "--out", "{ws}/new.safetensors"],
+        "unknown arch",
+    ),
     ("train-steps-0", ["train", "--arch", "linear", "--task", "mqar", "--steps", "0"], "not in the range"),
     ("train-batch-0", ["train", "--arch", "linear", "--task", "mqar", "--batch", "0"], "not in the range"),
     ("train-lr-inf", ["train", "--arch", "linear", "--task", "mqar", "--lr", "inf"], "--lr must be a finite"),
@@ -243,43 +378,117 @@ CLI_CASES += [
     ("train-lr-0", ["train", "--arch", "linear", "--task", "mqar", "--lr", "0"], "--lr must be positive"),
     ("train-lr-negative", ["train", "--arch", "linear", "--task", "mqar", "--lr", "-1"], "--lr must be positive"),
     ("train-threads-0", ["train", "--arch", "linear", "--task", "mqar", "--threads", "0"], "not in the range"),
-    ("train-seed-64bit", ["train", "--arch", "linear", "--task", "mqar", "--seed", str(BIG)], "--seed must be an integer"),
-    ("train-seed-huge", ["train", "--arch", "linear", "--task", "mqar", "--seed", str(2**80)], "--seed must be an integer"),
-    ("train-out-dir", ["train", "--arch", "linear", "--task", "mqar", "--steps", "1", "--out", "{ws}/adir"],
-     "is a directory"),
-    ("train-out-under-file", ["train", "--arch", "linear", "--task", "mqar", "--steps", "1", "--out", "{ws}/afile/x"],
-     "is a file, not"),
-    ("train-out-proc", ["train", "--arch", "linear", "--task", "mqar", "--steps", "1", "--out", "/proc/x.safetensors"],
-     "cannot write in /proc"),
-    ("train-task-set-length-0", ["train", "--arch", "linear", "--task", "bytes", "--task-set", "length=0", "--out",
-                                 "{ws}/new.safetensors"], "length must be positive"),
-    ("train-task-set-pairs-0", ["train", "--arch", "linear", "--task", "mqar", "--task-set", "pairs=0", "--out",
-                                "{ws}/new.safetensors"], "pairs must be in"),
-    ("train-task-set-unknown", ["train", "--arch", "linear", "--task", "mqar", "--task-set", "depth=1", "--out",
-                                "{ws}/new.safetensors"], "unknown parameter 'depth'"),
-    ("train-task-set-float", ["train", "--arch", "linear", "--task", "mqar", "--task-set", "pairs=1.5", "--out",
-                              "{ws}/new.safetensors"], "must be an integer"),
-    ("train-task-set-malformed", ["train", "--arch", "linear", "--task", "mqar", "--task-set", "pairs", "--out",
-                                  "{ws}/new.safetensors"], "--task-set expects key=value"),
-    ("train-device", ["train", "--arch", "linear", "--task", "mqar", "--steps", "1", "--device", "tpu", "--out",
-                      "{ws}/new.safetensors"], "cannot train on device"),
+    (
+        "train-seed-64bit",
+        ["train", "--arch", "linear", "--task", "mqar", "--seed", str(BIG)],
+        "--seed must be an integer",
+    ),
+    (
+        "train-seed-huge",
+        ["train", "--arch", "linear", "--task", "mqar", "--seed", str(2**80)],
+        "--seed must be an integer",
+    ),
+    (
+        "train-out-dir",
+        ["train", "--arch", "linear", "--task", "mqar", "--steps", "1", "--out", "{ws}/adir"],
+        "is a directory",
+    ),
+    (
+        "train-out-under-file",
+        ["train", "--arch", "linear", "--task", "mqar", "--steps", "1", "--out", "{ws}/afile/x"],
+        "is a file, not",
+    ),
+    (
+        "train-out-proc",
+        ["train", "--arch", "linear", "--task", "mqar", "--steps", "1", "--out", "/proc/x.safetensors"],
+        "cannot write in /proc",
+    ),
+    (
+        "train-task-set-length-0",
+        ["train", "--arch", "linear", "--task", "bytes", "--task-set", "length=0", "--out", "{ws}/new.safetensors"],
+        "length must be positive",
+    ),
+    (
+        "train-task-set-pairs-0",
+        ["train", "--arch", "linear", "--task", "mqar", "--task-set", "pairs=0", "--out", "{ws}/new.safetensors"],
+        "pairs must be in",
+    ),
+    (
+        "train-task-set-unknown",
+        ["train", "--arch", "linear", "--task", "mqar", "--task-set", "depth=1", "--out", "{ws}/new.safetensors"],
+        "unknown parameter 'depth'",
+    ),
+    (
+        "train-task-set-float",
+        ["train", "--arch", "linear", "--task", "mqar", "--task-set", "pairs=1.5", "--out", "{ws}/new.safetensors"],
+        "must be an integer",
+    ),
+    (
+        "train-task-set-malformed",
+        ["train", "--arch", "linear", "--task", "mqar", "--task-set", "pairs", "--out", "{ws}/new.safetensors"],
+        "--task-set expects key=value",
+    ),
+    (
+        "train-device",
+        [
+            "train",
+            "--arch",
+            "linear",
+            "--task",
+            "mqar",
+            "--steps",
+            "1",
+            "--device",
+            "tpu",
+            "--out",
+            "{ws}/new.safetensors",
+        ],
+        "cannot train on device",
+    ),
     # eval
-    ("eval-length-huge", ["eval", "--checkpoint", "{ws}/model.safetensors", "--task", "bytes", "--length", "1000000000"],
-     "would need about"),
-    ("eval-length-0", ["eval", "--checkpoint", "{ws}/model.safetensors", "--task", "bytes", "--length", "0"], "not in the range"),
-    ("eval-batch-0", ["eval", "--checkpoint", "{ws}/model.safetensors", "--task", "mqar", "--batch", "0"], "not in the range"),
-    ("eval-seed-negative", ["eval", "--checkpoint", "{ws}/model.safetensors", "--task", "mqar", "--seed", "-1"],
-     "--seed must be an integer"),
-    ("eval-threads-0", ["eval", "--checkpoint", "{ws}/model.safetensors", "--task", "mqar", "--threads", "0"],
-     "not in the range"),
+    (
+        "eval-length-huge",
+        ["eval", "--checkpoint", "{ws}/model.safetensors", "--task", "bytes", "--length", "1000000000"],
+        "would need about",
+    ),
+    (
+        "eval-length-0",
+        ["eval", "--checkpoint", "{ws}/model.safetensors", "--task", "bytes", "--length", "0"],
+        "not in the range",
+    ),
+    (
+        "eval-batch-0",
+        ["eval", "--checkpoint", "{ws}/model.safetensors", "--task", "mqar", "--batch", "0"],
+        "not in the range",
+    ),
+    (
+        "eval-seed-negative",
+        ["eval", "--checkpoint", "{ws}/model.safetensors", "--task", "mqar", "--seed", "-1"],
+        "--seed must be an integer",
+    ),
+    (
+        "eval-threads-0",
+        ["eval", "--checkpoint", "{ws}/model.safetensors", "--task", "mqar", "--threads", "0"],
+        "not in the range",
+    ),
     ("eval-unknown-task", ["eval", "--checkpoint", "{ws}/model.safetensors", "--task", "chess"], "unknown task"),
     ("eval-checkpoint-missing", ["eval", "--checkpoint", "{ws}/none.safetensors", "--task", "mqar"], "cannot read"),
     ("eval-checkpoint-garbage", ["eval", "--checkpoint", "{ws}/garbage.safetensors", "--task", "mqar"], "cannot read"),
-    ("eval-checkpoint-not-json", ["eval", "--checkpoint", "{ws}/notjson.safetensors", "--task", "mqar"],
-     "does not fit its own config"),
-    ("eval-checkpoint-is-state", ["eval", "--checkpoint", "{ws}/other.state", "--task", "mqar"], "not an edgemem checkpoint"),
-    ("eval-task-set-unknown", ["eval", "--checkpoint", "{ws}/model.safetensors", "--task", "copy", "--task-set", "pairs=2"],
-     "unknown parameter 'pairs'"),
+    (
+        "eval-checkpoint-not-json",
+        ["eval", "--checkpoint", "{ws}/notjson.safetensors", "--task", "mqar"],
+        "does not fit its own config",
+    ),
+    (
+        "eval-checkpoint-is-state",
+        ["eval", "--checkpoint", "{ws}/other.state", "--task", "mqar"],
+        "not an edgemem checkpoint",
+    ),
+    (
+        "eval-task-set-unknown",
+        ["eval", "--checkpoint", "{ws}/model.safetensors", "--task", "copy", "--task-set", "pairs=2"],
+        "unknown parameter 'pairs'",
+    ),
     # build, triton, serve, archs
     ("build-missing-dir", ["build", "{ws}/none"], "does not exist"),
     ("build-max-batch-0", ["build", "{linear}", "--max-batch", "0"], "not in the range"),
@@ -354,7 +563,12 @@ def _gen(**kw):
 
 
 API_CASES = [
-    ("from-state-position-negative", lambda e, ws: e.stream_from_state(_state(e), position=-1), ConfigError, "position"),
+    (
+        "from-state-position-negative",
+        lambda e, ws: e.stream_from_state(_state(e), position=-1),
+        ConfigError,
+        "position",
+    ),
     ("from-state-position-float", lambda e, ws: e.stream_from_state(_state(e), position=1.5), ConfigError, "position"),
     ("from-state-position-bool", lambda e, ws: e.stream_from_state(_state(e), position=True), ConfigError, "position"),
     ("from-state-nan", lambda e, ws: e.stream_from_state(_nan(e)), StateFileError, "NaN or infinite"),
@@ -362,9 +576,18 @@ API_CASES = [
     ("from-state-missing", lambda e, ws: e.stream_from_state(_missing(e)), StateFileError, "missing"),
     ("from-state-lists", lambda e, ws: e.stream_from_state(_lists(e)), StateFileError, "numpy array"),
     ("from-state-float64", lambda e, ws: e.stream_from_state(_wrong_dtype(e)), StateFileError, "expected float32"),
-    ("from-state-nan-logits", lambda e, ws: e.stream_from_state(_state(e), logits=np.full(e.vocab_size, np.nan)),
-     StateFileError, "finite"),
-    ("from-state-short-logits", lambda e, ws: e.stream_from_state(_state(e), logits=np.zeros(3)), StateFileError, "logits"),
+    (
+        "from-state-nan-logits",
+        lambda e, ws: e.stream_from_state(_state(e), logits=np.full(e.vocab_size, np.nan)),
+        StateFileError,
+        "finite",
+    ),
+    (
+        "from-state-short-logits",
+        lambda e, ws: e.stream_from_state(_state(e), logits=np.zeros(3)),
+        StateFileError,
+        "logits",
+    ),
     ("prefill-chunk-0", lambda e, ws: e.new_stream().prefill(b"abc", chunk_size=0), ConfigError, "chunk_size"),
     ("prefill-chunk-negative", lambda e, ws: e.new_stream().prefill(b"abc", chunk_size=-2), ConfigError, "chunk_size"),
     ("prefill-chunk-float", lambda e, ws: e.new_stream().prefill(b"abc", chunk_size=2.0), ConfigError, "chunk_size"),
@@ -404,7 +627,12 @@ API_CASES = [
     ("save-to-dir", lambda e, ws: e.new_stream().save(ws / "adir"), StateFileError, "is a directory"),
     ("save-under-file", lambda e, ws: e.new_stream().save(ws / "afile" / "x.state"), EdgememError, "afile"),
     ("batch-empty", lambda e, ws: e.step_batch([], []), BatchError, "at least one stream"),
-    ("batch-twice", lambda e, ws: (lambda s: e.step_batch([s, s], [1, 2]))(e.new_stream()), BatchError, "more than once"),
+    (
+        "batch-twice",
+        lambda e, ws: (lambda s: e.step_batch([s, s], [1, 2]))(e.new_stream()),
+        BatchError,
+        "more than once",
+    ),
     ("batch-count", lambda e, ws: e.step_batch([e.new_stream()], [1, 2]), BatchError, "1 streams but 2"),
     ("batch-foreign", lambda e, ws: e.step_batch([object()], [1]), BatchError, "from this engine"),
     ("batch-out-of-vocab", lambda e, ws: e.step_batch([e.new_stream()], [999]), TokenError, "outside the vocabulary"),

@@ -81,7 +81,12 @@ def test_a_recipe_file_stands_for_a_preset(tmp_path):
 
     example = pathlib.Path(__file__).parents[1] / "export" / "titans-mag-orin-nano.toml"
     config = load_config(str(example), n_layers=1)
-    assert (config.arch, config.mixer, config.d_model, config.n_layers) == ("titans-mag-orin-nano", "titans_mag", 128, 1)
+    assert (config.arch, config.mixer, config.d_model, config.n_layers) == (
+        "titans-mag-orin-nano",
+        "titans_mag",
+        128,
+        1,
+    )
     assert config.mixer_options["num_heads"] == 2
     bad = tmp_path / "bad.toml"
     bad.write_text("[model]\nd_model = 64\n[mixr]\ntype = 'linear'\n")
@@ -98,7 +103,13 @@ def test_set_values_are_toml_literals_and_ranges_are_checked():
     from edgemem.config import finite, parse_overrides, positive_int
 
     assert parse_overrides(["a=64", "b=1e-3", "c=true", "d=[1, 2]", "e=silu", " f =x=y"]) == {
-        "a": 64, "b": 1e-3, "c": True, "d": [1, 2], "e": "silu", "f": "x=y"}
+        "a": 64,
+        "b": 1e-3,
+        "c": True,
+        "d": [1, 2],
+        "e": "silu",
+        "f": "x=y",
+    }
     for bad in ("novalue", "=3"):
         with pytest.raises(ConfigError, match="--set expects key=value"):
             parse_overrides([bad])

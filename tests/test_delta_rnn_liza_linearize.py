@@ -10,18 +10,19 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from test_protocol import TOLERANCE, run_pieces, split_points
 
 from edgemem.errors import ConfigError
 from edgemem.layers import DeltaRNN, LiZA
 from edgemem.models import build, linearize, state_bytes
 from edgemem.ops.linear_attention import UPDATE_RULES
 
-from test_protocol import TOLERANCE, run_pieces, split_points
-
 LAYERS = {
     "delta-rnn": lambda: DeltaRNN(32, 4),
     "liza": lambda: LiZA(32, 4, window=5),
-    "liza-gqa-gated-output": lambda: LiZA(32, 4, window=5, num_kv_heads=2, qk_norm=True, rotary_dim=4, output_gate=True),
+    "liza-gqa-gated-output": lambda: LiZA(
+        32, 4, window=5, num_kv_heads=2, qk_norm=True, rotary_dim=4, output_gate=True
+    ),
     "liza-delta-persistent": lambda: LiZA(32, 4, window=3, update_rule="delta", persistent=2),
 }
 
@@ -137,7 +138,11 @@ def liza_reference(layer: LiZA, x: torch.Tensor) -> torch.Tensor:
         gate = None
         if layer.output_gate:  # per head: d query channels, then d gate channels
             q, gate = q.reshape(b, h, 2, d)[:, :, 0], q.reshape(b, h, 2, d)[:, :, 1].reshape(b, h * d)
-        q, k, v = _head_norm(q.reshape(b, h, d), layer.q_norm), _head_norm(k.reshape(b, hk, d), layer.k_norm), v.reshape(b, hk, d)
+        q, k, v = (
+            _head_norm(q.reshape(b, h, d), layer.q_norm),
+            _head_norm(k.reshape(b, hk, d), layer.k_norm),
+            v.reshape(b, hk, d),
+        )
         keys.append(_rope(k, i, theta, rotary).repeat_interleave(group, 1))
         values.append(v.repeat_interleave(group, 1))
         seen_k, seen_v = torch.stack(keys[-layer.window - 1 :], 2), torch.stack(values[-layer.window - 1 :], 2)
@@ -184,8 +189,15 @@ def test_delta_rnn_read_depends_on_the_previous_output():
 
 PROJECTIONS = {  # the options of the attention layers LiZA replaces (imported hybrids use all of them)
     "plain": {},
-    "gqa-qknorm-partial-rope-gate": dict(num_kv_heads=2, head_dim=12, qk_norm=True, norm_unit_offset=True,
-                                         rotary_dim=4, rope_theta=500.0, output_gate=True),
+    "gqa-qknorm-partial-rope-gate": dict(
+        num_kv_heads=2,
+        head_dim=12,
+        qk_norm=True,
+        norm_unit_offset=True,
+        rotary_dim=4,
+        rope_theta=500.0,
+        output_gate=True,
+    ),
 }
 
 
@@ -356,24 +368,50 @@ def test_linearize_and_fine_tune_from_the_command_line(tmp_path):
     save_checkpoint(build("softmax", seed=0, d_model=32, n_layers=1, mlp_hidden=32), tmp_path / "softmax.safetensors")
     runner = CliRunner()
     run = lambda *args: runner.invoke(main, [str(a) for a in args])  # noqa: E731
-    done = run("linearize", "--checkpoint", tmp_path / "softmax.safetensors", "--out", tmp_path / "liza.safetensors",
-               "--window", 8)
+    done = run(
+        "linearize",
+        "--checkpoint",
+        tmp_path / "softmax.safetensors",
+        "--out",
+        tmp_path / "liza.safetensors",
+        "--window",
+        8,
+    )
     assert done.exit_code == 0, done.output
     assert "1 of 1 layers now LiZA" in done.output
-    done = run("train", "--init", tmp_path / "liza.safetensors", "--task", "copy", "--steps", 3, "--batch", 4,
-               "--task-set", "tokens=4", "--out", tmp_path / "tuned.safetensors")
+    done = run(
+        "train",
+        "--init",
+        tmp_path / "liza.safetensors",
+        "--task",
+        "copy",
+        "--steps",
+        3,
+        "--batch",
+        4,
+        "--task-set",
+        "tokens=4",
+        "--out",
+        tmp_path / "tuned.safetensors",
+    )
     assert done.exit_code == 0, done.output
     before, after = load_checkpoint(tmp_path / "liza.safetensors"), load_checkpoint(tmp_path / "tuned.safetensors")
-    assert after.config == before.config and not torch.equal(after.blocks[0].mixer.gate.bias, before.blocks[0].mixer.gate.bias)
-    done = run("export", "--checkpoint", tmp_path / "tuned.safetensors", "--out", tmp_path / "out", "--target", "generic")
+    assert after.config == before.config and not torch.equal(
+        after.blocks[0].mixer.gate.bias, before.blocks[0].mixer.gate.bias
+    )
+    done = run(
+        "export", "--checkpoint", tmp_path / "tuned.safetensors", "--out", tmp_path / "out", "--target", "generic"
+    )
     assert done.exit_code == 0, done.output
     done = run("verify", tmp_path / "out")
     assert done.exit_code == 0, done.output
 
     for args, message in [
         (("linearize", "--out", tmp_path / "x.safetensors"), "give --checkpoint FILE or --hf DIR"),
-        (("linearize", "--checkpoint", tmp_path / "liza.safetensors", "--out", tmp_path / "liza.safetensors"),
-         "own input"),
+        (
+            ("linearize", "--checkpoint", tmp_path / "liza.safetensors", "--out", tmp_path / "liza.safetensors"),
+            "own input",
+        ),
         (("train", "--task", "copy"), "give --arch"),
         (("train", "--init", tmp_path / "liza.safetensors", "--arch", "softmax", "--task", "copy"), "not both"),
     ]:
@@ -391,8 +429,12 @@ def test_a_linearized_hybrid_exports_verifies_and_streams(tmp_path):
     _, path = _qwen3_5_hybrid(tmp_path / "hf")
     model = linearize(from_hf(path), window=6).eval()
     save_checkpoint(model, tmp_path / "model.safetensors")
-    manifest = export(model, tmp_path / "out", targets=["generic", "ort"],
-                      extra_config={"checkpoint": str(tmp_path / "model.safetensors")})
+    manifest = export(
+        model,
+        tmp_path / "out",
+        targets=["generic", "ort"],
+        extra_config={"checkpoint": str(tmp_path / "model.safetensors")},
+    )
     assert all("past_sequence" not in s.shape for s in manifest.state)  # no growing cache left
     checks, _ = verify(tmp_path / "out", threads=1)
     assert checks and all(c.ok for c in checks), [c for c in checks if not c.ok]

@@ -49,7 +49,9 @@ def test_preset_exports_match_pytorch(small_exports, arch):
 
 @pytest.mark.parametrize("arch", FULL_SIZE)
 def test_full_size_preset_exports_from_the_cli_and_matches_pytorch(arch, tmp_path):
-    result = CliRunner().invoke(main, ["export", "--arch", arch, "--out", str(tmp_path / arch), "--target", ",".join(TARGETS)])
+    result = CliRunner().invoke(
+        main, ["export", "--arch", arch, "--out", str(tmp_path / arch), "--target", ",".join(TARGETS)]
+    )
     assert result.exit_code == 0, f"{arch}: {result.output}"
     manifest = _verified(tmp_path / arch)
     assert manifest.config["d_model"] == build(arch).config.d_model and manifest.config["n_layers"] == 2
@@ -72,7 +74,9 @@ def test_manifest_describes_the_graphs(small_exports):
         kinds.add(spec["kind"])
     assert {"key", "value", "position", "memory.0", "momentum.0", "chunk_memory.0"} <= kinds
     assert any(s["init"] == "file" for s in raw["state"])  # Titans' learned initial memory
-    assert set(raw["files"]) >= {f"{t}/{g}.onnx" for t in TARGETS for g in ("prefill", "step")} | {"state_init.safetensors"}
+    assert set(raw["files"]) >= {f"{t}/{g}.onnx" for t in TARGETS for g in ("prefill", "step")} | {
+        "state_init.safetensors"
+    }
 
 
 def test_softmax_state_declares_its_growing_cache(small_exports):
@@ -89,7 +93,13 @@ def test_edgemem_nodes_and_their_functions_survive(small_exports, arch):
 
 
 def test_full_checker_passes_in_a_fresh_process(small_exports):
-    files = [str(d / t / g) for d in small_exports.values() for t in ("generic", "ort", "onnx27") for g in ("prefill.onnx", "step.onnx") if (d / t / g).exists()]
+    files = [
+        str(d / t / g)
+        for d in small_exports.values()
+        for t in ("generic", "ort", "onnx27")
+        for g in ("prefill.onnx", "step.onnx")
+        if (d / t / g).exists()
+    ]
     code = "import sys, onnx\nfor f in sys.argv[1:]: onnx.checker.check_model(onnx.load(f), full_check=True)"
     subprocess.run([sys.executable, "-c", code, *files], check=True)
 
@@ -97,10 +107,14 @@ def test_full_checker_passes_in_a_fresh_process(small_exports):
 def test_ort_target_uses_the_native_kernel_and_onnx27_the_standard_op(small_exports):
     directory = small_exports["gated-deltanet"]
     ort_model = onnx.load(directory / "ort" / "step.onnx")
-    assert {(n.domain, n.op_type) for n in ort_model.graph.node if n.op_type == "LinearAttention"} == {("com.microsoft", "LinearAttention")}
+    assert {(n.domain, n.op_type) for n in ort_model.graph.node if n.op_type == "LinearAttention"} == {
+        ("com.microsoft", "LinearAttention")
+    }
     assert not [f for f in ort_model.functions if f.name == "LinearAttention"]
     std = onnx.load(directory / "onnx27" / "step.onnx")
-    assert {(n.domain, n.op_type) for n in std.graph.node if n.op_type == "LinearAttention"} == {("", "LinearAttention")}
+    assert {(n.domain, n.op_type) for n in std.graph.node if n.op_type == "LinearAttention"} == {
+        ("", "LinearAttention")
+    }
     assert [o.version for o in std.opset_import if o.domain == ""] == [27]
 
 
@@ -142,7 +156,11 @@ class HybridLM(torch.nn.Module):
         self.head = torch.nn.Linear(32, 64)
 
     def init_state(self, batch, device=None, dtype=None):
-        return {f"{i}.{k}": v for i, layer in enumerate(self.layers) for k, v in layer.init_state(batch, device, dtype).items()}
+        return {
+            f"{i}.{k}": v
+            for i, layer in enumerate(self.layers)
+            for k, v in layer.init_state(batch, device, dtype).items()
+        }
 
     def prefill(self, tokens, state):
         x, new = self.embed(tokens), {}
@@ -169,7 +187,9 @@ def test_user_built_model_exports_through_the_python_api(tmp_path):
     with torch.no_grad():
         expected, _ = model.prefill(tokens, model.init_state(3))
     for target in ("generic", "ort"):
-        session = ort.InferenceSession(str(tmp_path / "hybrid" / target / "prefill.onnx"), providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(
+            str(tmp_path / "hybrid" / target / "prefill.onnx"), providers=["CPUExecutionProvider"]
+        )
         feeds = {"input_ids": tokens.numpy(), **initial_state(manifest, tmp_path / "hybrid", 3)}
         np.testing.assert_allclose(session.run(["logits"], feeds)[0], expected.numpy(), rtol=1e-4, atol=1e-4)
 
@@ -180,7 +200,9 @@ def _invoke(*args):
 
 def test_cli_errors_are_one_line(tmp_path):
     result = _invoke("export", "--arch", "mamba", "--out", str(tmp_path / "x"))
-    assert result.exit_code == 2 and "unknown arch 'mamba'; known:" in result.output and "Traceback" not in result.output
+    assert (
+        result.exit_code == 2 and "unknown arch 'mamba'; known:" in result.output and "Traceback" not in result.output
+    )
     result = _invoke("export", "--arch", "deltanet", "--out", str(tmp_path / "x"), "--set", "windw=3")
     assert result.exit_code == 2 and "unknown override 'windw'" in result.output
     (tmp_path / "full").mkdir()
@@ -192,7 +214,15 @@ def test_cli_errors_are_one_line(tmp_path):
     result = _invoke("export", "--checkpoint", str(tmp_path / "bad.safetensors"), "--out", str(tmp_path / "y"))
     assert result.exit_code == 2 and "cannot read checkpoint" in result.output
     save_checkpoint(build("deltanet", seed=0, d_model=32, mlp_hidden=32), tmp_path / "deltanet.safetensors")
-    result = _invoke("export", "--arch", "softmax", "--checkpoint", str(tmp_path / "deltanet.safetensors"), "--out", str(tmp_path / "z"))
+    result = _invoke(
+        "export",
+        "--arch",
+        "softmax",
+        "--checkpoint",
+        str(tmp_path / "deltanet.safetensors"),
+        "--out",
+        str(tmp_path / "z"),
+    )
     assert result.exit_code == 2 and "is a checkpoint of 'deltanet', not 'softmax'" in result.output
     result = _invoke("verify", str(tmp_path / "full"))
     assert result.exit_code == 2 and "is not an edgemem export" in result.output
@@ -204,7 +234,15 @@ def test_checkpoint_export_verifies_against_the_checkpoint(tmp_path):
         for p in model.parameters():
             p.add_(0.01)  # weights no seed reproduces
     save_checkpoint(model, tmp_path / "ckpt.safetensors")
-    result = _invoke("export", "--checkpoint", str(tmp_path / "ckpt.safetensors"), "--out", str(tmp_path / "out"), "--target", "generic")
+    result = _invoke(
+        "export",
+        "--checkpoint",
+        str(tmp_path / "ckpt.safetensors"),
+        "--out",
+        str(tmp_path / "out"),
+        "--target",
+        "generic",
+    )
     assert result.exit_code == 0, result.output
     checks, _ = verify(tmp_path / "out")
     assert checks and all(c.ok for c in checks)
@@ -278,7 +316,9 @@ def test_a_graph_past_the_protobuf_limit_keeps_its_weights_in_the_store(tmp_path
     split = Engine.load(tmp_path / "split", threads=1, check_files=True).new_stream()
     logits = np.concatenate([split.prefill(ids[:30]), np.stack([split.step(int(t)) for t in ids[30:]])])
     one = Engine.load(tmp_path / "one", threads=1).new_stream()
-    np.testing.assert_array_equal(logits, np.concatenate([one.prefill(ids[:30]), np.stack([one.step(int(t)) for t in ids[30:]])]))
+    np.testing.assert_array_equal(
+        logits, np.concatenate([one.prefill(ids[:30]), np.stack([one.step(int(t)) for t in ids[30:]])])
+    )
     quantized = calibrate(tmp_path / "split", "int4", out=tmp_path / "int4")  # written split too (limit still 1)
     assert sum(quantized.quantization["quantized_projections"].values()) > 0 and "ort/weights.data" in quantized.files
     stream = Engine.load(tmp_path / "int4", threads=1, check_files=True).new_stream()

@@ -56,12 +56,15 @@ def test_mqar_far_data_is_reproducible_and_held_out_streams_are_not_training_dat
     assert ((long.targets >= 0).reshape(4, 4, 20).sum(-1) == 4).all()
 
 
-@pytest.mark.parametrize("params,length,message", [
-    ({"pairs": 0}, None, "pairs must be in 1..64"),
-    ({"gap": -1}, None, "gap must be ≥ 0"),
-    ({"gap": "8"}, None, "integer"),
-    ({"pairs": 4, "gap": 8}, 21, "is 20 tokens"),
-])
+@pytest.mark.parametrize(
+    "params,length,message",
+    [
+        ({"pairs": 0}, None, "pairs must be in 1..64"),
+        ({"gap": -1}, None, "gap must be ≥ 0"),
+        ({"gap": "8"}, None, "integer"),
+        ({"pairs": 4, "gap": 8}, 21, "is 20 tokens"),
+    ],
+)
 def test_mqar_far_rejects_bad_parameters(params, length, message):
     with pytest.raises(ConfigError, match=message):
         get_task("mqar-far", **params).batch(1, length, np.random.default_rng(0))
@@ -71,7 +74,9 @@ def memory_states(state: dict) -> dict:
     return {k: v for k, v in state.items() if re.search(r"(^|\.)(memory|momentum|chunk_memory)\.\d+$", k)}
 
 
-@pytest.mark.parametrize("arch,options", [("titans-mag", {"window": 4}), ("titans-mac", {}), ("titans-mal", {"window": 4})])
+@pytest.mark.parametrize(
+    "arch,options", [("titans-mag", {"window": 4}), ("titans-mac", {}), ("titans-mal", {"window": 4})]
+)
 def test_without_memory_leaves_every_memory_at_its_initial_weights(arch, options):
     model = build(arch, seed=1, **TINY, **options).eval()
     tokens = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(0))
@@ -98,9 +103,14 @@ def test_without_memory_needs_a_model_with_a_neural_memory():
 def far_rows() -> list[tuple]:
     """(file, arch, window, pairs, gap, (nearest, furthest distance), accuracy with memory, without)
     from checkpoints/README.md."""
-    rows = re.findall(r"^\| `(\S+-far\.safetensors)` \| (\S+) \| mqar-far \| (\d+) \| (\d+) \| (\d+) \| (\d+)–(\d+) \| ([\d.]+) \| ([\d.]+) \|",
-                      (ROOT / "checkpoints" / "README.md").read_text(), flags=re.M)
-    return [(f, a, int(w), int(p), int(g), (int(d0), int(d1)), float(x), float(y)) for f, a, w, p, g, d0, d1, x, y in rows]
+    rows = re.findall(
+        r"^\| `(\S+-far\.safetensors)` \| (\S+) \| mqar-far \| (\d+) \| (\d+) \| (\d+) \| (\d+)–(\d+) \| ([\d.]+) \| ([\d.]+) \|",  # noqa: E501
+        (ROOT / "checkpoints" / "README.md").read_text(),
+        flags=re.M,
+    )
+    return [
+        (f, a, int(w), int(p), int(g), (int(d0), int(d1)), float(x), float(y)) for f, a, w, p, g, d0, d1, x, y in rows
+    ]
 
 
 def test_the_readme_lists_a_far_checkpoint_for_mag_and_mac():
@@ -108,14 +118,19 @@ def test_the_readme_lists_a_far_checkpoint_for_mag_and_mac():
 
 
 @pytest.mark.parametrize("name,arch,window,pairs,gap,distance,stated,stated_off", far_rows())
-def test_far_checkpoint_answers_beyond_its_window_only_through_its_memory(name, arch, window, pairs, gap, distance,
-                                                                         stated, stated_off):
+def test_far_checkpoint_answers_beyond_its_window_only_through_its_memory(
+    name, arch, window, pairs, gap, distance, stated, stated_off
+):
     path = ROOT / "checkpoints" / name
     model, task = load_checkpoint(path), get_task("mqar-far", pairs=pairs, gap=gap)
     mixer = model.config.mixer_options
     assert model.config.arch == arch and window == mixer.get("window", mixer["chunk_size"])
     sample = task.stream(128, task.length, seed=0)
-    back = [q - 1 - 2 * list(t[0 : 2 * pairs : 2]).index(t[q]) for t in sample.tokens for q in range(2 * pairs + gap, len(t))]
+    back = [
+        q - 1 - 2 * list(t[0 : 2 * pairs : 2]).index(t[q])
+        for t in sample.tokens
+        for q in range(2 * pairs + gap, len(t))
+    ]
     assert (min(back), max(back)) == distance  # tokens from each answer (the value) to its query
     assert distance[0] > model.config.n_layers * window  # further back than two stacked windows reach
     assert evaluate(model, task, batch=128, seed=0)["accuracy"] == pytest.approx(stated, abs=0.005)
@@ -134,14 +149,43 @@ def test_far_checkpoint_answers_beyond_its_window_only_through_its_memory(name, 
 
 def test_cli_eval_no_memory_turns_the_memory_off(tmp_path):
     out = tmp_path / "m.safetensors"
-    args = ["train", "--arch", "titans-mag", "--task", "mqar-far", "--steps", "2", "--batch", "4", "--out", str(out),
-            "--task-set", "pairs=2", "--task-set", "gap=4", "--set", "window=2"]
+    args = [
+        "train",
+        "--arch",
+        "titans-mag",
+        "--task",
+        "mqar-far",
+        "--steps",
+        "2",
+        "--batch",
+        "4",
+        "--out",
+        str(out),
+        "--task-set",
+        "pairs=2",
+        "--task-set",
+        "gap=4",
+        "--set",
+        "window=2",
+    ]
     for key, value in TINY.items():
         args += ["--set", f"{key}={value}"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
-    common = ["eval", "--checkpoint", str(out), "--task", "mqar-far", "--task-set", "pairs=2", "--task-set", "gap=4",
-              "--batch", "16", "--json"]
+    common = [
+        "eval",
+        "--checkpoint",
+        str(out),
+        "--task",
+        "mqar-far",
+        "--task-set",
+        "pairs=2",
+        "--task-set",
+        "gap=4",
+        "--batch",
+        "16",
+        "--json",
+    ]
     rows = {}
     for flag in ([], ["--no-memory"]):
         result = CliRunner().invoke(main, common + flag)
@@ -149,8 +193,22 @@ def test_cli_eval_no_memory_turns_the_memory_off(tmp_path):
         rows[bool(flag)] = json.loads(result.output)
     assert [r["length"] for r in rows[True]] == [10, 40]
     off = without_memory(load_checkpoint(out))
-    assert rows[True][0]["accuracy"] == evaluate(off, "mqar-far", batch=16, task_params={"pairs": 2, "gap": 4})["accuracy"]
-    assert rows[False][0]["accuracy"] == evaluate(out, "mqar-far", batch=16, task_params={"pairs": 2, "gap": 4})["accuracy"]
-    result = CliRunner().invoke(main, ["eval", "--checkpoint", str(ROOT / "checkpoints" / "deltanet-mqar.safetensors"),
-                                       "--task", "mqar", "--no-memory"])
+    assert (
+        rows[True][0]["accuracy"] == evaluate(off, "mqar-far", batch=16, task_params={"pairs": 2, "gap": 4})["accuracy"]
+    )
+    assert (
+        rows[False][0]["accuracy"]
+        == evaluate(out, "mqar-far", batch=16, task_params={"pairs": 2, "gap": 4})["accuracy"]
+    )
+    result = CliRunner().invoke(
+        main,
+        [
+            "eval",
+            "--checkpoint",
+            str(ROOT / "checkpoints" / "deltanet-mqar.safetensors"),
+            "--task",
+            "mqar",
+            "--no-memory",
+        ],
+    )
     assert result.exit_code != 0 and "has no neural memory" in result.output and "Traceback" not in result.output

@@ -24,7 +24,9 @@ from edgemem.runtime.base import Stream
 from edgemem.runtime.engines import plugin_library
 
 TINY = {"d_model": 32, "n_layers": 1, "mlp_hidden": 32}
-STATS = re.compile(r"\[prefill (\d+) (bytes|tokens) in ([\d.]+) s; (\d+) \2 in ([\d.]+) s, ([\d.]+) \2/s; position (\d+)")
+STATS = re.compile(
+    r"\[prefill (\d+) (bytes|tokens) in ([\d.]+) s; (\d+) \2 in ([\d.]+) s, ([\d.]+) \2/s; position (\d+)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +46,9 @@ def ids_export(tmp_path_factory):
 
 
 def _cli(*args, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", "from edgemem.cli import main; main()", *map(str, args)],
-                          timeout=120, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-c", "from edgemem.cli import main; main()", *map(str, args)], timeout=120, **kwargs
+    )
 
 
 def _one_line_error(result, *needles: str) -> None:
@@ -107,34 +110,54 @@ def test_run_text_prompt_without_a_tokenizer_names_the_id_options(ids_export):
     _one_line_error(result, "no tokenizer", "--ids 1,2,3", "--ids-file", "--print-ids")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--ids", "1,x"], "--ids: 'x' is not a token id"),
-    (["--ids", "1,2.5"], "--ids: '2.5' is not a token id"),
-    (["--ids", "4,-1"], "--ids: -1 is not a token id"),
-    (["--ids", "1,300"], "--ids: token id 300 is outside the vocabulary of linear (0 to 299)"),
-    (["--ids", " , "], "--ids holds no token ids"),
-    (["--ids-file", "{tmp}/missing.txt"], "--ids-file {tmp}/missing.txt: No such file or directory"),
-    (["--ids-file", "{tmp}/words.txt"], "'seven' is not a token id"),
-    (["--ids", "1", "--prompt", "hi"], "give one prompt"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--ids", "1,x"], "--ids: 'x' is not a token id"),
+        (["--ids", "1,2.5"], "--ids: '2.5' is not a token id"),
+        (["--ids", "4,-1"], "--ids: -1 is not a token id"),
+        (["--ids", "1,300"], "--ids: token id 300 is outside the vocabulary of linear (0 to 299)"),
+        (["--ids", " , "], "--ids holds no token ids"),
+        (["--ids-file", "{tmp}/missing.txt"], "--ids-file {tmp}/missing.txt: No such file or directory"),
+        (["--ids-file", "{tmp}/words.txt"], "'seven' is not a token id"),
+        (["--ids", "1", "--prompt", "hi"], "give one prompt"),
+    ],
+)
 def test_run_bad_token_ids_are_one_line(ids_export, tmp_path, args, message):
     (tmp_path / "words.txt").write_text("1 seven 3")
     args = [a.format(tmp=tmp_path) for a in args]
     _one_line_error(CliRunner().invoke(main, ["run", str(ids_export), *args]), message.format(tmp=tmp_path))
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--top-k", "5"], "--top-k needs --temperature > 0"),
-    (["--top-p", "0.9"], "--top-p needs --temperature > 0"),
-    (["--top-k", "5", "--top-p", "0.9", "--temperature", "0"], "--top-k and --top-p need --temperature > 0"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--top-k", "5"], "--top-k needs --temperature > 0"),
+        (["--top-p", "0.9"], "--top-p needs --temperature > 0"),
+        (["--top-k", "5", "--top-p", "0.9", "--temperature", "0"], "--top-k and --top-p need --temperature > 0"),
+    ],
+)
 def test_top_k_and_top_p_are_refused_when_greedy(byte_export, args, message):
     _one_line_error(CliRunner().invoke(main, ["run", str(byte_export), "--prompt", "hi", *args]), message, "greedy")
 
 
 def test_top_k_and_top_p_sample_with_a_temperature(byte_export):
-    args = ["run", str(byte_export), "--prompt", "hi", "--max-new-tokens", "4", "--temperature", "0.8",
-            "--top-k", "5", "--top-p", "0.9", "--seed", "1"]
+    args = [
+        "run",
+        str(byte_export),
+        "--prompt",
+        "hi",
+        "--max-new-tokens",
+        "4",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "5",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "1",
+    ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert result.stdout_bytes == Engine.load(byte_export).generate(b"hi", 4, 0.8, 5, 0.9, seed=1)
@@ -143,13 +166,15 @@ def test_top_k_and_top_p_sample_with_a_temperature(byte_export):
 def test_int4_is_called_int4_and_not_pointed_to_an_int8_method(byte_export, tmp_path, caplog):
     out = tmp_path / "q4"
     with caplog.at_level(logging.WARNING, logger="edgemem.quant.calibrate"):
-        result = CliRunner().invoke(main, ["calibrate", str(byte_export), "--method", "int4", "--no-drift",
-                                           "--out", str(out)])
+        result = CliRunner().invoke(
+            main, ["calibrate", str(byte_export), "--method", "int4", "--no-drift", "--out", str(out)]
+        )
     assert result.exit_code == 0, result.output
     (warning,) = [r.getMessage() for r in caplog.records if "trt target" in r.getMessage()]
     assert "MatMulNBits" in warning and "INT8 with --method static" in warning, warning
-    _one_line_error(CliRunner().invoke(main, ["verify", str(out)]), "is an INT4 export (int4 quantization)",
-                    "judge the INT4 export")
+    _one_line_error(
+        CliRunner().invoke(main, ["verify", str(out)]), "is an INT4 export (int4 quantization)", "judge the INT4 export"
+    )
     assert "INT8" not in CliRunner().invoke(main, ["verify", str(out)]).stderr
 
 
@@ -160,25 +185,31 @@ def test_cli_errors_name_cli_options_python_errors_python_arguments(byte_export,
     (full / "edgemem.json").write_text("{}")
     runner = CliRunner()
     _one_line_error(runner.invoke(main, ["export", "--arch", "linear", "--out", str(full)]), "pass --force to")
-    _one_line_error(runner.invoke(main, ["run", str(byte_export), "--prompt", "a", "--plugins", "x.so"]),
-                    "--plugins is for --backend trt")
+    _one_line_error(
+        runner.invoke(main, ["run", str(byte_export), "--prompt", "a", "--plugins", "x.so"]),
+        "--plugins is for --backend trt",
+    )
     with pytest.raises(Exception, match=r"pass force=True to"):
         check_output_dir(full, force=False)
     with pytest.raises(Exception, match=r"pass plugins=PATH or set EDGEMEM_TRT_PLUGINS"):
         plugin_library(None)
     with cli_names(), pytest.raises(Exception, match=r"pass --plugins PATH or set EDGEMEM_TRT_PLUGINS"):
         plugin_library(None)
-    for result in (runner.invoke(main, ["export", "--arch", "linear", "--out", str(full)]),
-                   runner.invoke(main, ["run", str(byte_export), "--prompt", "a", "--plugins", "x.so"])):
+    for result in (
+        runner.invoke(main, ["export", "--arch", "linear", "--out", str(full)]),
+        runner.invoke(main, ["run", str(byte_export), "--prompt", "a", "--plugins", "x.so"]),
+    ):
         assert not re.search(r"\b(force|plugins|log_file)=", result.stderr), result.stderr
 
 
 def test_archs_answers_without_torch_and_its_table_is_measured():
-    code = ("import sys; from click.testing import CliRunner; from edgemem.cli import main\n"
-            "result = CliRunner().invoke(main, ['archs', '--json'])\n"
-            "assert result.exit_code == 0, result.output\n"
-            "assert 'torch' not in sys.modules, 'archs imported torch'\n"
-            "print(result.output)")
+    code = (
+        "import sys; from click.testing import CliRunner; from edgemem.cli import main\n"
+        "result = CliRunner().invoke(main, ['archs', '--json'])\n"
+        "assert result.exit_code == 0, result.output\n"
+        "assert 'torch' not in sys.modules, 'archs imported torch'\n"
+        "print(result.output)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)
@@ -212,29 +243,70 @@ def test_train_off_a_terminal_logs_progress_with_the_loss(often, tmp_path, monke
         return loss(*args)
 
     monkeypatch.setattr(edgemem.train, "_loss", slow)
-    result = CliRunner().invoke(main, ["train", "--arch", "linear", "--set", "d_model=16", "--set", "mlp_hidden=16",
-                                       "--set", "n_layers=1", "--task", "copy", "--task-set", "tokens=4", "--steps", "30",
-                                       "--batch", "2", "--out", str(tmp_path / "t.safetensors")])
+    result = CliRunner().invoke(
+        main,
+        [
+            "train",
+            "--arch",
+            "linear",
+            "--set",
+            "d_model=16",
+            "--set",
+            "mlp_hidden=16",
+            "--set",
+            "n_layers=1",
+            "--task",
+            "copy",
+            "--task-set",
+            "tokens=4",
+            "--steps",
+            "30",
+            "--batch",
+            "2",
+            "--out",
+            str(tmp_path / "t.safetensors"),
+        ],
+    )
     assert result.exit_code == 0, result.output
     lines = _progress_lines(often)
     assert lines[0].startswith("training linear on copy, 0/30 (0%)"), lines
     assert re.match(r"training linear on copy, 30/30 \(100%\), loss [\d.]+, done in \d+ s$", lines[-1]), lines
-    between = [int(m.group(1)) for m in (re.search(r", (\d+)/30 \(\d+%\), loss [\d.]+, \d+ s", x) for x in lines[1:-1]) if m]
+    between = [
+        int(m.group(1)) for m in (re.search(r", (\d+)/30 \(\d+%\), loss [\d.]+, \d+ s", x) for x in lines[1:-1]) if m
+    ]
     assert len(between) >= 3 and between == sorted(between) and 0 < between[0] and between[-1] <= 30, lines
 
 
 def test_bench_calibrate_and_a_long_prefill_log_progress_off_a_terminal(often, byte_export, ids_export, tmp_path):
     runner = CliRunner()
-    done = runner.invoke(main, ["bench", str(byte_export), "--positions", "64", "--batch", "1", "--steps", "3",
-                                "--time-limit", "0.05", "--no-eager"])
+    done = runner.invoke(
+        main,
+        [
+            "bench",
+            str(byte_export),
+            "--positions",
+            "64",
+            "--batch",
+            "1",
+            "--steps",
+            "3",
+            "--time-limit",
+            "0.05",
+            "--no-eager",
+        ],
+    )
     assert done.exit_code == 0, done.output
     lines = _progress_lines(often)
     assert lines[0].startswith("bench, 0/2 (0%)") and re.match(r"bench, 2/2 \(100%\), done in", lines[-1]), lines
     often.clear()
-    done = runner.invoke(main, ["calibrate", str(byte_export), "--method", "dynamic", "--no-drift", "--out", str(tmp_path / "q")])
+    done = runner.invoke(
+        main, ["calibrate", str(byte_export), "--method", "dynamic", "--no-drift", "--out", str(tmp_path / "q")]
+    )
     assert done.exit_code == 0, done.output
     lines = _progress_lines(often)
-    assert lines[0].startswith("calibrate (dynamic, recipe default)") and lines[-1].endswith(("done in 0 s", "done in 1 s"))
+    assert lines[0].startswith("calibrate (dynamic, recipe default)") and lines[-1].endswith(
+        ("done in 0 s", "done in 1 s")
+    )
     assert any("quantizing ort/" in x for x in lines), lines
     often.clear()
     ids = tmp_path / "ids.txt"
@@ -246,8 +318,21 @@ def test_bench_calibrate_and_a_long_prefill_log_progress_off_a_terminal(often, b
 
 
 def test_progress_lines_reach_a_piped_stderr_without_escape_codes(byte_export):
-    done = _cli("bench", byte_export, "--positions", "64", "--batch", "1", "--steps", "3", "--time-limit", "0.05",
-                "--no-eager", capture_output=True, text=True)
+    done = _cli(
+        "bench",
+        byte_export,
+        "--positions",
+        "64",
+        "--batch",
+        "1",
+        "--steps",
+        "3",
+        "--time-limit",
+        "0.05",
+        "--no-eager",
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stderr.splitlines()
     assert lines[0].startswith("edgemem.progress: bench, 0/2 (0%)"), done.stderr
@@ -255,7 +340,7 @@ def test_progress_lines_reach_a_piped_stderr_without_escape_codes(byte_export):
     assert "\x1b" not in done.stderr and "position" in done.stdout
 
 
-# ---------------------------------------------------------------- short output by default, tables that never cut numbers
+# ---------------------------------------------------------------- short output by default, tables that never cut numbers  # noqa: E501
 def test_verify_prints_a_summary_and_v_the_full_table(byte_export):
     from edgemem.export.verify import verify
 
@@ -264,7 +349,9 @@ def test_verify_prints_a_summary_and_v_the_full_table(byte_export):
     assert short.exit_code == 0, short.output
     lines = short.stdout.splitlines()
     worst = max(checks, key=lambda c: c.max_rel)
-    assert lines[0] == (f"ort: {len(checks)} checks, worst {worst.max_rel:.2e} relative ({worst.graph} {worst.tensor}): ok")
+    assert lines[0] == (
+        f"ort: {len(checks)} checks, worst {worst.max_rel:.2e} relative ({worst.graph} {worst.tensor}): ok"
+    )
     assert lines[1].startswith("trt: skipped (")
     assert lines[2] == "note: no genai_config.json (onnxruntime-genai cannot run this export; 1 reason: verify -v)"
     assert lines[3] == f"all {len(checks)} checks within tolerance (0.0001 relative); verify -v lists them"
@@ -273,7 +360,10 @@ def test_verify_prints_a_summary_and_v_the_full_table(byte_export):
     assert full.exit_code == 0, full.output
     rows = [line for line in full.stdout.splitlines() if line.strip("│ ").startswith("ort ")]
     assert len(rows) == len(checks)
-    assert "  - layer 0 has recurrent_state but no conv_state: genai needs conv_state and recurrent_state together" in full.stdout
+    assert (
+        "  - layer 0 has recurrent_state but no conv_state: genai needs conv_state and recurrent_state together"
+        in full.stdout
+    )
 
 
 def test_verify_shows_the_failing_rows_without_v(byte_export, monkeypatch):
@@ -290,8 +380,11 @@ def test_verify_shows_the_failing_rows_without_v(byte_export, monkeypatch):
 @pytest.mark.parametrize("columns", [80, 200])
 def test_calibrate_drift_table_keeps_every_number_whole(byte_export, tmp_path, columns):
     report = tmp_path / "drift.json"
-    result = CliRunner().invoke(main, ["calibrate", str(byte_export), "--method", "dynamic", "--out", str(tmp_path / "q"),
-                                       "--report", str(report)], env={"COLUMNS": str(columns)})
+    result = CliRunner().invoke(
+        main,
+        ["calibrate", str(byte_export), "--method", "dynamic", "--out", str(tmp_path / "q"), "--report", str(report)],
+        env={"COLUMNS": str(columns)},
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(report.read_text())
     lines = result.stdout.splitlines()[1:]
@@ -311,11 +404,29 @@ def test_a_wide_drift_table_turns_or_stacks_instead_of_cutting(columns, monkeypa
     from edgemem.cli import _print_fitted
 
     monkeypatch.setenv("COLUMNS", str(columns))
-    kinds = ["conv_state", "key", "value", "position", "memory.0", "memory.1", "momentum.0", "momentum.1",
-             "chunk_memory.0", "chunk_memory.1"]
+    kinds = [
+        "conv_state",
+        "key",
+        "value",
+        "position",
+        "memory.0",
+        "memory.1",
+        "momentum.0",
+        "momentum.1",
+        "chunk_memory.0",
+        "chunk_memory.1",
+    ]
     headers = ["horizon", "logits rel err", *(f"{k} rel err" for k in kinds), "accuracy int8", "accuracy fp32"]
-    rows = [[f"{h:,}", f"{1.25e-2 * (i + 1):.2e}", *(f"{9.96e-3 + 1e-5 * j:.2e}" for j in range(len(kinds))),
-             "0.9876", "0.9880"] for i, h in enumerate((32, 512, 4096, 32768))]
+    rows = [
+        [
+            f"{h:,}",
+            f"{1.25e-2 * (i + 1):.2e}",
+            *(f"{9.96e-3 + 1e-5 * j:.2e}" for j in range(len(kinds))),
+            "0.9876",
+            "0.9880",
+        ]
+        for i, h in enumerate((32, 512, 4096, 32768))
+    ]
     _print_fitted(headers, rows, title="titans-mag int8 dynamic vs fp32", caption="µs/token")
     out = capsys.readouterr().out
     assert "…" not in out and max(map(len, out.splitlines())) <= columns, out
@@ -328,16 +439,29 @@ def test_a_wide_drift_table_turns_or_stacks_instead_of_cutting(columns, monkeypa
 
 # ---------------------------------------------------------------- no dead ends
 def _qwen_with_tokenizer(path):
-    """A tiny Qwen3.5 save_pretrained directory (one gated DeltaNet, one attention layer) with a word-level tokenizer."""
+    """A tiny Qwen3.5 save_pretrained directory (one gated DeltaNet, one attention layer) with a word-level tokenizer."""  # noqa: E501
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     config = transformers.Qwen3_5TextConfig(
-        vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"], num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-        linear_num_value_heads=2, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        eos_token_id=None,
+        pad_token_id=None,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     transformers.Qwen3_5ForCausalLM(config).save_pretrained(path)
     words = ["<unk>", *(f"w{i}" for i in range(60))]
@@ -352,7 +476,9 @@ def test_linearize_hf_then_export_checkpoint_keeps_the_tokenizer(tmp_path, monke
 
     src = _qwen_with_tokenizer(tmp_path / "qwen")
     runner = CliRunner()
-    done = runner.invoke(main, ["linearize", "--hf", str(src), "--out", str(tmp_path / "liza.safetensors"), "--window", "4"])
+    done = runner.invoke(
+        main, ["linearize", "--hf", str(src), "--out", str(tmp_path / "liza.safetensors"), "--window", "4"]
+    )
     assert done.exit_code == 0, done.output
     assert f"its tokenizer in {tmp_path / 'liza.tokenizer'}" in done.stdout
     assert (tmp_path / "liza.tokenizer" / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
@@ -363,22 +489,32 @@ def test_linearize_hf_then_export_checkpoint_keeps_the_tokenizer(tmp_path, monke
         raise edgemem.errors.EdgememError("stop here")
 
     monkeypatch.setattr(edgemem.export, "export", export)
-    done = runner.invoke(main, ["export", "--checkpoint", str(tmp_path / "liza.safetensors"), "--out", str(tmp_path / "out")])
+    done = runner.invoke(
+        main, ["export", "--checkpoint", str(tmp_path / "liza.safetensors"), "--out", str(tmp_path / "out")]
+    )
     assert "stop here" in done.stderr
     assert [p.read_bytes() for p in carried["tokenizer"]] == [(src / "tokenizer.json").read_bytes()]
     (tmp_path / "liza.tokenizer" / "tokenizer.json").write_text("{}")
-    _one_line_error(runner.invoke(main, ["export", "--checkpoint", str(tmp_path / "liza.safetensors"), "--out",
-                                         str(tmp_path / "out")]),
-                    f"{tmp_path / 'liza.tokenizer' / 'tokenizer.json'} is changed", "keep liza.tokenizer/ next to")
+    _one_line_error(
+        runner.invoke(
+            main, ["export", "--checkpoint", str(tmp_path / "liza.safetensors"), "--out", str(tmp_path / "out")]
+        ),
+        f"{tmp_path / 'liza.tokenizer' / 'tokenizer.json'} is changed",
+        "keep liza.tokenizer/ next to",
+    )
 
 
 def test_train_refuses_a_model_smaller_than_the_task_vocabulary(tmp_path):
     from edgemem.models import save_checkpoint
 
     save_checkpoint(build("linear", seed=0, vocab_size=61, **TINY), tmp_path / "small.safetensors")
-    _one_line_error(CliRunner().invoke(main, ["train", "--init", str(tmp_path / "small.safetensors"), "--task", "copy",
-                                              "--steps", "1"]),
-                    "copy feeds byte ids 0-255", "linear has a vocabulary of 61")
+    _one_line_error(
+        CliRunner().invoke(
+            main, ["train", "--init", str(tmp_path / "small.safetensors"), "--task", "copy", "--steps", "1"]
+        ),
+        "copy feeds byte ids 0-255",
+        "linear has a vocabulary of 61",
+    )
 
 
 def test_stream_client_says_what_is_wrong_without_a_traceback():
@@ -390,8 +526,9 @@ def test_stream_client_says_what_is_wrong_without_a_traceback():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     sample = Path(__file__).resolve().parents[1] / "samples" / "triton-server" / "stream_client.py"
-    done = subprocess.run([sys.executable, str(sample), "--url", f"127.0.0.1:{port}"], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        [sys.executable, str(sample), "--url", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.startswith(f"error: 127.0.0.1:{port}: ") and done.stderr.count("\n") == 1, done.stderr
 
@@ -418,8 +555,11 @@ def test_serve_names_a_model_that_failed_to_load_and_shows_the_log(byte_export, 
     (repo.path / repo.python_model / "export" / "ort" / "step.onnx").unlink()
     with caplog.at_level(logging.WARNING, logger="edgemem.serve.server"):
         result = CliRunner().invoke(main, ["serve", str(repo.path), "--timeout", "60"])
-    _one_line_error(result, "tritonserver exited with code 1 while starting: model 'linear' failed to load: ",
-                    "ort/step.onnx listed in edgemem.json is missing")
+    _one_line_error(
+        result,
+        "tritonserver exited with code 1 while starting: model 'linear' failed to load: ",
+        "ort/step.onnx listed in edgemem.json is missing",
+    )
     assert "exited with code 1 while starting; pass" not in result.stderr
     (tail,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("tritonserver's last log lines:")]
     assert "failed to load 'linear'" in tail and 2 < tail.count("\n") <= 15
@@ -432,8 +572,11 @@ def test_set_d_model_says_mlp_hidden_stays_and_prints_the_size(tmp_path):
     kept = runner.invoke(main, [*args, "--out", str(tmp_path / "a.safetensors")])
     assert kept.exit_code == 0, kept.output
     first = kept.stderr.splitlines()[0]
-    match = re.fullmatch(r"linear with d_model=64: ([\d,]+) parameters; mlp_hidden stays the preset's 768 "
-                         r"\(--set mlp_hidden=N to change it\)", first)
+    match = re.fullmatch(
+        r"linear with d_model=64: ([\d,]+) parameters; mlp_hidden stays the preset's 768 "
+        r"\(--set mlp_hidden=N to change it\)",
+        first,
+    )
     assert match, first
     scaled = runner.invoke(main, [*args, "--set", "mlp_hidden=192", "--out", str(tmp_path / "b.safetensors")])
     assert scaled.exit_code == 0, scaled.output
@@ -444,17 +587,45 @@ def test_set_d_model_says_mlp_hidden_stays_and_prints_the_size(tmp_path):
     from edgemem.models import load_checkpoint
 
     assert sum(p.numel() for p in load_checkpoint(tmp_path / "a.safetensors").parameters()) == big
-    plain = runner.invoke(main, ["train", "--arch", "linear", "--task", "copy", "--steps", "1", "--batch", "2",
-                                 "--set", "d_model=64", "--set", "mlp_hidden=192", "--out", str(tmp_path / "c.safetensors")])
+    plain = runner.invoke(
+        main,
+        [
+            "train",
+            "--arch",
+            "linear",
+            "--task",
+            "copy",
+            "--steps",
+            "1",
+            "--batch",
+            "2",
+            "--set",
+            "d_model=64",
+            "--set",
+            "mlp_hidden=192",
+            "--out",
+            str(tmp_path / "c.safetensors"),
+        ],
+    )
     assert "mlp_hidden stays" not in plain.stderr
 
 
 def test_max_length_below_the_traced_stream_is_refused_up_front(tmp_path):
     runner = CliRunner()
-    args = ["export", "--arch", "softmax", *(x for kv in TINY.items() for x in ("--set", f"{kv[0]}={kv[1]}")),
-            "--target", "ort"]
-    _one_line_error(runner.invoke(main, [*args, "--max-length", "4", "--out", str(tmp_path / "short")]),
-                    "--max-length 4 is too short", "needs --max-length 5 or more", "--sinks")
+    args = [
+        "export",
+        "--arch",
+        "softmax",
+        *(x for kv in TINY.items() for x in ("--set", f"{kv[0]}={kv[1]}")),
+        "--target",
+        "ort",
+    ]
+    _one_line_error(
+        runner.invoke(main, [*args, "--max-length", "4", "--out", str(tmp_path / "short")]),
+        "--max-length 4 is too short",
+        "needs --max-length 5 or more",
+        "--sinks",
+    )
     assert not (tmp_path / "short").exists()
     done = runner.invoke(main, [*args, "--max-length", "5", "--out", str(tmp_path / "five")])
     assert done.exit_code == 0, done.output
@@ -479,14 +650,13 @@ def test_every_recipe_the_readmes_name_loads_from_where_they_say(monkeypatch):
     shipped = sorted(p.stem for p in (ROOT / "edgemem" / "quant" / "calib").glob("*.toml"))
     assert shipped == sorted(recipes()) == ["bytes", "default", "mqar"]
     readme = " ".join((ROOT / "README.md").read_text().split())
-    assert ("the shipped ones, `default`, `bytes` and `mqar`, are inside the package (`edgemem/quant/calib/`)"
-            in readme)
+    assert "the shipped ones, `default`, `bytes` and `mqar`, are inside the package (`edgemem/quant/calib/`)" in readme
     assert "[--recipe calib/NAME]" not in readme and "Recipes (`calib/`:" not in readme
 
 
 def test_readme_says_where_the_tensorrt_11_headers_come_from():
     readme = " ".join((ROOT / "README.md").read_text().split())
-    section = readme[readme.index("-DTensorRT_ROOT=TRT11_HEADERS"):][:1200]
+    section = readme[readme.index("-DTensorRT_ROOT=TRT11_HEADERS") :][:1200]
     assert "`TRT11_HEADERS` is a folder holding TensorRT 11's C++ headers" in section
     assert "No pip wheel carries them" in section and "`github.com/NVIDIA/TensorRT`" in section
     assert "`include/` folder" in section
@@ -510,7 +680,9 @@ def test_serve_extra_pins_what_its_packages_hold_back_and_the_readme_says_so():
         except importlib.metadata.PackageNotFoundError:
             pytest.skip(f"{dist} is not installed (pip install 'edgemem-toolkit[serve]')")
         for req in map(Requirement, requires):
-            if req.name in ("numpy", "protobuf") and (req.marker is None or req.marker.evaluate({"extra": extra or ""})):
+            if req.name in ("numpy", "protobuf") and (
+                req.marker is None or req.marker.evaluate({"extra": extra or ""})
+            ):
                 held.setdefault(req.name, set()).update(s.version for s in req.specifier if s.operator == "<")
     from packaging.version import Version
 

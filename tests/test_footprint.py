@@ -88,8 +88,10 @@ def test_loading_keeps_a_copy_fewer_than_each_session_reading_its_own(exported, 
     copy): the prefill session reads the mapped weights instead of a packed copy of its own."""
     out, weight_bytes = exported
     _strip_store(out, tmp_path / "plain")
-    shared, plain = (int(subprocess.run([sys.executable, "-c", RSS, str(d)], capture_output=True, text=True,
-                                        check=True).stdout) for d in (out, tmp_path / "plain"))
+    shared, plain = (
+        int(subprocess.run([sys.executable, "-c", RSS, str(d)], capture_output=True, text=True, check=True).stdout)
+        for d in (out, tmp_path / "plain")
+    )
     assert plain - shared > 0.8 * weight_bytes, (plain, shared, weight_bytes)
 
 
@@ -144,8 +146,11 @@ def test_int4_stores_a_tied_embedding_once_in_4_bits_for_lookup_and_head(tmp_pat
         (head,) = [n for n in nodes if n.op_type == "MatMulNBits" and n.output[0].startswith("logits")]
         assert store[kind][gather.input[0]][0] == store[kind][head.input[1]][0]  # one offset: the same bytes
         assert store[kind][gather.input[2]][0] == store[kind][head.input[2]][0]  # scales too
-        assert not [name for name, (_, dtype, shape) in store[kind].items()
-                    if dtype == "float32" and sorted(shape) == [width, vocab]]  # no float table left
+        assert not [
+            name
+            for name, (_, dtype, shape) in store[kind].items()
+            if dtype == "float32" and sorted(shape) == [width, vocab]
+        ]  # no float table left
     sizes = {d: (tmp_path / d / "ort" / WEIGHTS).stat().st_size for d in ("fp32", "int4")}
     assert sizes["int4"] < 0.2 * sizes["fp32"], sizes  # the table is most of it: 4-bit blocks and scales are 5/32
     ids = np.random.default_rng(0).integers(0, vocab, 40)

@@ -17,7 +17,9 @@ from edgemem.manifest import load as load_manifest
 from edgemem.models import build
 from edgemem.runtime import Engine
 
-og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install 'edgemem-toolkit[serve]')")
+og = pytest.importorskip(
+    "onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install 'edgemem-toolkit[serve]')"
+)
 
 SMALL = {"d_model": 32, "mlp_hidden": 32, "n_layers": 2, "num_heads": 2}
 PROMPT = list(b"The quick brown fox")
@@ -39,12 +41,15 @@ def exported(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("arch, dtype", [
-    ("gated-deltanet", "fp32"),
-    pytest.param("deltanet", "fp32", marks=pytest.mark.slow),
-    pytest.param("softmax", "fp32", marks=pytest.mark.slow),
-    pytest.param("gated-deltanet", "fp16", marks=pytest.mark.slow),  # fp16 weights and logits, fp32 state
-])
+@pytest.mark.parametrize(
+    "arch, dtype",
+    [
+        ("gated-deltanet", "fp32"),
+        pytest.param("deltanet", "fp32", marks=pytest.mark.slow),
+        pytest.param("softmax", "fp32", marks=pytest.mark.slow),
+        pytest.param("gated-deltanet", "fp16", marks=pytest.mark.slow),  # fp16 weights and logits, fp32 state
+    ],
+)
 def test_genai_generates_the_runtime_greedy_tokens(exported, arch, dtype):
     directory = exported(arch, dtype)
     manifest = load_manifest(directory)
@@ -103,19 +108,28 @@ def _manifest(arch, prefill=True, **overrides):
 
     model = build(arch, seed=0, **{**SMALL, **overrides})
     graphs = {"prefill": prefill and prefill_segment(model) is not None, "step": model.streaming}
-    return Manifest(arch=arch, config={"vocab_size": 256, "dtype": "fp32"}, opset=20, targets=["generic", "ort", "trt"],
-                    state=state_specs(model), graphs=graphs)
+    return Manifest(
+        arch=arch,
+        config={"vocab_size": 256, "dtype": "fp32"},
+        opset=20,
+        targets=["generic", "ort", "trt"],
+        state=state_specs(model),
+        graphs=graphs,
+    )
 
 
-@pytest.mark.parametrize("arch, why", [
-    ("titans-mag", "non-zero initial state"),
-    ("titans-mag", "position"),
-    ("linear", "recurrent_state but no conv_state"),
-    ("longformer", "fixed-size window"),  # ring-buffer K/V of the window
-    ("titans-mac", "chunk_memory.0"),
-    ("longformer-encoder", "bidirectional"),
-    ("ttt-linear", "memory.0"),
-])
+@pytest.mark.parametrize(
+    "arch, why",
+    [
+        ("titans-mag", "non-zero initial state"),
+        ("titans-mag", "position"),
+        ("linear", "recurrent_state but no conv_state"),
+        ("longformer", "fixed-size window"),  # ring-buffer K/V of the window
+        ("titans-mac", "chunk_memory.0"),
+        ("longformer-encoder", "bidirectional"),
+        ("ttt-linear", "memory.0"),
+    ],
+)
 def test_exports_that_do_not_fit_say_why(arch, why):
     target, reasons = decide(_manifest(arch, **({"dilation": [1, 2]} if arch == "longformer" else {})))
     assert target is None and any(why in r for r in reasons), reasons
@@ -123,7 +137,9 @@ def test_exports_that_do_not_fit_say_why(arch, why):
 
 def test_an_export_without_a_prefill_graph_does_not_fit():
     target, reasons = decide(_manifest("gated-deltanet", prefill=False))
-    assert target is None and reasons == ["no prefill graph (prompts are stepped): genai runs one graph for the whole prompt"]
+    assert target is None and reasons == [
+        "no prefill graph (prompts are stepped): genai runs one graph for the whole prompt"
+    ]
 
 
 def test_recurrent_and_attention_presets_fit():

@@ -104,8 +104,20 @@ def test_export_force_refuses_files_edgemem_did_not_write(tiny, tmp_path):
     (out / "notes.txt").write_text("mine")
     (out / "generic" / "mine.onnx").write_text("mine too")
     before = snapshot(tmp_path)
-    args = ["export", "--arch", "linear", "--set", "d_model=16", "--set", "n_layers=1", "--target", "generic",
-            "--out", out, "--force"]
+    args = [
+        "export",
+        "--arch",
+        "linear",
+        "--set",
+        "d_model=16",
+        "--set",
+        "n_layers=1",
+        "--target",
+        "generic",
+        "--out",
+        out,
+        "--force",
+    ]
     line = refused(run(*args), "edgemem did not write")
     assert "generic/mine.onnx" in line and "notes.txt" in line
     assert snapshot(tmp_path) == before
@@ -188,9 +200,9 @@ def test_build_replaces_only_its_own_engine_set(tiny, tmp_path, fake_trt):
 
 
 def test_interrupted_build_keeps_the_engine_set_it_replaces(tiny, tmp_path, fake_trt):
-    from edgemem.trt_build import build_engines
     from edgemem.manifest import load
     from edgemem.runtime import engines
+    from edgemem.trt_build import build_engines
 
     library, state = fake_trt
     first = tmp_path / "first"
@@ -271,8 +283,21 @@ def test_a_path_that_is_not_a_path_is_refused():
 
 def test_bench_json_into_a_new_folder(tiny, tmp_path):
     report = tmp_path / "new" / "deeper" / "bench.json"
-    result = run("bench", tiny, "--positions", "1", "--batch", "1", "--steps", "3", "--time-limit", "0.05", "--no-eager",
-                 "--json", report)
+    result = run(
+        "bench",
+        tiny,
+        "--positions",
+        "1",
+        "--batch",
+        "1",
+        "--steps",
+        "3",
+        "--time-limit",
+        "0.05",
+        "--no-eager",
+        "--json",
+        report,
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(report.read_text())["rows"]
     before = snapshot(tiny)
@@ -281,8 +306,25 @@ def test_bench_json_into_a_new_folder(tiny, tmp_path):
 
 
 def test_a_state_too_large_to_trace_is_refused_before_work(tmp_path):
-    refused(run("export", "--arch", "softmax", "--set", "d_model=16", "--set", "n_layers=1", "--max-length", 10**11,
-                "--target", "generic", "--out", tmp_path / "out"), "per stream", "this machine has")
+    refused(
+        run(
+            "export",
+            "--arch",
+            "softmax",
+            "--set",
+            "d_model=16",
+            "--set",
+            "n_layers=1",
+            "--max-length",
+            10**11,
+            "--target",
+            "generic",
+            "--out",
+            tmp_path / "out",
+        ),
+        "per stream",
+        "this machine has",
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -298,8 +340,9 @@ def test_ctrl_c_while_starting_stops_the_server_and_removes_its_directory(tmp_pa
     started, workdirs, real = [], [], subprocess.Popen
 
     def popen(*args, **kwargs):  # a stand-in for tritonserver that never becomes ready
-        started.append(real([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
-                            stdout=kwargs["stdout"]))
+        started.append(
+            real([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True, stdout=kwargs["stdout"])
+        )
         return started[-1]
 
     def ctrl_c(self, path):

@@ -59,10 +59,21 @@ def hf_dir(tmp_path_factory) -> Path:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(0)
-    config = Qwen3_5TextConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                               num_attention_heads=2, num_key_value_heads=1, head_dim=8, linear_conv_kernel_dim=3,
-                               linear_key_head_dim=4, linear_value_head_dim=8, linear_num_key_heads=2,
-                               linear_num_value_heads=2, layer_types=["linear_attention", "full_attention"])
+    config = Qwen3_5TextConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        linear_conv_kernel_dim=3,
+        linear_key_head_dim=4,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        layer_types=["linear_attention", "full_attention"],
+    )
     out = tmp_path_factory.mktemp("hf") / "qwen"
     Qwen3_5ForCausalLM(config).eval().save_pretrained(out)
     return out
@@ -105,17 +116,25 @@ def checkpoint_with(tmp_path: Path, edit) -> Path:
 # ------------------------------------------------------------------ sizes that cannot fit: refused before allocation
 def test_an_hf_vocabulary_that_cannot_fit_is_refused(hf_dir, tmp_path):
     big = edit_config(shutil.copytree(hf_dir, tmp_path / "big"), vocab_size=10**12)
-    refused(run("export", "--hf", big, "--out", tmp_path / "out", "--target", "ort"), "vocab_size=1000000000000",
-            "would need about", "this machine has")
+    refused(
+        run("export", "--hf", big, "--out", tmp_path / "out", "--target", "ort"),
+        "vocab_size=1000000000000",
+        "would need about",
+        "this machine has",
+    )
     refused(run("linearize", "--hf", big, "--out", tmp_path / "l.safetensors"), "would need about")
     assert not (tmp_path / "out").exists() and not (tmp_path / "l.safetensors").exists()
 
 
-@pytest.mark.parametrize("edit, words", [
-    (lambda c: c["mixer_options"].update(num_heads=0), ["num_heads must be positive"]),
-    (lambda c: c.update(n_layers=1_000_000), ["n_layers=1000000", "weights of 1 layer"]),
-    (lambda c: c.update(d_model=10**7), ["would need about"]),
-], ids=["num_heads-0", "n_layers-1e6", "d_model-1e7"])
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda c: c["mixer_options"].update(num_heads=0), ["num_heads must be positive"]),
+        (lambda c: c.update(n_layers=1_000_000), ["n_layers=1000000", "weights of 1 layer"]),
+        (lambda c: c.update(d_model=10**7), ["would need about"]),
+    ],
+    ids=["num_heads-0", "n_layers-1e6", "d_model-1e7"],
+)
 def test_a_checkpoint_whose_metadata_cannot_be_built_is_refused(tmp_path, edit, words):
     from edgemem.models import load_checkpoint
 
@@ -141,18 +160,25 @@ def test_verify_refuses_a_truncated_graph_whose_sha256_was_rerecorded(export_dir
     refused(run("run", target, "--prompt", "a"), "onnxruntime cannot load")
 
 
-@pytest.mark.parametrize("name, edit, commands, words", [
-    ("dtype", lambda m: m["config"].update(dtype="bf17"), ["verify", "run"], "config.dtype is 'bf17'"),
-    ("width", lambda m: m["config"].update(d_model=32), ["verify"], "does not describe these graphs"),
-    ("arch", lambda m: m.update(arch="deltanet"), ["verify", "run"], "config.arch is 'linear'"),
-    ("arch-and-config", lambda m: (m.update(arch="deltanet"), m["config"].update(arch="deltanet", mixer="deltanet")),
-     ["verify"], "does not describe these graphs"),
-    ("opset", lambda m: m.update(opset=21), ["verify"], "opset 20, edgemem.json says 21"),
-    ("opset-out-of-range", lambda m: m.update(opset=99), ["verify", "run"], "opset is 99"),
-    ("vocab", lambda m: m["config"].update(vocab_size=512), ["run"], "logits are 256 wide"),
-    ("state-width", lambda m: m["state"][0]["shape"].__setitem__(3, 7), ["verify", "run"], "in the graph"),
-    ("target", lambda m: m.update(targets=["tpu"]), ["run"], "targets ['tpu']"),
-])
+@pytest.mark.parametrize(
+    "name, edit, commands, words",
+    [
+        ("dtype", lambda m: m["config"].update(dtype="bf17"), ["verify", "run"], "config.dtype is 'bf17'"),
+        ("width", lambda m: m["config"].update(d_model=32), ["verify"], "does not describe these graphs"),
+        ("arch", lambda m: m.update(arch="deltanet"), ["verify", "run"], "config.arch is 'linear'"),
+        (
+            "arch-and-config",
+            lambda m: (m.update(arch="deltanet"), m["config"].update(arch="deltanet", mixer="deltanet")),
+            ["verify"],
+            "does not describe these graphs",
+        ),
+        ("opset", lambda m: m.update(opset=21), ["verify"], "opset 20, edgemem.json says 21"),
+        ("opset-out-of-range", lambda m: m.update(opset=99), ["verify", "run"], "opset is 99"),
+        ("vocab", lambda m: m["config"].update(vocab_size=512), ["run"], "logits are 256 wide"),
+        ("state-width", lambda m: m["state"][0]["shape"].__setitem__(3, 7), ["verify", "run"], "in the graph"),
+        ("target", lambda m: m.update(targets=["tpu"]), ["run"], "targets ['tpu']"),
+    ],
+)
 def test_a_hand_edited_manifest_is_checked_against_the_graphs(export_dir, tmp_path, name, edit, commands, words):
     target = edited(export_dir, tmp_path / name, edit)
     before = snapshot(tmp_path)
@@ -165,11 +191,15 @@ def test_a_hand_edited_manifest_is_checked_against_the_graphs(export_dir, tmp_pa
 def test_build_checks_the_export_and_its_output_before_tensorrt(export_dir, tmp_path):
     library = tmp_path / "libedgemem_trt_plugins.so"
     library.write_bytes(b"plugins")
-    refused(run("build", export_dir, "--plugins", library, "--out", "/proc/engines"), "--out /proc/engines",
-            "cannot write")
+    refused(
+        run("build", export_dir, "--plugins", library, "--out", "/proc/engines"), "--out /proc/engines", "cannot write"
+    )
     for rtx in ([], ["--rtx"]):
-        refused(run("build", export_dir, "--plugins", library, "--max-sequence", 10**11, *rtx), "2**31 elements",
-                "--max-sequence 8,388,607")
+        refused(
+            run("build", export_dir, "--plugins", library, "--max-sequence", 10**11, *rtx),
+            "2**31 elements",
+            "--max-sequence 8,388,607",
+        )
     stale = edited(export_dir, tmp_path / "edited", lambda m: m["state"][0]["shape"].__setitem__(2, 9))
     refused(run("build", stale, "--plugins", library), "does not match edgemem.json")
     assert not (export_dir / "engines").exists()
@@ -183,14 +213,19 @@ def test_build_refuses_a_growing_cache_and_a_sequence_past_the_cache(export_dir,
     refused(run("build", growing, "--plugins", library), "KV cache grows", "--max-length")
     cache = {"max_length": 64, "overflow": "error", "sinks": 0, "states": [name], "in_place": []}
     fixed = edited(export_dir, tmp_path / "fixed", lambda m: m.update(kv_cache=cache))
-    refused(run("build", fixed, "--plugins", library, "--max-sequence", 65), "--max-length 64",
-            "--max-sequence 64 or less")
+    refused(
+        run("build", fixed, "--plugins", library, "--max-sequence", 65), "--max-length 64", "--max-sequence 64 or less"
+    )
     assert not (growing / "engines").exists() and not (fixed / "engines").exists()
 
 
 def test_sinks_past_the_cache_name_the_options(tmp_path):
-    refused(run("export", "--arch", "softmax", *SMALL, "--max-length", 64, "--sinks", 100, "--out", tmp_path / "o"),
-            "--sinks", "[0, --max-length)", "got --sinks 100, --max-length 64")
+    refused(
+        run("export", "--arch", "softmax", *SMALL, "--max-length", 64, "--sinks", 100, "--out", tmp_path / "o"),
+        "--sinks",
+        "[0, --max-length)",
+        "got --sinks 100, --max-length 64",
+    )
 
 
 # ------------------------------------------------------------------ NaN, foreign tokenizers
@@ -198,14 +233,15 @@ def test_nan_in_an_hf_config_or_its_weights_is_refused_with_the_name(hf_dir, tmp
     from safetensors.torch import load_file, save_file
 
     nan_config = edit_config(shutil.copytree(hf_dir, tmp_path / "c"), rms_norm_eps=math.nan)
-    refused(run("export", "--hf", nan_config, "--out", tmp_path / "o1", "--target", "ort"), "norm_eps",
-            "finite number")
+    refused(run("export", "--hf", nan_config, "--out", tmp_path / "o1", "--target", "ort"), "norm_eps", "finite number")
     weights = shutil.copytree(hf_dir, tmp_path / "w")
     tensors = load_file(weights / "model.safetensors")
     tensors["model.layers.0.linear_attn.A_log"][0] = math.inf
     save_file(tensors, weights / "model.safetensors", metadata={"format": "pt"})
-    refused(run("export", "--hf", weights, "--out", tmp_path / "o2", "--target", "ort"),
-            "model.layers.0.linear_attn.A_log holds NaN or infinite")
+    refused(
+        run("export", "--hf", weights, "--out", tmp_path / "o2", "--target", "ort"),
+        "model.layers.0.linear_attn.A_log holds NaN or infinite",
+    )
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 
 
@@ -232,8 +268,9 @@ def test_a_tokenizer_larger_than_the_vocabulary_or_corrupt_is_refused(hf_dir, tm
 
     large = shutil.copytree(hf_dir, tmp_path / "large")
     Tokenizer(models.WordLevel({f"t{i}": i for i in range(100)}, unk_token="t0")).save(str(large / "tokenizer.json"))
-    refused(run("export", "--hf", large, "--out", tmp_path / "o1", "--target", "ort"), "token ids up to 99",
-            "vocab_size 40")
+    refused(
+        run("export", "--hf", large, "--out", tmp_path / "o1", "--target", "ort"), "token ids up to 99", "vocab_size 40"
+    )
     corrupt = shutil.copytree(hf_dir, tmp_path / "corrupt")
     (corrupt / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 3}}')
     refused(run("export", "--hf", corrupt, "--out", tmp_path / "o2", "--target", "ort"), "not a valid tokenizer file")
@@ -249,7 +286,9 @@ def test_run_prompt_refuses_a_corrupt_tokenizer_in_an_export(export_dir, tmp_pat
         manifest["files"]["tokenizer/tokenizer.json"] = hashlib.sha256(path.read_bytes()).hexdigest()
         manifest["config"]["tokenizer"] = "tokenizer/tokenizer.json"
 
-    refused(run("run", edited(export_dir, tmp_path / "e", corrupt), "--prompt", "hello"), "not a readable tokenizer.json")
+    refused(
+        run("run", edited(export_dir, tmp_path / "e", corrupt), "--prompt", "hello"), "not a readable tokenizer.json"
+    )
 
 
 # ------------------------------------------------------------------ a missing extra is one line naming it
@@ -269,24 +308,58 @@ BLOCKER = textwrap.dedent("""
 
 @pytest.mark.parametrize("module, extra", [("onnx", "export")])
 def test_export_without_the_export_extra_names_it(tmp_path, module, extra):
-    result = subprocess.run([sys.executable, "-c", BLOCKER, module, "export", "--arch", "linear", *SMALL, "--target",
-                             "generic", "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            BLOCKER,
+            module,
+            "export",
+            "--arch",
+            "linear",
+            *SMALL,
+            "--target",
+            "generic",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert lines[-1] == (f"error: `edgemem export` needs {module}, which is not installed: "
-                         f"pip install 'edgemem-toolkit[{extra}]'"), result.stderr
+    assert lines[-1] == (
+        f"error: `edgemem export` needs {module}, which is not installed: pip install 'edgemem-toolkit[{extra}]'"
+    ), result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
 
 
 # ------------------------------------------------------------------ options without an upper bound
-@pytest.mark.parametrize("argv", [
-    ["run", "{e}", "--prompt", "a", "--threads", "2048"],
-    ["bench", "{e}", "--no-eager", "--threads", "100000"],
-    ["verify", "{e}", "--threads", "4096"],
-    ["calibrate", "{e}", "--out", "{tmp}/q", "--threads", "1000000"],
-    ["train", "--arch", "linear", "--task", "copy", "--steps", "1", "--threads", "999", "--out", "{tmp}/c.safetensors"],
-    ["triton", "{e}", "--out", "{tmp}/repo", "--threads", "1000000"],
-], ids=lambda a: a[0])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "{e}", "--prompt", "a", "--threads", "2048"],
+        ["bench", "{e}", "--no-eager", "--threads", "100000"],
+        ["verify", "{e}", "--threads", "4096"],
+        ["calibrate", "{e}", "--out", "{tmp}/q", "--threads", "1000000"],
+        [
+            "train",
+            "--arch",
+            "linear",
+            "--task",
+            "copy",
+            "--steps",
+            "1",
+            "--threads",
+            "999",
+            "--out",
+            "{tmp}/c.safetensors",
+        ],
+        ["triton", "{e}", "--out", "{tmp}/repo", "--threads", "1000000"],
+    ],
+    ids=lambda a: a[0],
+)
 def test_threads_are_bounded(export_dir, tmp_path, argv):
     result = run(*[a.format(e=export_dir, tmp=tmp_path) for a in argv])
     assert result.exit_code == 2 and "--threads must be an integer from 1 to" in result.output, result.output
@@ -311,8 +384,11 @@ def test_the_runtime_api_refuses_unbounded_threads_and_positions(export_dir, tmp
 
 
 def test_triton_refuses_what_cannot_be_served(export_dir, tmp_path):
-    refused(run("triton", export_dir, "--out", tmp_path / "r", "--max-batch-size", 10**12), "--max-batch-size",
-            "Triton's limit")
+    refused(
+        run("triton", export_dir, "--out", tmp_path / "r", "--max-batch-size", 10**12),
+        "--max-batch-size",
+        "Triton's limit",
+    )
     refused(run("triton", export_dir, "--out", tmp_path / "r", "--max-batch-size", 10**8), "would need about")
     refused(run("triton", export_dir, "--out", tmp_path / "r", "--max-live", 10**14), "--max-live", "would need about")
     trt_only = edited(export_dir, tmp_path / "trt-only", lambda m: m.update(targets=["trt"]))
@@ -323,18 +399,25 @@ def test_triton_refuses_what_cannot_be_served(export_dir, tmp_path):
 
 
 # ------------------------------------------------------------------ calibration recipes
-@pytest.mark.parametrize("recipe, method, words", [
-    ('[quantize]\nexclude = ["*"]\n', "dynamic", "nothing to quantize"),
-    ('[quantize]\nexclude = ["*"]\n', "int4", "nothing to quantize"),
-    ("[data]\nstreams = 1000000000\n", "static", "1,000,000,000 calibration streams"),
-    ("[drift]\nstreams = 1000000000\n", "dynamic", "1,000,000,000 drift streams"),
-], ids=["exclude-all", "exclude-all-int4", "streams-1e9", "drift-streams-1e9"])
-def test_calibration_recipes_that_quantize_nothing_or_cannot_fit_are_refused(export_dir, tmp_path, recipe, method,
-                                                                               words):
+@pytest.mark.parametrize(
+    "recipe, method, words",
+    [
+        ('[quantize]\nexclude = ["*"]\n', "dynamic", "nothing to quantize"),
+        ('[quantize]\nexclude = ["*"]\n', "int4", "nothing to quantize"),
+        ("[data]\nstreams = 1000000000\n", "static", "1,000,000,000 calibration streams"),
+        ("[drift]\nstreams = 1000000000\n", "dynamic", "1,000,000,000 drift streams"),
+    ],
+    ids=["exclude-all", "exclude-all-int4", "streams-1e9", "drift-streams-1e9"],
+)
+def test_calibration_recipes_that_quantize_nothing_or_cannot_fit_are_refused(
+    export_dir, tmp_path, recipe, method, words
+):
     path = tmp_path / "recipe.toml"
     path.write_text(recipe)
     no_drift = [] if "drift" in recipe else ["--no-drift"]
-    refused(run("calibrate", export_dir, "--method", method, "--recipe", path, "--out", tmp_path / "q", *no_drift), words)
+    refused(
+        run("calibrate", export_dir, "--method", method, "--recipe", path, "--out", tmp_path / "q", *no_drift), words
+    )
     assert not (tmp_path / "q").exists()
 
 
@@ -361,8 +444,13 @@ def test_serve_stops_waiting_when_a_model_fails_to_load(tmp_path, monkeypatch):
     crash = "E1126 model_lifecycle.cc:654] failed to load 'm' version 1: Internal: Stub process 'm_0_0' is not healthy."
 
     def popen(*args, **kwargs):  # a server whose Python backend crashed: it logs the failure and keeps running
-        started.append(real([sys.executable, "-c", f"import time; print({crash!r}, flush=True); time.sleep(60)"],
-                            start_new_session=True, stdout=kwargs["stdout"]))
+        started.append(
+            real(
+                [sys.executable, "-c", f"import time; print({crash!r}, flush=True); time.sleep(60)"],
+                start_new_session=True,
+                stdout=kwargs["stdout"],
+            )
+        )
         return started[-1]
 
     monkeypatch.setattr(serve.subprocess, "Popen", popen)
@@ -384,8 +472,10 @@ def test_quantization_reaches_the_projections_inside_the_prefill_loop(small_expo
     from edgemem.quant.graph import quantized_projections
 
     def counts(directory: Path) -> list[int]:
-        return [quantized_projections(onnx.load(str(directory / "ort" / f"{kind}.onnx"), load_external_data=False))
-                for kind in ("prefill", "step")]
+        return [
+            quantized_projections(onnx.load(str(directory / "ort" / f"{kind}.onnx"), load_external_data=False))
+            for kind in ("prefill", "step")
+        ]
 
     source = small_exports["titans-mac"]
     assert counts(source) == [0, 0]

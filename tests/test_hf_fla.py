@@ -35,17 +35,42 @@ naive_recurrent_gated_delta_rule = _naive("gated_delta_rule").naive_recurrent_ga
 
 
 def fla_checkpoint(path, model_type: str, **options) -> tuple[dict, dict[str, torch.Tensor]]:
-    config = dict(model_type=model_type, hidden_size=D, num_hidden_layers=LAYERS, vocab_size=VOCAB, norm_eps=EPS,
-                  hidden_ratio=4, intermediate_size=None, use_short_conv=True, conv_size=4, tie_word_embeddings=False,
-                  hidden_act="swish", attn=None) | options
+    config = (
+        dict(
+            model_type=model_type,
+            hidden_size=D,
+            num_hidden_layers=LAYERS,
+            vocab_size=VOCAB,
+            norm_eps=EPS,
+            hidden_ratio=4,
+            intermediate_size=None,
+            use_short_conv=True,
+            conv_size=4,
+            tie_word_embeddings=False,
+            hidden_act="swish",
+            attn=None,
+        )
+        | options
+    )
     if model_type == "gated_deltanet":
         config = dict(head_dim=8, num_heads=2, expand_v=2.0, use_gate=True, allow_neg_eigval=False) | config
         hk, dk = config["num_heads"], config["head_dim"]
         hv = config.get("num_v_heads") or hk
         dv = int(dk * config["expand_v"])
     else:
-        config = dict(expand_k=1.0, expand_v=1.0, num_heads=4, use_gate=False, use_beta=True, qk_activation="silu",
-                      qk_norm="l2", allow_neg_eigval=False) | config
+        config = (
+            dict(
+                expand_k=1.0,
+                expand_v=1.0,
+                num_heads=4,
+                use_gate=False,
+                use_beta=True,
+                qk_activation="silu",
+                qk_norm="l2",
+                allow_neg_eigval=False,
+            )
+            | config
+        )
         hk = hv = config["num_heads"]
         dk, dv = int(D * config["expand_k"]) // hk, int(D * config["expand_v"]) // hv
     mlp = 256 * -(-int(D * 4 * 2 / 3) // 256)
@@ -54,23 +79,37 @@ def fla_checkpoint(path, model_type: str, **options) -> tuple[dict, dict[str, to
     def rand(*shape, scale=0.2, offset=0.0):
         return torch.randn(shape, generator=g) * scale + offset
 
-    w = {"model.embeddings.weight": rand(VOCAB, D), "model.norm.weight": rand(D, offset=1.0), "lm_head.weight": rand(VOCAB, D)}
+    w = {
+        "model.embeddings.weight": rand(VOCAB, D),
+        "model.norm.weight": rand(D, offset=1.0),
+        "lm_head.weight": rand(VOCAB, D),
+    }
     for i in range(LAYERS):
         p = f"model.layers.{i}."
-        w |= {p + "attn_norm.weight": rand(D, offset=1.0), p + "mlp_norm.weight": rand(D, offset=1.0),
-              p + "mlp.gate_proj.weight": rand(mlp, D), p + "mlp.up_proj.weight": rand(mlp, D),
-              p + "mlp.down_proj.weight": rand(D, mlp, scale=0.05),
-              p + "attn.q_proj.weight": rand(hk * dk, D), p + "attn.k_proj.weight": rand(hk * dk, D),
-              p + "attn.v_proj.weight": rand(hv * dv, D), p + "attn.b_proj.weight": rand(hv, D),
-              p + "attn.o_norm.weight": rand(dv, offset=1.0), p + "attn.o_proj.weight": rand(D, hv * dv)}
+        w |= {
+            p + "attn_norm.weight": rand(D, offset=1.0),
+            p + "mlp_norm.weight": rand(D, offset=1.0),
+            p + "mlp.gate_proj.weight": rand(mlp, D),
+            p + "mlp.up_proj.weight": rand(mlp, D),
+            p + "mlp.down_proj.weight": rand(D, mlp, scale=0.05),
+            p + "attn.q_proj.weight": rand(hk * dk, D),
+            p + "attn.k_proj.weight": rand(hk * dk, D),
+            p + "attn.v_proj.weight": rand(hv * dv, D),
+            p + "attn.b_proj.weight": rand(hv, D),
+            p + "attn.o_norm.weight": rand(dv, offset=1.0),
+            p + "attn.o_proj.weight": rand(D, hv * dv),
+        }
         if config["use_short_conv"]:
             for x, width in (("q", hk * dk), ("k", hk * dk), ("v", hv * dv)):
                 w[p + f"attn.{x}_conv1d.weight"] = rand(width, 1, config["conv_size"], scale=0.5)
         if config["use_gate"]:
             w[p + "attn.g_proj.weight"] = rand(hv * dv, D)
         if model_type == "gated_deltanet":
-            w |= {p + "attn.a_proj.weight": rand(hv, D), p + "attn.A_log": rand(hv, scale=0.5),
-                  p + "attn.dt_bias": rand(hv, scale=0.5)}
+            w |= {
+                p + "attn.a_proj.weight": rand(hv, D),
+                p + "attn.A_log": rand(hv, scale=0.5),
+                p + "attn.dt_bias": rand(hv, scale=0.5),
+            }
     path.mkdir(exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
     save_file(w, path / "model.safetensors")
@@ -97,8 +136,14 @@ def reference(config, w, ids):
         raw = [h @ w[p + f"{n}_proj.weight"].T for n in "qkv"]
         if config["use_short_conv"]:
             k_size = config["conv_size"]
-            q, k, v = (F.silu(F.conv1d(r.transpose(1, 2), w[p + f"{n}_conv1d.weight"], padding=k_size - 1,
-                                        groups=r.shape[-1])[..., :t].transpose(1, 2)) for r, n in zip(raw, "qkv"))
+            q, k, v = (
+                F.silu(
+                    F.conv1d(r.transpose(1, 2), w[p + f"{n}_conv1d.weight"], padding=k_size - 1, groups=r.shape[-1])[
+                        ..., :t
+                    ].transpose(1, 2)
+                )
+                for r, n in zip(raw, "qkv")
+            )
         else:
             q, k, v = (F.silu(r) for r in raw)
         hv = w[p + "b_proj.weight"].shape[0]
@@ -118,7 +163,11 @@ def reference(config, w, ids):
         x = x + o.flatten(2) @ w[p + "o_proj.weight"].T
         m = f"model.layers.{i}.mlp"
         h = rms(x, w[f"model.layers.{i}.mlp_norm.weight"])
-        x = x + (F.silu(h @ w[m + ".gate_proj.weight"].T) * (h @ w[m + ".up_proj.weight"].T)) @ w[m + ".down_proj.weight"].T
+        x = (
+            x
+            + (F.silu(h @ w[m + ".gate_proj.weight"].T) * (h @ w[m + ".up_proj.weight"].T))
+            @ w[m + ".down_proj.weight"].T
+        )
         caches.append((raw, state))
     return rms(x, w["model.norm.weight"]) @ w["lm_head.weight"].T, caches
 
@@ -148,7 +197,7 @@ def test_forward_and_state_match_fla_naive_ops(tmp_path, case):
         assert torch.allclose(layer["recurrent_state"], final.transpose(-1, -2), atol=1e-5)
         if config["use_short_conv"]:
             for ours, r in zip(layer["conv_state"], raw):
-                assert torch.allclose(ours[..., 1:], r[:, -(config["conv_size"] - 1):].transpose(1, 2), atol=1e-5)
+                assert torch.allclose(ours[..., 1:], r[:, -(config["conv_size"] - 1) :].transpose(1, 2), atol=1e-5)
     back = from_external(model, layers, layout="fla")
     assert all(torch.equal(back[k], state[k]) for k in state)
 

@@ -14,9 +14,21 @@ from edgemem.cli import main
 from edgemem.errors import ConfigError
 from edgemem.models import from_hf
 
-CONFIG = dict(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
-              num_key_value_heads=1, head_dim=8, linear_conv_kernel_dim=3, linear_key_head_dim=4, linear_value_head_dim=8,
-              linear_num_key_heads=2, linear_num_value_heads=2, layer_types=["linear_attention", "full_attention"])
+CONFIG = dict(
+    vocab_size=40,
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    linear_conv_kernel_dim=3,
+    linear_key_head_dim=4,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=2,
+    layer_types=["linear_attention", "full_attention"],
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +59,9 @@ def test_sharded_and_single_file_checkpoints_import_the_same_model(checkpoint):
 
 def test_cli_export_hf_writes_a_runnable_export(checkpoint, tmp_path):
     _, single, _ = checkpoint
-    result = CliRunner().invoke(main, ["export", "--hf", str(single), "--out", str(tmp_path / "out"), "--target", "generic"])
+    result = CliRunner().invoke(
+        main, ["export", "--hf", str(single), "--out", str(tmp_path / "out"), "--target", "generic"]
+    )
     assert result.exit_code == 0, result.output
     manifest = json.loads((tmp_path / "out" / "edgemem.json").read_text())
     assert manifest["arch"] == "qwen3_5_text" and manifest["config"]["source"] == str(single.resolve())
@@ -78,14 +92,20 @@ def _break(kind, path):
     (path / "config.json").write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize("kind, message", [
-    ("unknown model_type", "model_type 'mamba2' is not supported; supported: qwen3_5_text"),
-    ("config disagrees with weights", "model.layers.1."),
-    ("missing shard", "listed in model.safetensors.index.json is missing"),
-    ("wrong tensor shape", "in_proj_qkv.weight [31, 16]; config.json implies [32, 16]"),
-    ("unsupported option", "mixture-of-experts layers are not supported"),
-    ("tied in config, not in weights", "ties the embeddings but lm_head.weight differs from model.embed_tokens.weight"),
-])
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("unknown model_type", "model_type 'mamba2' is not supported; supported: qwen3_5_text"),
+        ("config disagrees with weights", "model.layers.1."),
+        ("missing shard", "listed in model.safetensors.index.json is missing"),
+        ("wrong tensor shape", "in_proj_qkv.weight [31, 16]; config.json implies [32, 16]"),
+        ("unsupported option", "mixture-of-experts layers are not supported"),
+        (
+            "tied in config, not in weights",
+            "ties the embeddings but lm_head.weight differs from model.embed_tokens.weight",
+        ),
+    ],
+)
 def test_bad_checkpoint_is_one_error_line_and_nothing_written(checkpoint, tmp_path, kind, message):
     _, _, sharded = checkpoint
     src = copy(sharded, tmp_path / "src")

@@ -27,9 +27,18 @@ def checkpoint(directory: Path, *, seed: int = 0, **options) -> torch.nn.Module:
     Weights are drawn wider than the usual init so attention moves the output visibly; the logits
     bias is random (transformers initialises it to zero)."""
     defaults = dict(
-        vocab_size=50, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24, attention_window=[4, 8],
-        max_encoder_position_embeddings=64, max_decoder_position_embeddings=32, init_std=0.3,
+        vocab_size=50,
+        d_model=16,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=24,
+        decoder_ffn_dim=24,
+        attention_window=[4, 8],
+        max_encoder_position_embeddings=64,
+        max_decoder_position_embeddings=32,
+        init_std=0.3,
     )
     torch.manual_seed(seed)
     model = transformers.LEDForConditionalGeneration(transformers.LEDConfig(**{**defaults, **options})).eval()
@@ -172,15 +181,21 @@ def test_export_runs_on_onnxruntime(exported):
     for target in ("generic", "ort"):
         session = {g: ort.InferenceSession(str(out / target / f"{g}.onnx")) for g in ("encoder", "prefill", "step")}
         inputs = {"input_ids": ids.numpy(), "global_attention_mask": mask.numpy()}
-        fills = dict(zip(manifest.encoder["fills"], session["encoder"].run(list(manifest.encoder["fills"].values()),
-                                                                           inputs)))
-        state = {s.input: fills[s.input] if s.input in fills else
-                 np.zeros([4 if d == "batch" else d for d in s.shape], s.dtype) for s in manifest.state}
+        fills = dict(
+            zip(manifest.encoder["fills"], session["encoder"].run(list(manifest.encoder["fills"].values()), inputs))
+        )
+        state = {
+            s.input: fills[s.input]
+            if s.input in fills
+            else np.zeros([4 if d == "batch" else d for d in s.shape], s.dtype)
+            for s in manifest.state
+        }
         result = session["prefill"].run(None, {"input_ids": decoder_ids[:, :7].numpy(), **state})
         rows = [result[0]]
         for i in range(7, DECODER_STEPS):
-            result = session["step"].run(None, {"input_ids": decoder_ids[:, i : i + 1].numpy(), **fills,
-                                                **dict(zip(names, result[1:]))})
+            result = session["step"].run(
+                None, {"input_ids": decoder_ids[:, i : i + 1].numpy(), **fills, **dict(zip(names, result[1:]))}
+            )
             rows.append(result[0])
         assert relative(np.concatenate(rows, 1), expected) <= TOLERANCE, target
 
@@ -220,17 +235,18 @@ def test_runtime_generates_as_transformers(exported):
     length, new = 11, 10
     ids, mask = torch.randint(3, 50, (4, length), generator=torch.Generator().manual_seed(5)), global_rows(length)
     for row in (1, 3):
-        options = dict(input_ids=ids[row : row + 1], global_attention_mask=mask[row : row + 1], max_new_tokens=new,
-                       do_sample=False)
+        options = dict(
+            input_ids=ids[row : row + 1], global_attention_mask=mask[row : row + 1], max_new_tokens=new, do_sample=False
+        )
         greedy = reference.generate(**options, num_beams=1)[0, 1:].tolist()
         beam = reference.generate(**options, num_beams=4, length_penalty=1.0, early_stopping=True)[0, 1:].tolist()
         stream = engine.encode(ids[row].numpy(), mask[row].numpy())
         fork = stream.fork()
         got = stream.generate(max_new_tokens=new)
-        assert got == greedy[: len(got)] and all(t == reference.config.pad_token_id for t in greedy[len(got):])
+        assert got == greedy[: len(got)] and all(t == reference.config.pad_token_id for t in greedy[len(got) :])
         assert fork.generate(max_new_tokens=new) == got
         got = engine.encode(ids[row].numpy(), mask[row].numpy()).generate(max_new_tokens=new, num_beams=4)
-        assert got == beam[: len(got)] and all(t == reference.config.pad_token_id for t in beam[len(got):])
+        assert got == beam[: len(got)] and all(t == reference.config.pad_token_id for t in beam[len(got) :])
 
 
 def test_runtime_bad_input(exported, small_exports):

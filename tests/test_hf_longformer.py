@@ -40,8 +40,14 @@ def checkpoint(directory: Path, *, cls=None, seed: int = 0, **options) -> torch.
     """A tiny random Longformer saved to `directory`; returns the transformers model.
     Weights are drawn wider than the usual init (0.02) so attention moves the output visibly."""
     defaults = dict(
-        vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
-        attention_window=4, max_position_embeddings=128, initializer_range=0.3,
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=24,
+        attention_window=4,
+        max_position_embeddings=128,
+        initializer_range=0.3,
     )
     torch.manual_seed(seed)
     model = (cls or transformers.LongformerModel)(transformers.LongformerConfig(**{**defaults, **options})).eval()
@@ -142,7 +148,9 @@ def test_onnxruntime_matches_transformers_at_two_lengths_from_one_export(exporte
 def test_fp16_export_matches_transformers_within_fp16_tolerance(tmp_path):
     hf = checkpoint(tmp_path / "hf", hidden_size=32, num_attention_heads=4, attention_window=[4, 8])
     export(import_dir(tmp_path / "hf"), tmp_path / "out", targets=("generic",), dtype="fp16")
-    session = ort.InferenceSession(str(tmp_path / "out" / "generic" / "prefill.onnx"), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(
+        str(tmp_path / "out" / "generic" / "prefill.onnx"), providers=["CPUExecutionProvider"]
+    )
     ids, mask = token_ids(30, hf.config.vocab_size), global_rows(30)
     (got,) = session.run(None, {"input_ids": ids.numpy(), "global_attention_mask": mask.numpy()})
     assert got.dtype == np.float16 and relative(got, reference(hf, ids, mask)) <= 2e-2

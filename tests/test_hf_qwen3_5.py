@@ -9,11 +9,17 @@ import textwrap
 
 import numpy as np
 import pytest
-from conftest import genai_greedy
 import torch
 from click.testing import CliRunner
+from conftest import genai_greedy
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import DynamicCache, Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+from transformers import (
+    DynamicCache,
+    Qwen3_5Config,
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5TextConfig,
+)
 
 from edgemem.cli import main
 from edgemem.export import export
@@ -26,12 +32,28 @@ from edgemem.runtime import Engine
 VOCAB = 61
 
 
-def text_config(layers: list[str], *, heads=4, kv_heads=2, head_dim=16, k_heads=2, v_heads=4, dk=8, dv=12, conv=4, tie=False):
+def text_config(
+    layers: list[str], *, heads=4, kv_heads=2, head_dim=16, k_heads=2, v_heads=4, dk=8, dv=12, conv=4, tie=False
+):
     return Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=len(layers), layer_types=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, linear_conv_kernel_dim=conv,
-        linear_key_head_dim=dk, linear_value_head_dim=dv, linear_num_key_heads=k_heads, linear_num_value_heads=v_heads,
-        rms_norm_eps=1e-6, tie_word_embeddings=tie, eos_token_id=None, pad_token_id=None, bos_token_id=None,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=len(layers),
+        layer_types=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        linear_conv_kernel_dim=conv,
+        linear_key_head_dim=dk,
+        linear_value_head_dim=dv,
+        linear_num_key_heads=k_heads,
+        linear_num_value_heads=v_heads,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie,
+        eos_token_id=None,
+        pad_token_id=None,
+        bos_token_id=None,
     )
 
 
@@ -67,10 +89,23 @@ def rel(a, b) -> float:
 SHAPES = {
     # name: (layer types, config options, prompt length)
     "gva-dk!=dv": (["linear_attention", "full_attention"], {}, 7),
-    "mha-4-layers": (["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-                     dict(heads=2, kv_heads=2, head_dim=8, k_heads=3, v_heads=3, dk=16, dv=8, conv=3), 13),
-    "gqa4-6-layers-tied": (["full_attention", "linear_attention", "full_attention", "linear_attention", "linear_attention",
-                            "full_attention"], dict(heads=8, kv_heads=2, head_dim=8, k_heads=1, v_heads=4, dk=12, dv=8, tie=True), 21),
+    "mha-4-layers": (
+        ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        dict(heads=2, kv_heads=2, head_dim=8, k_heads=3, v_heads=3, dk=16, dv=8, conv=3),
+        13,
+    ),
+    "gqa4-6-layers-tied": (
+        [
+            "full_attention",
+            "linear_attention",
+            "full_attention",
+            "linear_attention",
+            "linear_attention",
+            "full_attention",
+        ],
+        dict(heads=8, kv_heads=2, head_dim=8, k_heads=1, v_heads=4, dk=12, dv=8, tie=True),
+        21,
+    ),
 }
 
 
@@ -86,8 +121,16 @@ def test_forward_logits_match_transformers(tmp_path, shape):
 
 def test_multimodal_checkpoint_uses_text_config_and_ignores_vision(tmp_path):
     text = text_config(["linear_attention", "full_attention"]).to_dict()
-    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=4,
-                  temporal_patch_size=1, num_position_embeddings=16)
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=16,
+        num_heads=2,
+        out_hidden_size=32,
+        patch_size=4,
+        temporal_patch_size=1,
+        num_position_embeddings=16,
+    )
     hf = randomise(Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision)), seed=5)
     path = save(hf, tmp_path)
     assert json.loads((path / "config.json").read_text())["model_type"] == "qwen3_5"
@@ -159,7 +202,9 @@ def test_runtime_greedy_generation_equals_transformers_generate_and_survives_che
 def test_onnxruntime_genai_generates_what_transformers_generates(exported):
     """The hybrid import's export fits onnxruntime-genai's contract, and genai's greedy tokens equal
     transformers' `generate`."""
-    pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install 'edgemem-toolkit[serve]')")
+    pytest.importorskip(
+        "onnxruntime_genai", reason="onnxruntime-genai is not installed (pip install 'edgemem-toolkit[serve]')"
+    )
     hf, _, out, manifest = exported
     assert manifest.genai["fits"] and (out / manifest.genai["config"]).is_file(), manifest.genai
     prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(4))
@@ -175,7 +220,7 @@ def test_edgemem_run_encodes_and_decodes_text_with_the_exported_tokenizer(export
     text = "w3 w14 w15 w9 w2"
     ids = torch.tensor([tok.encode(text).ids])
     with torch.no_grad():
-        reference = hf.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
+        reference = hf.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :].tolist()
     result = CliRunner().invoke(main, ["run", str(out), "--prompt", text, "--max-new-tokens", "8", "--threads", "1"])
     assert result.exit_code == 0, result.output
     assert result.stdout == tok.decode(reference)
@@ -188,8 +233,13 @@ def test_a_quantized_export_keeps_the_tokenizer_and_runs_text(exported, tmp_path
     quantized = tmp_path / method
     calibrate(out, method, out=quantized)
     files = json.loads((quantized / "edgemem.json").read_text())["files"]
-    assert files["tokenizer/tokenizer.json"] == json.loads((out / "edgemem.json").read_text())["files"]["tokenizer/tokenizer.json"]
-    result = CliRunner().invoke(main, ["run", str(quantized), "--prompt", "w3 w14 w15", "--max-new-tokens", "4", "--threads", "1"])
+    assert (
+        files["tokenizer/tokenizer.json"]
+        == json.loads((out / "edgemem.json").read_text())["files"]["tokenizer/tokenizer.json"]
+    )
+    result = CliRunner().invoke(
+        main, ["run", str(quantized), "--prompt", "w3 w14 w15", "--max-new-tokens", "4", "--threads", "1"]
+    )
     assert result.exit_code == 0, result.output
 
 

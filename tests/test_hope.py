@@ -9,12 +9,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_protocol import TOLERANCE, run_pieces, split_points
 
 from edgemem.errors import ConfigError, EdgememError
 from edgemem.layers import HOPE, CMSLevel, SelfModifyingMemory
 from edgemem.models import build, state_bytes
-
-from test_protocol import TOLERANCE, run_pieces, split_points
 
 SMALL_LEVELS = {"d_model": 32, "mlp_hidden": 0, "levels": [2, 5, 8], "chunk_size": 3}
 
@@ -231,6 +230,7 @@ def test_bad_hope_settings_say_what_is_expected():
 
 def test_preset_exports_verify_and_stream_in_the_runtime(small_exports):
     from conftest import small
+
     from edgemem.export.verify import verify
     from edgemem.manifest import load
     from edgemem.runtime import Engine

@@ -14,7 +14,9 @@ ROOT = Path(__file__).parents[1]
 
 
 def _run(*args: str | Path, **kwargs) -> subprocess.CompletedProcess:
-    result = subprocess.run([str(a) for a in args], capture_output=True, text=True, errors="replace", timeout=600, **kwargs)
+    result = subprocess.run(
+        [str(a) for a in args], capture_output=True, text=True, errors="replace", timeout=600, **kwargs
+    )
     assert result.returncode == 0, f"{args}:\n{result.stdout}\n{result.stderr}"
     return result
 
@@ -29,10 +31,17 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_wheel_ships_every_module_preset_and_recipe(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    sources = {p.relative_to(ROOT).as_posix() for p in (ROOT / "edgemem").rglob("*") if p.suffix in (".py", ".toml")
-               and "__pycache__" not in p.parts}
+    sources = {
+        p.relative_to(ROOT).as_posix()
+        for p in (ROOT / "edgemem").rglob("*")
+        if p.suffix in (".py", ".toml") and "__pycache__" not in p.parts
+    }
     assert sources <= names, sorted(sources - names)
-    assert {"edgemem/presets/titans-mag.toml", "edgemem/presets/sizes.json", "edgemem/quant/calib/default.toml"} <= names
+    assert {
+        "edgemem/presets/titans-mag.toml",
+        "edgemem/presets/sizes.json",
+        "edgemem/quant/calib/default.toml",
+    } <= names
     metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
     text = zipfile.ZipFile(wheel).read(metadata).decode()
     assert "Name: edgemem-toolkit" in text
@@ -48,8 +57,9 @@ def test_default_install_has_no_torch_and_runs_an_export(wheel, tmp_path):
     from edgemem.models import build
 
     model_dir = tmp_path / "gdn"
-    export(build("gated-deltanet", seed=0, d_model=64, n_layers=1, num_heads=2, mlp_hidden=64), model_dir,
-           targets=["ort"])
+    export(
+        build("gated-deltanet", seed=0, d_model=64, n_layers=1, num_heads=2, mlp_hidden=64), model_dir, targets=["ort"]
+    )
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     bin_dir = env_dir / "bin"
@@ -72,7 +82,22 @@ def test_default_install_has_no_torch_and_runs_an_export(wheel, tmp_path):
     )
     _run(bin_dir / "python", "-c", code, env=env)
     report = tmp_path / "bench.json"
-    _run(edgemem, "bench", model_dir, "--no-eager", "--positions", "16", "--batch", "1", "--steps", "5",
-         "--threads", "1", "--json", report, env=env)
+    _run(
+        edgemem,
+        "bench",
+        model_dir,
+        "--no-eager",
+        "--positions",
+        "16",
+        "--batch",
+        "1",
+        "--steps",
+        "5",
+        "--threads",
+        "1",
+        "--json",
+        report,
+        env=env,
+    )
     (row,) = json.loads(report.read_text())["rows"]
     assert (row["position"], row["batch"]) == (16, 1) and row["us_per_token"] > 0

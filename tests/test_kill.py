@@ -65,8 +65,19 @@ def _loads(mode: str, source: Path, out: Path) -> None:
 
 
 def _write_once(mode: str, source: Path, out: Path) -> None:
-    subprocess.run([sys.executable, "-c", _WRITER.replace("for i in itertools.count():", "for i in range(1):"),
-                    mode, str(source), str(out)], check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _WRITER.replace("for i in itertools.count():", "for i in range(1):"),
+            mode,
+            str(source),
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
 
 
 @pytest.mark.slow
@@ -78,8 +89,12 @@ def test_sigkill_leaves_the_previous_artifact_whole(mode, small_exports, tmp_pat
     _loads(mode, source, out)
     rng = random.Random(mode)
     for _ in range(KILLS):
-        proc = subprocess.Popen([sys.executable, "-c", _WRITER, mode, str(source), str(out)], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _WRITER, mode, str(source), str(out)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         assert proc.stdout.readline().strip() == "ready"
         time.sleep(rng.uniform(0.0, 1.5))
         os.kill(proc.pid, signal.SIGKILL)

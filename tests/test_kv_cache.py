@@ -37,10 +37,17 @@ def _rel(a, b) -> float:
 
 def _lm(layer_types: list[str], seed: int = 0) -> LM:
     softmax = dict(num_heads=4, num_kv_heads=2, qk_norm=True, output_gate=True, rotary_dim=4)
-    config = LMConfig(arch="kv-" + "-".join(t[:3] for t in layer_types), mixer=layer_types[0], d_model=32,
-                      n_layers=len(layer_types), mlp_hidden=48, vocab_size=VOCAB, layer_types=layer_types,
-                      mixer_options=softmax if layer_types[0] == "softmax" else dict(num_heads=2),
-                      layer_type_options={"softmax": softmax})
+    config = LMConfig(
+        arch="kv-" + "-".join(t[:3] for t in layer_types),
+        mixer=layer_types[0],
+        d_model=32,
+        n_layers=len(layer_types),
+        mlp_hidden=48,
+        vocab_size=VOCAB,
+        layer_types=layer_types,
+        mixer_options=softmax if layer_types[0] == "softmax" else dict(num_heads=2),
+        layer_type_options={"softmax": softmax},
+    )
     torch.manual_seed(seed)
     return LM(config).eval()
 
@@ -48,10 +55,22 @@ def _lm(layer_types: list[str], seed: int = 0) -> LM:
 def _qwen(path) -> LM:
     """A tiny random Qwen3.5 hybrid saved with transformers and imported (partial RoPE, q/k norms, gate, GQA)."""
     config = Qwen3_5TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
-        layer_types=["linear_attention", "full_attention", "linear_attention"], num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
-        linear_num_key_heads=2, linear_num_value_heads=4, rms_norm_eps=1e-6, eos_token_id=None, pad_token_id=None,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        rms_norm_eps=1e-6,
+        eos_token_id=None,
+        pad_token_id=None,
         bos_token_id=None,
     )
     torch.manual_seed(3)
@@ -93,7 +112,9 @@ def exported(tmp_path_factory):
 # ---------------------------------------------------------------- the layer
 
 
-@pytest.mark.parametrize("options", [{}, dict(num_kv_heads=2, qk_norm=True, output_gate=True, rotary_dim=4, head_dim=8)])
+@pytest.mark.parametrize(
+    "options", [{}, dict(num_kv_heads=2, qk_norm=True, output_gate=True, rotary_dim=4, head_dim=8)]
+)
 def test_preallocated_layer_equals_the_growing_one_at_random_splits(options):
     torch.manual_seed(0)
     growing = SoftmaxAttention(32, 4, **options).double()
@@ -113,7 +134,10 @@ def test_preallocated_layer_equals_the_growing_one_at_random_splits(options):
                 y, state = cached.prefill(x[:, a:b], state)
                 outs.append(y)
         assert (torch.cat(outs, 1) - reference).abs().max() <= 1e-9
-        assert state["key"].shape == (3, cached.num_kv_heads, 40, cached.head_dim) and state["position"].tolist() == [30] * 3
+        assert (
+            state["key"].shape == (3, cached.num_kv_heads, 40, cached.head_dim)
+            and state["position"].tolist() == [30] * 3
+        )
 
 
 def _streaming_llm(layer: SoftmaxAttention, x: torch.Tensor, length: int, sinks: int) -> torch.Tensor:
@@ -135,8 +159,12 @@ def _streaming_llm(layer: SoftmaxAttention, x: torch.Tensor, length: int, sinks:
             if len(cache) > length:
                 del cache[sinks]
             n = len(cache)
-            keys = torch.stack([rope(kk[None, :, None], torch.tensor([i]), layer.rope_theta, layer.rotary_dim)[0, :, 0]
-                                for i, (kk, _) in enumerate(cache)])  # [n, H_kv, D]
+            keys = torch.stack(
+                [
+                    rope(kk[None, :, None], torch.tensor([i]), layer.rope_theta, layer.rotary_dim)[0, :, 0]
+                    for i, (kk, _) in enumerate(cache)
+                ]
+            )  # [n, H_kv, D]
             values = torch.stack([vv for _, vv in cache])
             qr = rope(q[None, :, None], torch.tensor([n - 1]), layer.rope_theta, layer.rotary_dim)[0, :, 0]
             y = []
@@ -155,8 +183,9 @@ def _streaming_llm(layer: SoftmaxAttention, x: torch.Tensor, length: int, sinks:
 @pytest.mark.parametrize("sinks", [0, 3])
 def test_sink_window_equals_a_float64_streaming_llm_loop(sinks):
     torch.manual_seed(1)
-    layer = SoftmaxAttention(32, 4, num_kv_heads=2, qk_norm=True, output_gate=True, rotary_dim=6, head_dim=8,
-                             max_length=12, sinks=sinks).double()
+    layer = SoftmaxAttention(
+        32, 4, num_kv_heads=2, qk_norm=True, output_gate=True, rotary_dim=6, head_dim=8, max_length=12, sinks=sinks
+    ).double()
     x = torch.randn(2, 40, 32, dtype=torch.float64)
     reference = _streaming_llm(layer, x, 12, sinks)
     assert (layer(x) - reference).abs().max() <= 1e-9  # a 40-token prefill: the ring wraps inside the block
@@ -184,10 +213,17 @@ def test_the_layer_refuses_tokens_past_max_length():
 @pytest.mark.slow
 def test_manifest_says_which_layout_and_the_targets_lower_as_documented(exported):
     manifest = Engine.load(exported["hybrid"][1]).manifest
-    assert manifest.kv_cache == {"max_length": LENGTH, "overflow": "error", "sinks": 0, "in_place": ["ort"],
-                                 "states": ["past_key_values.1.key", "past_key_values.1.value"]}
+    assert manifest.kv_cache == {
+        "max_length": LENGTH,
+        "overflow": "error",
+        "sinks": 0,
+        "in_place": ["ort"],
+        "states": ["past_key_values.1.key", "past_key_values.1.value"],
+    }
     shapes = {s.input: s.shape for s in manifest.state}
-    assert shapes["past_key_values.1.key"] == ["batch", 2, LENGTH, 8] and shapes["past_key_values.1.position"] == ["batch"]
+    assert shapes["past_key_values.1.key"] == ["batch", 2, LENGTH, 8] and shapes["past_key_values.1.position"] == [
+        "batch"
+    ]
     assert not manifest.genai["fits"] and any("position" in r for r in manifest.genai["reasons"])
     window = Engine.load(exported["window"][1]).manifest.kv_cache
     assert (window["overflow"], window["sinks"], window["in_place"]) == ("sink_window", SINKS, [])
@@ -199,15 +235,26 @@ def test_manifest_says_which_layout_and_the_targets_lower_as_documented(exported
     # 4 query heads on 2 KV heads: a batch-1 step folds them into 2 heads of 2 tokens, else the plain op
     choices = [n for n in graphs["ort"].node if n.op_type == "If"]
     assert len(choices) == 2  # one per softmax layer
-    heads = {a.name: [onnx.helper.get_attribute_value(x) for n in a.g.node if n.op_type == "GroupQueryAttention"
-                      for x in n.attribute if x.name == "num_heads"] for a in choices[0].attribute}
+    heads = {
+        a.name: [
+            onnx.helper.get_attribute_value(x)
+            for n in a.g.node
+            if n.op_type == "GroupQueryAttention"
+            for x in n.attribute
+            if x.name == "num_heads"
+        ]
+        for a in choices[0].attribute
+    }
     assert heads == {"then_branch": [2], "else_branch": [4]}
 
 
 def _nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
     """Every node of `graph`, those of its subgraphs (If branches) included."""
-    return [m for n in graph.node for m in (n, *(m for a in n.attribute if a.type == onnx.AttributeProto.GRAPH
-                                                  for m in _nodes(a.g)))]
+    return [
+        m
+        for n in graph.node
+        for m in (n, *(m for a in n.attribute if a.type == onnx.AttributeProto.GRAPH for m in _nodes(a.g)))
+    ]
 
 
 @pytest.mark.slow
@@ -251,8 +298,13 @@ def test_runtime_equals_pytorch_at_random_splits(exported, name):
         reference = model(torch.tensor(tokens[None]))[0].numpy()
     for target in ("ort", "generic"):
         s = Engine.load(directory, target=target, threads=1).new_stream()
-        got = np.concatenate([s.prefill(tokens[:9], chunk_size=4), np.stack([s.step(int(t)) for t in tokens[9:12]]),
-                              s.prefill(tokens[12:n], chunk_size=13)])
+        got = np.concatenate(
+            [
+                s.prefill(tokens[:9], chunk_size=4),
+                np.stack([s.step(int(t)) for t in tokens[9:12]]),
+                s.prefill(tokens[12:n], chunk_size=13),
+            ]
+        )
         assert _rel(got, reference) <= 1e-4, target
 
 
@@ -275,7 +327,7 @@ def test_onnx27_and_trt_graphs_run_the_same_cache(exported):
         out = dict(zip(names, prefill.run(None, {"input_ids": tokens[None, :15], **state})))
         logits = [out["logits"][0]]
         for t in tokens[15:]:
-            feed = {k: out["present." + k[len("past_key_values."):]] for k in state}
+            feed = {k: out["present." + k[len("past_key_values.") :]] for k in state}
             out = dict(zip(names, step.run(None, {"input_ids": np.array([[t]]), **feed})))
             logits.append(out["logits"][0])
         assert _rel(np.concatenate(logits), reference) <= 1e-4, target
@@ -318,8 +370,9 @@ def test_ort_steps_of_four_query_heads_per_kv_head_match_pytorch_to_the_last_slo
     """Qwen3.5's grouping (8 query heads, 2 KV heads): batch-1 steps fold 4 query heads into one read
     of their KV head while p + 4 <= L, the last 3 slots take the plain op, a batch always does."""
     softmax = dict(num_heads=8, num_kv_heads=2, head_dim=8, rotary_dim=4)
-    config = LMConfig(arch="kv-gqa4", mixer="softmax", d_model=32, n_layers=1, mlp_hidden=48, vocab_size=VOCAB,
-                      mixer_options=softmax)
+    config = LMConfig(
+        arch="kv-gqa4", mixer="softmax", d_model=32, n_layers=1, mlp_hidden=48, vocab_size=VOCAB, mixer_options=softmax
+    )
     torch.manual_seed(5)
     model = LM(config).eval()
     set_kv_cache(model, 16)
@@ -342,7 +395,9 @@ def test_past_max_length_is_a_clear_error_and_the_stream_stays_usable(exported):
     engine = Engine.load(exported["hybrid"][1], target="ort", threads=1)
     s = engine.new_stream()
     s.prefill(_ids(LENGTH - 1))
-    with pytest.raises(CacheFullError, match=rf"max_length={LENGTH}.*position {LENGTH - 1} cannot take 2 more.*--sinks"):
+    with pytest.raises(
+        CacheFullError, match=rf"max_length={LENGTH}.*position {LENGTH - 1} cannot take 2 more.*--sinks"
+    ):
         s.prefill(_ids(2))
     last = s.step(7)
     assert s.position == LENGTH
@@ -380,7 +435,9 @@ def test_checkpoint_holds_the_filled_part_and_round_trips_exactly(exported, tmp_
         s = engine.new_stream()
         s.prefill(tokens[:40])
         s.save(tmp_path / "40.safetensors")
-        assert all(v.shape == (1, 2, LENGTH, 8) for k, v in load_file(tmp_path / "40.safetensors").items() if k in caches)
+        assert all(
+            v.shape == (1, 2, LENGTH, 8) for k, v in load_file(tmp_path / "40.safetensors").items() if k in caches
+        )
         assert 0 <= (tmp_path / "40.safetensors").stat().st_size - sizes[20] - (LENGTH - 20) * per_token < 32
         assert np.array_equal(engine.load_stream(tmp_path / "40.safetensors").step(5), s.step(5))
 
@@ -394,9 +451,13 @@ def test_a_checkpoint_with_a_cache_of_the_wrong_length_is_refused(exported, tmp_
     s.save(tmp_path / "a.safetensors")
     state = load_file(tmp_path / "a.safetensors")
     state.pop("logits")
-    bad = encode_checkpoint(engine.manifest, {k: v for k, v in state.items()}, 9, None)  # filled part says 6, position 9
+    bad = encode_checkpoint(
+        engine.manifest, {k: v for k, v in state.items()}, 9, None
+    )  # filled part says 6, position 9
     (tmp_path / "b.safetensors").write_bytes(bad)
-    with pytest.raises(StateFileError, match=r"past_key_values.1.key has shape \[1, 2, 6, 8\], expected its filled part \[1, 2, 9, 8\]"):
+    with pytest.raises(
+        StateFileError, match=r"past_key_values.1.key has shape \[1, 2, 6, 8\], expected its filled part \[1, 2, 9, 8\]"
+    ):
         engine.load_stream(tmp_path / "b.safetensors")
 
 
@@ -404,9 +465,28 @@ def test_a_checkpoint_with_a_cache_of_the_wrong_length_is_refused(exported, tmp_
 def test_cli_export_max_length_and_sinks(tmp_path):
     result = CliRunner().invoke(main, ["export", "--arch", "softmax", "--out", str(tmp_path / "a"), "--sinks", "4"])
     assert result.exit_code != 0 and "--sinks needs --max-length" in result.output
-    result = CliRunner().invoke(main, ["export", "--arch", "softmax", "--out", str(tmp_path / "b"), "--target", "ort",
-                                       "--set", "d_model=32", "--set", "n_layers=1", "--set", "mlp_hidden=32",
-                                       "--max-length", "64", "--sinks", "4"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "export",
+            "--arch",
+            "softmax",
+            "--out",
+            str(tmp_path / "b"),
+            "--target",
+            "ort",
+            "--set",
+            "d_model=32",
+            "--set",
+            "n_layers=1",
+            "--set",
+            "mlp_hidden=32",
+            "--max-length",
+            "64",
+            "--sinks",
+            "4",
+        ],
+    )
     assert result.exit_code == 0, result.output
     engine = Engine.load(tmp_path / "b")
     assert engine.manifest.kv_cache["max_length"] == 64 and engine.manifest.config["mixer_options"]["sinks"] == 4

@@ -17,7 +17,9 @@ from edgemem.ops.linear_attention import (
 )
 
 
-def make_inputs(rule, *, b=2, t=13, hq=4, hkv=2, dk=8, dv=6, per_dim_decay=False, past=True, dtype=torch.float64, seed=0):
+def make_inputs(
+    rule, *, b=2, t=13, hq=4, hkv=2, dk=8, dv=6, per_dim_decay=False, past=True, dtype=torch.float64, seed=0
+):
     g = torch.Generator().manual_seed(seed)
     rand = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
     key = torch.nn.functional.normalize(rand(b, t, hkv, dk), dim=-1).flatten(2)  # delta rule needs ‖k‖ ≤ 1
@@ -85,8 +87,10 @@ def _onnx_model(domain: str, inputs: dict, attrs: dict, scale: float) -> onnx.Mo
         [node],
         "linear_attention",
         [io(n, inputs[n]) for n in names],
-        [helper.make_tensor_value_info("output", TensorProto.FLOAT, None),
-         helper.make_tensor_value_info("present_state", TensorProto.FLOAT, None)],
+        [
+            helper.make_tensor_value_info("output", TensorProto.FLOAT, None),
+            helper.make_tensor_value_info("present_state", TensorProto.FLOAT, None),
+        ],
     )
     opsets = [helper.make_opsetid("", 27)] + ([helper.make_opsetid(domain, 1)] if domain else [])
     model = helper.make_model(graph, opset_imports=opsets)
@@ -149,7 +153,9 @@ def test_half_inputs_accumulate_state_in_float32():
     inputs, attrs = make_inputs("gated_delta", t=40, past=False, dtype=torch.float32)
     half = {k: None if v is None else v.half() for k, v in inputs.items()}
     out, state = linear_attention(**half, **attrs)
-    ref_out, ref_state = linear_attention_naive(**{k: None if v is None else v.float() for k, v in half.items()}, **attrs)
+    ref_out, ref_state = linear_attention_naive(
+        **{k: None if v is None else v.float() for k, v in half.items()}, **attrs
+    )
     assert out.dtype == torch.float16 and state.dtype == torch.float32
     assert_close(state, ref_state, 1e-5)
     assert_close(out.float(), ref_out, 2e-3)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -84,10 +83,24 @@ def em_check(request, tmp_path_factory) -> list[str]:
     with lock:
         build = folder / "build"
         # Debug: a quarter of the compile time of an optimised build; the graphs run in onnxruntime's own code
-        subprocess.run(["cmake", "-S", NATIVE, "-B", build, "-DEDGEMEM_SANITIZE=ON", "-DCMAKE_BUILD_TYPE=Debug",
-                        f"-DPython3_EXECUTABLE={sys.executable}", f"-DONNXRUNTIME_INCLUDE_DIR={HEADERS}"],
-                       check=True, capture_output=True)
-        result = subprocess.run(["cmake", "--build", build, "--target", "em_check", "-j", "2"], capture_output=True, text=True)
+        subprocess.run(
+            [
+                "cmake",
+                "-S",
+                NATIVE,
+                "-B",
+                build,
+                "-DEDGEMEM_SANITIZE=ON",
+                "-DCMAKE_BUILD_TYPE=Debug",
+                f"-DPython3_EXECUTABLE={sys.executable}",
+                f"-DONNXRUNTIME_INCLUDE_DIR={HEADERS}",
+            ],
+            check=True,
+            capture_output=True,
+        )
+        result = subprocess.run(
+            ["cmake", "--build", build, "--target", "em_check", "-j", "2"], capture_output=True, text=True
+        )
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return [str(build / "em_check")]
 
@@ -100,11 +113,18 @@ def native_exports(request, tmp_path_factory, small_exports) -> dict[str, Path]:
         root = folder / key
         if not (root / "complete").is_file():
             shutil.rmtree(root, ignore_errors=True)
-            result = subprocess.run([sys.executable, "-c", _EXPORT, root, str(MAX_LENGTH)], capture_output=True, text=True)
+            result = subprocess.run(
+                [sys.executable, "-c", _EXPORT, root, str(MAX_LENGTH)], capture_output=True, text=True
+            )
             assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
             (root / "complete").touch()
-    return {"deltanet": small_exports["deltanet"], "titans-mag": small_exports["titans-mag"],
-            "softmax": small_exports["softmax"], "softmax-max-length": root / "softmax-max-length", "qwen3.5": root / "qwen3.5"}
+    return {
+        "deltanet": small_exports["deltanet"],
+        "titans-mag": small_exports["titans-mag"],
+        "softmax": small_exports["softmax"],
+        "softmax-max-length": root / "softmax-max-length",
+        "qwen3.5": root / "qwen3.5",
+    }
 
 
 EXPORTS = ["deltanet", "titans-mag", "softmax", "softmax-max-length", "qwen3.5"]
@@ -186,7 +206,9 @@ def test_a_checkpoint_written_by_c_continues_in_python_and_one_written_by_python
     assert _rel(run.read("from_py.f32", 9, run.vocab), np.stack(expected)) <= 1e-5
 
 
-def test_the_sample_app_builds_on_the_installed_package_and_generates_what_python_does(em_check, native_exports, tmp_path):
+def test_the_sample_app_builds_on_the_installed_package_and_generates_what_python_does(
+    em_check, native_exports, tmp_path
+):
     """`cmake --install` gives headers, the library and a CMake package that samples/native builds against
     (find_package(edgemem)); its greedy tokens, before and after resuming from its checkpoint, are the Python
     runtime's."""
@@ -198,16 +220,26 @@ def test_the_sample_app_builds_on_the_installed_package_and_generates_what_pytho
     assert (prefix / "include" / "edgemem" / "edgemem.h").is_file() and (prefix / "lib" / "libedgemem.so").exists()
     assert (prefix / "lib" / "cmake" / "edgemem" / "edgememConfig.cmake").is_file()
     sample = tmp_path / "sample"
-    for command in (["cmake", "-S", ROOT / "samples" / "native", "-B", sample, f"-DCMAKE_PREFIX_PATH={prefix}"],
-                    ["cmake", "--build", sample]):
+    for command in (
+        ["cmake", "-S", ROOT / "samples" / "native", "-B", sample, f"-DCMAKE_PREFIX_PATH={prefix}"],
+        ["cmake", "--build", sample],
+    ):
         result = subprocess.run(command, capture_output=True, text=True)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
     env["ASAN_OPTIONS"] = "detect_leaks=1"
     directory, prompt = native_exports["deltanet"], [72, 101, 108, 108, 111]
-    out = subprocess.run([sample / "generate", directory, tmp_path / "s.state", *map(str, prompt), "--tokens", "8"],
-                         capture_output=True, text=True, env=env)
+    out = subprocess.run(
+        [sample / "generate", directory, tmp_path / "s.state", *map(str, prompt), "--tokens", "8"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
-    lines = {line.split(":")[0].split(";")[-1].strip(): line.split(":")[-1].split() for line in out.stdout.splitlines() if ":" in line}
+    lines = {
+        line.split(":")[0].split(";")[-1].strip(): line.split(":")[-1].split()
+        for line in out.stdout.splitlines()
+        if ":" in line
+    }
     tokens = [int(t) for t in lines["generated"] + lines["resumed"]]
     assert tokens == list(Engine.load(directory, threads=1).generate(prompt, max_new_tokens=16))

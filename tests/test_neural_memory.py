@@ -206,8 +206,15 @@ def run_in_pieces(inputs, cuts, chunk_size, activation, norm=None):
     for lo, hi in zip(cuts[:-1], cuts[1:]):
         piece = [x[:, lo:hi] for x in (q, k, v, theta, eta, alpha)]
         y, weights, momentum, chunk_weights, position = neural_memory_step(
-            *piece, weights, momentum, chunk_weights, position,
-            num_heads=q.shape[2], chunk_size=chunk_size, activation=activation, **norm_kwargs(norm),
+            *piece,
+            weights,
+            momentum,
+            chunk_weights,
+            position,
+            num_heads=q.shape[2],
+            chunk_size=chunk_size,
+            activation=activation,
+            **norm_kwargs(norm),
         )
         ys.append(y)
     assert position.tolist() == [q.shape[1]]
@@ -337,9 +344,19 @@ def test_op_gradients_match_autograd_through_naive(depth, chunk_size, streaming,
 def valid_step_args():
     q, k, v, theta, eta, alpha, weights, momentum = make(2, b=2, t=5, h=2, d=3, e=4)
     return dict(
-        query=q.flatten(2), key=k.flatten(2), value=v.flatten(2), theta=theta, eta=eta, alpha=alpha,
-        past_weights=weights, past_momentum=momentum, past_chunk_weights=weights,
-        past_position=torch.zeros(1, dtype=torch.int64), num_heads=2, chunk_size=2, activation="silu",
+        query=q.flatten(2),
+        key=k.flatten(2),
+        value=v.flatten(2),
+        theta=theta,
+        eta=eta,
+        alpha=alpha,
+        past_weights=weights,
+        past_momentum=momentum,
+        past_chunk_weights=weights,
+        past_position=torch.zeros(1, dtype=torch.int64),
+        num_heads=2,
+        chunk_size=2,
+        activation="silu",
     )
 
 

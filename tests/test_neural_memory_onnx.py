@@ -42,7 +42,10 @@ def make_case(depth, t, *, residual_norm, position=(0, 5, 2), seed=0, dtype=np.f
         gamma, beta = np.ones((H, D)), np.zeros((H, D))
     second = layers[1] if depth == 2 else layers[0]  # depth 1: the first layer's tensors again
     values = [q, k, v, theta, eta, alpha, np.array(position, np.int64), gamma, beta, *layers[0], *second]
-    feeds = {n: (x if n == "position" else x.astype(dtype if i < 6 else np.float32)) for i, (n, x) in enumerate(zip(INPUTS, values))}
+    feeds = {
+        n: (x if n == "position" else x.astype(dtype if i < 6 else np.float32))
+        for i, (n, x) in enumerate(zip(INPUTS, values))
+    }
     return feeds
 
 

@@ -17,17 +17,36 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_peer_benchmark_runs_every_installed_engine_on_a_tiny_model(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_SRC"}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "peers.py"), "--config", "tiny", "--quick", "--positions", "32,96",
-         "--steps", "3", "--threads", "1", "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "out")],
-        capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"}, timeout=900,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "peers.py"),
+            "--config",
+            "tiny",
+            "--quick",
+            "--positions",
+            "32,96",
+            "--steps",
+            "3",
+            "--threads",
+            "1",
+            "--cache",
+            str(tmp_path / "cache"),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**env, "OMP_NUM_THREADS": "1"},
+        timeout=900,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "peers-quick-tiny.json").read_text())
     assert report["positions"] == [32, 96] and report["machine"]["copy_bandwidth_GBps"] > 0
     floor = report["floor"]
     assert 0 < floor["int4"]["weight_bytes"] < floor["fp32"]["weight_bytes"]
-    ran = {"edgemem", "edgemem-growing"} | {e for e, m in (("genai", "onnxruntime_genai"), ("transformers", "transformers"))
-                         if importlib.util.find_spec(m)}
+    ran = {"edgemem", "edgemem-growing"} | {
+        e for e, m in (("genai", "onnxruntime_genai"), ("transformers", "transformers")) if importlib.util.find_spec(m)
+    }
     for engine in ("edgemem", "edgemem-growing", "genai", "llama.cpp", "transformers"):
         for precision in ("fp32", "int4"):
             row = report["engines"][engine][precision]
@@ -72,7 +91,9 @@ def test_transformers_fill_brings_every_attention_cache_to_the_position_and_deco
     assert runner.cache.get_seq_length() == 28
     attention = [layer for layer in runner.cache.layers if isinstance(layer, DynamicLayer)]
     assert attention and all(layer.keys.shape[-2] == layer.values.shape[-2] == 28 for layer in attention)
-    assert linear and all(torch.equal(a, b) for a, b in zip(linear, linear_states()))  # fixed-size states are left alone
+    assert linear and all(
+        torch.equal(a, b) for a, b in zip(linear, linear_states())
+    )  # fixed-size states are left alone
     runner.step(11)
     assert runner.cache.get_seq_length() == 29
 

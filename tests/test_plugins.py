@@ -35,12 +35,11 @@ PLUGINS = ROOT / "plugins"
 sys.path.insert(0, str(PLUGINS / "python"))
 
 from edgemem_native import Native, NativeError  # noqa: E402
+from plugin_build import cmake_build as _cmake_build  # noqa: E402
+from plugin_build import run as _run  # noqa: E402
 
 from edgemem.ops import banded_attention, neural_memory_step, window_attention_prefill  # noqa: E402
 from edgemem.ops.linear_attention import UPDATE_RULES, linear_attention  # noqa: E402
-
-from plugin_build import cmake_build as _cmake_build  # noqa: E402
-from plugin_build import run as _run  # noqa: E402
 
 ARCHS = ("87", "89", "90")  # Orin, Ada, Hopper: the default CUDA architectures of the CMake build
 FP32_TOL = 2e-6  # max |reference - truth| / max(1, max |truth|), truth = edgemem.ops in float64
@@ -67,8 +66,21 @@ def ref(build_dir) -> Native:
     lib = build_dir / "libedgemem_reference.so"
     ops = re.findall(r"^EM_OP\(\w+, *(\w+)\)", (PLUGINS / "ops.def").read_text(), re.M)
     sources = [PLUGINS / "core" / "reference.cpp", *(PLUGINS / op / "reference.cpp" for op in ops)]
-    _run([cxx, "-std=c++17", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", f"-I{PLUGINS}", f"-I{PLUGINS / 'core'}",
-          *map(str, sources), "-o", str(lib)])
+    _run(
+        [
+            cxx,
+            "-std=c++17",
+            "-O2",
+            "-shared",
+            "-fPIC",
+            "-fvisibility=hidden",
+            f"-I{PLUGINS}",
+            f"-I{PLUGINS / 'core'}",
+            *map(str, sources),
+            "-o",
+            str(lib),
+        ]
+    )
     return Native(lib)
 
 
@@ -110,7 +122,9 @@ def _la_inputs(rule, *, b, t, hq, hkv, dk, dv, per_key, beta_heads, seed=0):
     decay = -torch.rand(b, t, hkv * (dk if per_key else 1), generator=g, dtype=torch.float64) if gated else None
     beta = torch.rand(b, t, hkv if beta_heads else 1, generator=g, dtype=torch.float64) if delta else None
     # the node always carries decay and beta (zero log-decay, unit beta when the rule reads none)
-    node = dict(decay=_f32(decay) if gated else torch.zeros(b, t, hkv), beta=_f32(beta) if delta else torch.ones(b, t, hkv))
+    node = dict(
+        decay=_f32(decay) if gated else torch.zeros(b, t, hkv), beta=_f32(beta) if delta else torch.ones(b, t, hkv)
+    )
     return (q, k, v, s0, decay, beta), node
 
 
@@ -134,18 +148,33 @@ def test_ctypes_mirror_matches_the_c_structs(ref):
     assert structs == {s.c_name for s in edgemem_native.STRUCTS} and len(structs) == 8
     drifted = layout.replace("la::Params.scale 28", "la::Params.scale 32").replace("nm::Params 40", "nm::Params 44")
     wrong = edgemem_native.layout_mismatches(drifted)
-    assert len(wrong) == 2 and wrong[0].startswith("la::Params: fields") and "nm::Params: 40 bytes in Python, 44 in C" in wrong[1]
+    assert (
+        len(wrong) == 2
+        and wrong[0].startswith("la::Params: fields")
+        and "nm::Params: 40 bytes in Python, 44 in C" in wrong[1]
+    )
 
 
 @pytest.mark.parametrize("shape", list(LA_SHAPES))
 @pytest.mark.parametrize("rule,per_key", [(r, False) for r in UPDATE_RULES] + [("gated", True), ("gated_delta", True)])
 def test_reference_linear_attention_prefill(ref, rule, per_key, shape):
     b, t, hq, hkv, dk, dv = LA_SHAPES[shape]
-    (q, k, v, s0, decay, beta), node = _la_inputs(rule, b=b, t=t, hq=hq, hkv=hkv, dk=dk, dv=dv, per_key=per_key,
-                                                  beta_heads=shape != "mqa-odd")
+    (q, k, v, s0, decay, beta), node = _la_inputs(
+        rule, b=b, t=t, hq=hq, hkv=hkv, dk=dk, dv=dv, per_key=per_key, beta_heads=shape != "mqa-odd"
+    )
     want, want_state = linear_attention(q, k, v, s0, decay, beta, update_rule=rule, q_num_heads=hq, kv_num_heads=hkv)
-    out, state = ref.linear_attention(_f32(q), _f32(k), _f32(v), _f32(s0), node["decay"], node["beta"],
-                                      update_rule=rule, scale=1 / math.sqrt(dk), q_num_heads=hq, kv_num_heads=hkv)
+    out, state = ref.linear_attention(
+        _f32(q),
+        _f32(k),
+        _f32(v),
+        _f32(s0),
+        node["decay"],
+        node["beta"],
+        update_rule=rule,
+        scale=1 / math.sqrt(dk),
+        q_num_heads=hq,
+        kv_num_heads=hkv,
+    )
     _close(out, want)
     _close(state, want_state)
 
@@ -154,16 +183,27 @@ def test_reference_linear_attention_prefill(ref, rule, per_key, shape):
 def test_reference_linear_attention_steps_in_place(ref, rule):
     """T single-token calls on one state buffer (state-in = state-out) reproduce one prefill."""
     b, t, hq, hkv, dk, dv = 2, 6, 4, 2, 8, 5
-    (q, k, v, s0, decay, beta), node = _la_inputs(rule, b=b, t=t, hq=hq, hkv=hkv, dk=dk, dv=dv, per_key=True,
-                                                  beta_heads=True, seed=1)
+    (q, k, v, s0, decay, beta), node = _la_inputs(
+        rule, b=b, t=t, hq=hq, hkv=hkv, dk=dk, dv=dv, per_key=True, beta_heads=True, seed=1
+    )
     want, want_state = linear_attention(q, k, v, s0, decay, beta, update_rule=rule, q_num_heads=hq, kv_num_heads=hkv)
     state = _f32(s0)
     outs = []
     for i in range(t):
         tok = lambda x: _f32(x[:, i : i + 1])  # noqa: E731
-        out, same = ref.linear_attention(tok(q), tok(k), tok(v), state, tok(node["decay"]), tok(node["beta"]),
-                                         update_rule=rule, scale=1 / math.sqrt(dk), q_num_heads=hq, kv_num_heads=hkv,
-                                         present_state=state)
+        out, same = ref.linear_attention(
+            tok(q),
+            tok(k),
+            tok(v),
+            state,
+            tok(node["decay"]),
+            tok(node["beta"]),
+            update_rule=rule,
+            scale=1 / math.sqrt(dk),
+            q_num_heads=hq,
+            kv_num_heads=hkv,
+            present_state=state,
+        )
         assert same is state
         outs.append(out)
     _close(torch.cat(outs, 1), want)
@@ -184,13 +224,16 @@ def test_reference_chunked_form_equals_the_op(ref, rule, shape):
     """The chunked (UT/WY) form the CUDA prefill runs, pass for pass on its workspace layout, against
     edgemem.ops in float64; in segments of one chunk too (the state passing through present_state)."""
     b, t, hq, hkv, dk, dv = CHUNKED_SHAPES[shape]
-    (q, k, v, s0, decay, beta), node = _la_inputs(rule, b=b, t=t, hq=hq, hkv=hkv, dk=dk, dv=dv, per_key=False,
-                                                  beta_heads=shape != "short", seed=3)
+    (q, k, v, s0, decay, beta), node = _la_inputs(
+        rule, b=b, t=t, hq=hq, hkv=hkv, dk=dk, dv=dv, per_key=False, beta_heads=shape != "short", seed=3
+    )
     want, want_state = linear_attention(q, k, v, s0, decay, beta, update_rule=rule, q_num_heads=hq, kv_num_heads=hkv)
     args = (_f32(q), _f32(k), _f32(v), _f32(s0), node["decay"], node["beta"])
     kw = dict(update_rule=rule, scale=1 / math.sqrt(dk), q_num_heads=hq, kv_num_heads=hkv, path="chunked")
-    one_chunk = ref.linear_attention_workspace(*(x[:, :64].contiguous() for x in (args[0], args[2], args[4], args[5])),
-                                               **{k: v for k, v in kw.items() if k != "path"})
+    one_chunk = ref.linear_attention_workspace(
+        *(x[:, :64].contiguous() for x in (args[0], args[2], args[4], args[5])),
+        **{k: v for k, v in kw.items() if k != "path"},
+    )
     for budget in (None, one_chunk):
         out, state = ref.linear_attention(*args, workspace=budget, **kw)
         _close(out, want, 1e-5)
@@ -200,18 +243,41 @@ def test_reference_chunked_form_equals_the_op(ref, rule, shape):
 def test_reference_chunked_form_refuses_what_it_does_not_cover(ref):
     """Per-key decay and d_k > 128 keep the sequential form; a budget below one chunk fits nothing."""
     for per_key, dk, budget in ((True, 16, None), (False, 160, None), (False, 16, 1000)):
-        (q, k, v, s0, _, _), node = _la_inputs("gated", b=1, t=70, hq=1, hkv=1, dk=dk, dv=8, per_key=per_key,
-                                               beta_heads=True)
+        (q, k, v, s0, _, _), node = _la_inputs(
+            "gated", b=1, t=70, hq=1, hkv=1, dk=dk, dv=8, per_key=per_key, beta_heads=True
+        )
         with pytest.raises(NativeError, match="unsupported"):
-            ref.linear_attention(_f32(q), _f32(k), _f32(v), _f32(s0), node["decay"], node["beta"], update_rule="gated",
-                                 scale=0.5, q_num_heads=1, kv_num_heads=1, path="chunked", workspace=budget)
+            ref.linear_attention(
+                _f32(q),
+                _f32(k),
+                _f32(v),
+                _f32(s0),
+                node["decay"],
+                node["beta"],
+                update_rule="gated",
+                scale=0.5,
+                q_num_heads=1,
+                kv_num_heads=1,
+                path="chunked",
+                workspace=budget,
+            )
 
 
 def test_reference_rejects_contract_violations(ref):
     (q, k, v, s0, _, _), node = _la_inputs("linear", b=1, t=2, hq=3, hkv=2, dk=4, dv=4, per_key=False, beta_heads=True)
     with pytest.raises(NativeError, match="bad argument"):  # 3 query heads over 2 kv heads
-        ref.linear_attention(_f32(q), _f32(k), _f32(v), _f32(s0), node["decay"], node["beta"], update_rule="linear",
-                             scale=0.5, q_num_heads=3, kv_num_heads=2)
+        ref.linear_attention(
+            _f32(q),
+            _f32(k),
+            _f32(v),
+            _f32(s0),
+            node["decay"],
+            node["beta"],
+            update_rule="linear",
+            scale=0.5,
+            q_num_heads=3,
+            kv_num_heads=2,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,8 +290,14 @@ def _rand(g, *shape):
 
 @pytest.mark.parametrize(
     "t,position,persistent,dilation",
-    [(1, (0, 0), 2, (1, 1, 1)), (1, (5, 40), 0, (1, 2, 3)), (1, (11, 12), 3, (2, 2, 1)),  # steps
-     (13, (0, 7), 2, (1, 2, 3)), (30, (3, 0), 0, (1, 1, 2)), (4, (100, 9), 1, (3, 1, 2))],  # prefill, ring wraps
+    [
+        (1, (0, 0), 2, (1, 1, 1)),
+        (1, (5, 40), 0, (1, 2, 3)),
+        (1, (11, 12), 3, (2, 2, 1)),  # steps
+        (13, (0, 7), 2, (1, 2, 3)),
+        (30, (3, 0), 0, (1, 1, 2)),
+        (4, (100, 9), 1, (3, 1, 2)),
+    ],  # prefill, ring wraps
 )
 def test_reference_window_attention(ref, t, position, persistent, dilation):
     g = torch.Generator().manual_seed(t)
@@ -236,21 +308,33 @@ def test_reference_window_attention(ref, t, position, persistent, dilation):
     rk, rv = _rand(g, b, h, ring, d), _rand(g, b, h, ring, dv)
     pos = torch.tensor(position, dtype=torch.int64)
     kw = dict(num_heads=h, window=window, dilation=list(dilation), scale=0.3)
-    want = window_attention_prefill(q, k, v, rk, rv, pos, persistent_key=pk if persistent else None,
-                                    persistent_value=pv if persistent else None, **kw)
+    want = window_attention_prefill(
+        q,
+        k,
+        v,
+        rk,
+        rv,
+        pos,
+        persistent_key=pk if persistent else None,
+        persistent_value=pv if persistent else None,
+        **kw,
+    )
     got = ref.window_attention(_f32(q), _f32(k), _f32(v), _f32(rk), _f32(rv), pos, _f32(pk), _f32(pv), **kw)
     for x, y in zip(got, want):
         _close(x, y)
     # in place: the ring buffers are both past and present
     rk32, rv32 = _f32(rk), _f32(rv)
-    got = ref.window_attention(_f32(q), _f32(k), _f32(v), rk32, rv32, pos, _f32(pk), _f32(pv), present_key=rk32,
-                               present_value=rv32, **kw)
+    got = ref.window_attention(
+        _f32(q), _f32(k), _f32(v), rk32, rv32, pos, _f32(pk), _f32(pv), present_key=rk32, present_value=rv32, **kw
+    )
     for x, y in zip(got, want):
         _close(x, y)
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("globals_,persistent,dilation", [(False, 0, (1, 1, 1)), (True, 2, (1, 2, 3)), (True, 0, (2, 1, 3))])
+@pytest.mark.parametrize(
+    "globals_,persistent,dilation", [(False, 0, (1, 1, 1)), (True, 2, (1, 2, 3)), (True, 0, (2, 1, 3))]
+)
 def test_reference_banded_attention(ref, causal, globals_, persistent, dilation):
     g = torch.Generator().manual_seed(3)
     b, t, h, d, dv, window = 2, 23, 3, 6, 5, 2
@@ -260,8 +344,15 @@ def test_reference_banded_attention(ref, causal, globals_, persistent, dilation)
     if globals_:
         mask[0, 0] = mask[1, t - 1] = True
     kw = dict(num_heads=h, window=window, dilation=list(dilation), causal=causal, scale=0.4)
-    want = banded_attention(q, k, v, global_mask=mask, persistent_key=pk if persistent else None,
-                            persistent_value=pv if persistent else None, **kw)
+    want = banded_attention(
+        q,
+        k,
+        v,
+        global_mask=mask,
+        persistent_key=pk if persistent else None,
+        persistent_value=pv if persistent else None,
+        **kw,
+    )
     got = ref.banded_attention(_f32(q), _f32(k), _f32(v), mask.contiguous(), _f32(pk), _f32(pv), **kw)
     _close(got, want)
 
@@ -292,24 +383,63 @@ def _nm_native(lib, case, *, h, chunk, activation, present=None):
     d = q.shape[2] // h
     norm_w = _f32(nw) if nw is not None else torch.ones(h, d)
     norm_b = _f32(nb) if nb is not None else torch.zeros(h, d)
-    return lib.neural_memory(_f32(q), _f32(k), _f32(v), _f32(theta), _f32(eta), _f32(alpha), pos, norm_w, norm_b,
-                             [_f32(x) for x in w], [_f32(x) for x in s], [_f32(x) for x in c], num_heads=h,
-                             chunk_size=chunk, activation=activation, residual_norm=nw is not None, present=present)
+    return lib.neural_memory(
+        _f32(q),
+        _f32(k),
+        _f32(v),
+        _f32(theta),
+        _f32(eta),
+        _f32(alpha),
+        pos,
+        norm_w,
+        norm_b,
+        [_f32(x) for x in w],
+        [_f32(x) for x in s],
+        [_f32(x) for x in c],
+        num_heads=h,
+        chunk_size=chunk,
+        activation=activation,
+        residual_norm=nw is not None,
+        present=present,
+    )
 
 
 @pytest.mark.parametrize(
     "depth,activation,norm,chunk,t,position",
-    [(2, "silu", False, 4, 9, (0, 3)), (2, "gelu", True, 3, 7, (5, 0)), (2, "relu", False, 1, 6, (2, 2)),
-     (2, "identity", True, 16, 5, (14,)), (1, "silu", False, 2, 8, (1, 4)), (1, "silu", True, 5, 11, (0,)),
-     (2, "silu", False, 4, 1, (3, 8)), (1, "silu", True, 3, 1, (6, 7))],  # the last two: decode steps
+    [
+        (2, "silu", False, 4, 9, (0, 3)),
+        (2, "gelu", True, 3, 7, (5, 0)),
+        (2, "relu", False, 1, 6, (2, 2)),
+        (2, "identity", True, 16, 5, (14,)),
+        (1, "silu", False, 2, 8, (1, 4)),
+        (1, "silu", True, 5, 11, (0,)),
+        (2, "silu", False, 4, 1, (3, 8)),
+        (1, "silu", True, 3, 1, (6, 7)),
+    ],  # the last two: decode steps
 )
 def test_reference_neural_memory(ref, depth, activation, norm, chunk, t, position):
     b, h, d, e = 2, 2, 6, 10
-    case = _nm_case(b=b, t=t, h=h, d=d, e=e, depth=depth, chunk=chunk, activation=activation, norm=norm,
-                    position=position)
+    case = _nm_case(
+        b=b, t=t, h=h, d=d, e=e, depth=depth, chunk=chunk, activation=activation, norm=norm, position=position
+    )
     q, k, v, theta, eta, alpha, w, s, c, pos, nw, nb = case
-    want = neural_memory_step(q, k, v, theta, eta, alpha, w, s, c, pos, num_heads=h, chunk_size=chunk,
-                              activation=activation, norm_weight=nw, norm_bias=nb)
+    want = neural_memory_step(
+        q,
+        k,
+        v,
+        theta,
+        eta,
+        alpha,
+        w,
+        s,
+        c,
+        pos,
+        num_heads=h,
+        chunk_size=chunk,
+        activation=activation,
+        norm_weight=nw,
+        norm_bias=nb,
+    )
     y, end, w_out, s_out, c_out = _nm_native(ref, case, h=h, chunk=chunk, activation=activation)
     _close(y, want[0])
     for got, exp in zip((*w_out, *s_out, *c_out), (*want[1], *want[2], *want[3])):
@@ -320,10 +450,27 @@ def test_reference_neural_memory(ref, depth, activation, norm, chunk, t, positio
 def test_reference_neural_memory_steps_in_place(ref):
     """Token-by-token calls updating one set of state buffers reproduce one prefill across chunk starts."""
     b, t, h, d, e, chunk = 2, 7, 2, 4, 8, 3
-    case = _nm_case(b=b, t=t, h=h, d=d, e=e, depth=2, chunk=chunk, activation="gelu", norm=True, position=(1, 0), seed=4)
+    case = _nm_case(
+        b=b, t=t, h=h, d=d, e=e, depth=2, chunk=chunk, activation="gelu", norm=True, position=(1, 0), seed=4
+    )
     q, k, v, theta, eta, alpha, w, s, c, pos, nw, nb = case
-    want = neural_memory_step(q, k, v, theta, eta, alpha, w, s, c, pos, num_heads=h, chunk_size=chunk,
-                              activation="gelu", norm_weight=nw, norm_bias=nb)
+    want = neural_memory_step(
+        q,
+        k,
+        v,
+        theta,
+        eta,
+        alpha,
+        w,
+        s,
+        c,
+        pos,
+        num_heads=h,
+        chunk_size=chunk,
+        activation="gelu",
+        norm_weight=nw,
+        norm_bias=nb,
+    )
     state = [pos.clone(), [_f32(x) for x in w], [_f32(x) for x in s], [_f32(x) for x in c]]
     ys = []
     for i in range(t):
@@ -343,8 +490,15 @@ def test_reference_neural_memory_steps_in_place(ref):
 PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(sm_\d+)'")
 PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 PTXAS_USED = re.compile(r"Used (\d+) registers")
-KERNELS = ("linearAttentionKernel", "chunkPrepare", "chunkState", "chunkOutput", "windowAttentionKernel",
-           "bandedAttentionKernel", "neuralMemoryKernel")
+KERNELS = (
+    "linearAttentionKernel",
+    "chunkPrepare",
+    "chunkState",
+    "chunkOutput",
+    "windowAttentionKernel",
+    "bandedAttentionKernel",
+    "neuralMemoryKernel",
+)
 
 
 def ptxas_report(build: Path) -> list[dict]:
@@ -374,8 +528,18 @@ def _demangle(symbols: list[str]) -> dict[str, str]:
 def test_gpu_check_harness_passes_on_the_cpu_reference(ref, build_dir):
     """gpu_check.py (the GPU acceptance script) run with the CPU reference standing in for the
     kernels: its cases, truths and tolerances hold up, so a failure on a GPU is the kernels'."""
-    proc = subprocess.run([sys.executable, str(PLUGINS / "scripts" / "gpu_check.py"), "--build", str(build_dir),
-                           "--cpu-self-test", "--quick"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(PLUGINS / "scripts" / "gpu_check.py"),
+            "--build",
+            str(build_dir),
+            "--cpu-self-test",
+            "--quick",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     passed, total = map(int, re.search(r"(\d+) of (\d+) numerical checks passed", proc.stdout).groups())
     assert passed == total and total >= 30, proc.stdout[:500]
@@ -413,8 +577,9 @@ def test_kernels_compile_without_spills_beyond_the_defaults(kernels_build, tmp_p
     if not archs:
         pytest.skip(f"this nvcc compiles none of sm_{', sm_'.join(EXTRA_ARCHS)}")
     build = tmp_path_factory.mktemp("kernels_extra")
-    _cmake_build(build, "-DEDGEMEM_BUILD_TRT=OFF", f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(archs)}",
-                 targets=("edgemem_kernels",))
+    _cmake_build(
+        build, "-DEDGEMEM_BUILD_TRT=OFF", f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(archs)}", targets=("edgemem_kernels",)
+    )
     _assert_no_spills(build, archs)
 
 
@@ -445,8 +610,9 @@ def _trt_roots() -> list[Path]:
 
 
 TRT_ROOTS = _trt_roots()
-NO_TRT = (f"no TensorRT headers: {SHARED_TRT} is absent; set EDGEMEM_TENSORRT_ROOTS (os.pathsep-separated) "
-          "or TensorRT_ROOT")
+NO_TRT = (
+    f"no TensorRT headers: {SHARED_TRT} is absent; set EDGEMEM_TENSORRT_ROOTS (os.pathsep-separated) or TensorRT_ROOT"
+)
 
 
 def _trt_id(root: Path) -> str:
@@ -462,8 +628,12 @@ def trt_libs(tmp_path_factory) -> dict[Path, Path | str]:
             out[root] = "cmake and nvcc are needed to build the plugin library"
             continue
         build = tmp_path_factory.mktemp(f"trt_{root.name}")
-        info = _cmake_build(build, f"-DTensorRT_ROOT={root}", "-DCMAKE_CUDA_ARCHITECTURES=87",
-                            targets=("edgemem_trt_plugins", "edgemem_plugin_harness"))
+        info = _cmake_build(
+            build,
+            f"-DTensorRT_ROOT={root}",
+            "-DCMAKE_CUDA_ARCHITECTURES=87",
+            targets=("edgemem_trt_plugins", "edgemem_plugin_harness"),
+        )
         out[root] = build / "libedgemem_trt_plugins.so" if info.get("tensorrt") else f"no TensorRT headers under {root}"
     return out
 
@@ -504,14 +674,28 @@ def test_plugin_harness_drives_every_plugin_through_tensorrts_calls(trt_libs, ro
     ops = re.findall(r"^EM_OP\((\w+),", (PLUGINS / "ops.def").read_text(), re.M)
     assert summary["plugins"] == len(ops) == 4 and not summary["enqueue"]
     calls = summary["by_entry_point"]
-    for entry in ("createPlugin", "getOutputDataTypes", "getOutputShapes", "supportsFormatCombination", "configurePlugin",
-                  "getWorkspaceSize", "clone", "getFieldsToSerialize", "attachToContext", "onShapeChange"):
+    for entry in (
+        "createPlugin",
+        "getOutputDataTypes",
+        "getOutputShapes",
+        "supportsFormatCombination",
+        "configurePlugin",
+        "getWorkspaceSize",
+        "clone",
+        "getFieldsToSerialize",
+        "attachToContext",
+        "onShapeChange",
+    ):
         assert calls.get(entry, 0) >= len(ops), (entry, calls)
 
 
 # every edgemem node of trt exports covering the four ops: (arch, graph kind, overrides)
-EXPORTS = [("gated-deltanet", "step", {}), ("titans-mag", "step", {}), ("ttt-linear", "step", {}),
-           ("longformer-encoder", "prefill", {})]
+EXPORTS = [
+    ("gated-deltanet", "step", {}),
+    ("titans-mag", "step", {}),
+    ("ttt-linear", "step", {}),
+    ("longformer-encoder", "prefill", {}),
+]
 
 
 @pytest.fixture(scope="session")
@@ -534,7 +718,9 @@ def trt_nodes() -> list[dict]:
                 value = helper.get_attribute_value(a)
                 kind_ = {1: "FLOAT", 2: "INT", 3: "STRING", 7: "INTS"}[a.type]
                 attrs[a.name] = (kind_, value.decode() if isinstance(value, bytes) else value)
-            nodes.append(dict(arch=arch, op=node.op_type, inputs=len(node.input), outputs=len(node.output), attrs=attrs))
+            nodes.append(
+                dict(arch=arch, op=node.op_type, inputs=len(node.input), outputs=len(node.output), attrs=attrs)
+            )
     assert {n["op"] for n in nodes} == {"LinearAttention", "NeuralMemory", "WindowAttention", "BandedAttention"}
     return nodes
 
@@ -608,8 +794,10 @@ def _expected_metadata(attrs: dict) -> dict[str, str]:
 
 
 # Python bindings with a TensorRT plugin registry that works without a GPU, and where they come from
-REGISTRIES = {"tensorrt_lean_bindings": "pip: tensorrt-lean-cu13-bindings tensorrt-lean-cu13-libs",
-              "tensorrt_rtx": "pip: tensorrt-rtx-cu13"}
+REGISTRIES = {
+    "tensorrt_lean_bindings": "pip: tensorrt-lean-cu13-bindings tensorrt-lean-cu13-libs",
+    "tensorrt_rtx": "pip: tensorrt-rtx-cu13",
+}
 
 
 @pytest.mark.slow
@@ -634,7 +822,11 @@ def test_trt_registry_creates_every_exported_node(trt_libs, root, trt_nodes, bin
                 assert got["fields"].get(name) == field_types[kind], (node["op"], name, got["fields"])
         meta = dict(item.split("=", 1) for item in got["metadata"].split(";"))
         for name, value in _expected_metadata(node["attrs"]).items():  # the plugin parsed every value
-            assert (float(meta[name]) == pytest.approx(value, rel=1e-6)) if isinstance(value, float) else meta[name] == value
+            assert (
+                (float(meta[name]) == pytest.approx(value, rel=1e-6))
+                if isinstance(value, float)
+                else meta[name] == value
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -646,14 +838,21 @@ def _logits_graph(path: Path, vocab: int, opset: int) -> None:
     import onnx
     from onnx import TensorProto, helper
 
-    nodes = [helper.make_node("Cast", ["input_ids"], ["x"], to=TensorProto.FLOAT),
-             helper.make_node("Unsqueeze", ["x", "axis"], ["y"]),
-             helper.make_node("Tile", ["y", "repeats"], ["logits"])]
+    nodes = [
+        helper.make_node("Cast", ["input_ids"], ["x"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["x", "axis"], ["y"]),
+        helper.make_node("Tile", ["y", "repeats"], ["logits"]),
+    ]
     graph = helper.make_graph(
-        nodes, "step", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])],
+        nodes,
+        "step",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "sequence", vocab])],
-        [helper.make_tensor("axis", TensorProto.INT64, [1], [-1]),
-         helper.make_tensor("repeats", TensorProto.INT64, [3], [1, 1, vocab])])
+        [
+            helper.make_tensor("axis", TensorProto.INT64, [1], [-1]),
+            helper.make_tensor("repeats", TensorProto.INT64, [3], [1, 1, vocab]),
+        ],
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]), str(path))
 
 
@@ -678,8 +877,10 @@ def test_build_command_says_what_is_missing(tmp_path):
     assert result.exit_code == 2 and "step.onnx is not a readable ONNX graph" in result.output, result.output
     _logits_graph(tmp_path / "trt" / "step.onnx", vocab=4, opset=20)  # a graph the manifest describes
     (library := tmp_path / "libedgemem_trt_plugins.so").write_bytes(b"")  # loaded only once TensorRT is imported
-    result = runner.invoke(main, ["build", str(tmp_path), "--max-batch", "4", "--plugins", str(library),
-                                  "--out", str(tmp_path / "engines")])
+    result = runner.invoke(
+        main,
+        ["build", str(tmp_path), "--max-batch", "4", "--plugins", str(library), "--out", str(tmp_path / "engines")],
+    )
     assert result.exit_code == 2, result.output
     if importlib.util.find_spec("tensorrt") is None:
         assert "TensorRT's Python package is not installed" in result.output

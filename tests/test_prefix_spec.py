@@ -9,7 +9,6 @@ sampled tokens have the target's distribution (a chi-square test against the exa
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,18 +22,21 @@ ROOT = Path(__file__).resolve().parents[1]
 PRESETS = ["gated-deltanet", "deltanet", "softmax"]  # the session's small exports; softmax: a growing KV cache
 OTHER_VOCABULARY = {"linear": ({"d_model": 16, "mlp_hidden": 16, "n_layers": 1, "vocab_size": 61}, ["ort"])}
 CHUNK = 16
-TEXT = (b"def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n\n\n"
-        b"def div(a, b):\n    return a / b\n\n\n")
+TEXT = (
+    b"def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n\n\n"  # noqa: E501
+    b"def div(a, b):\n    return a / b\n\n\n"
+)
 
 
 def _export_models(root: Path) -> None:
     """The trained byte model of checkpoints/ and a tiny Qwen3.5 hybrid import (vocabulary 256) with a KV cache
     exactly as long as the speculation test needs, for onnxruntime, into `root`."""
+    from test_hf_qwen3_5 import randomise, save, text_config
+    from transformers import Qwen3_5ForCausalLM
+
     from edgemem.export import export
     from edgemem.models import from_hf, load_checkpoint
     from edgemem.models.lm import set_kv_cache
-    from test_hf_qwen3_5 import randomise, save, text_config
-    from transformers import Qwen3_5ForCausalLM
 
     export(load_checkpoint(ROOT / "checkpoints" / "deltanet-bytes.safetensors"), root / "trained", targets=["ort"])
     config = text_config(["linear_attention", "full_attention"])
@@ -52,8 +54,12 @@ def exports(request, tmp_path_factory, small_exports) -> dict[str, Path]:
     found = {a: small_exports[a] for a in PRESETS}
     found.update(export_presets(request, tmp_path_factory, "spec-exports", OTHER_VOCABULARY))
     cache = getattr(request.config, "cache", None)
-    root = tmp_path_factory.mktemp("spec") if cache is None else cache.mkdir("edgemem-spec-models") / _sources_key(
-        "spec-models", TEXT, (ROOT / "checkpoints" / "deltanet-bytes.safetensors").stat().st_size)
+    root = (
+        tmp_path_factory.mktemp("spec")
+        if cache is None
+        else cache.mkdir("edgemem-spec-models")
+        / _sources_key("spec-models", TEXT, (ROOT / "checkpoints" / "deltanet-bytes.safetensors").stat().st_size)
+    )
     if not (root / "complete").is_file():
         _export_models(root)
     return {**found, "trained": root / "trained", "hybrid": root / "hybrid"}
@@ -81,7 +87,13 @@ def test_a_stream_restored_from_a_cached_prefix_continues_as_an_uncached_one(exp
     assert (cached.prefix_cache.hits, cached.prefix_cache.tokens_reused) == (1, 80)
     for token in rng.integers(0, 256, 5).tolist():
         assert _rel(restored.step(token), reference.step(token)) <= 1e-4
-    assert _rel(restored.state_dict()[cached.manifest.state[0].input], reference.state_dict()[cached.manifest.state[0].input]) <= 1e-4
+    assert (
+        _rel(
+            restored.state_dict()[cached.manifest.state[0].input],
+            reference.state_dict()[cached.manifest.state[0].input],
+        )
+        <= 1e-4
+    )
     again = cached.new_stream()  # the whole prompt is cached: nothing runs
     assert _rel(again.prefill(first, all_logits=False), plain.new_stream().prefill(first, all_logits=False)) <= 1e-4
     assert again.position == 100 and cached.prefix_cache.tokens_reused == 180
@@ -125,8 +137,13 @@ def test_a_cache_smaller_than_one_snapshot_is_refused(exports):
 
 
 # ---------------------------------------------------------------------- speculative decoding
-CASES = [("gated-deltanet", "deltanet"), ("deltanet", "gated-deltanet"), ("trained", "deltanet"), ("hybrid", "deltanet"),
-         ("softmax", "gated-deltanet")]
+CASES = [
+    ("gated-deltanet", "deltanet"),
+    ("deltanet", "gated-deltanet"),
+    ("trained", "deltanet"),
+    ("hybrid", "deltanet"),
+    ("softmax", "gated-deltanet"),
+]
 
 
 @pytest.mark.parametrize(("name", "draft_name"), CASES)
@@ -229,8 +246,10 @@ def test_bad_drafts_are_one_line_errors(exports):
         stream.generate(b"ab", 4, draft="lookup")
     with pytest.raises(ConfigError) as e:
         stream.generate(b"ab", 4, draft=_load(exports, "linear"))
-    assert str(e.value) == ("the draft model's vocabulary (linear, 61 tokens) is not the target's (gated-deltanet, 256): "
-                            "a draft must share the vocabulary")
+    assert str(e.value) == (
+        "the draft model's vocabulary (linear, 61 tokens) is not the target's (gated-deltanet, 256): "
+        "a draft must share the vocabulary"
+    )
     assert stream.position == 0  # refused before anything ran
 
 
@@ -241,8 +260,16 @@ def test_cli_run_with_a_draft_prints_plain_greedy_text_and_the_acceptance(export
     from edgemem.cli import main
 
     runner = CliRunner()
-    base = ["run", str(exports["trained"]), "--prompt", (TEXT + TEXT[:20]).decode(), "--max-new-tokens", "24",
-            "--threads", "1"]
+    base = [
+        "run",
+        str(exports["trained"]),
+        "--prompt",
+        (TEXT + TEXT[:20]).decode(),
+        "--max-new-tokens",
+        "24",
+        "--threads",
+        "1",
+    ]
     plain = runner.invoke(main, base)
     assert plain.exit_code == 0, plain.output
     for draft in ("prompt-lookup", str(exports["deltanet"])):
@@ -250,9 +277,11 @@ def test_cli_run_with_a_draft_prints_plain_greedy_text_and_the_acceptance(export
         assert result.exit_code == 0, result.output
         assert result.stdout == plain.stdout
         assert "draft acceptance" in result.stderr
-    for args, message in [(["--draft", "prompt-lookup", "--draft-tokens", "0"], "--draft-tokens must be at least 1; got 0"),
-                          (["--prefix-cache", "10"], "--prefix-cache=10 is smaller than one snapshot"),
-                          (["--draft", "nowhere"], "--draft nowhere: neither prompt-lookup nor an export directory")]:
+    for args, message in [
+        (["--draft", "prompt-lookup", "--draft-tokens", "0"], "--draft-tokens must be at least 1; got 0"),
+        (["--prefix-cache", "10"], "--prefix-cache=10 is smaller than one snapshot"),
+        (["--draft", "nowhere"], "--draft nowhere: neither prompt-lookup nor an export directory"),
+    ]:
         result = runner.invoke(main, [*base, *args])
         assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output, result.output
 
@@ -273,7 +302,9 @@ def test_triton_repository_carries_the_prefix_cache_and_refuses_one_too_small(ex
     from edgemem.serve.repository import write_repository
 
     repo = write_repository(exports["gated-deltanet"], tmp_path / "repo", name="m", prefix_cache_bytes=1 << 20)
-    assert 'key: "prefix_cache_bytes" value { string_value: "1048576" }' in (repo.path / "m" / "config.pbtxt").read_text()
+    assert (
+        'key: "prefix_cache_bytes" value { string_value: "1048576" }' in (repo.path / "m" / "config.pbtxt").read_text()
+    )
     with pytest.raises(ConfigError, match="smaller than one snapshot"):
         write_repository(exports["gated-deltanet"], tmp_path / "small", name="m", prefix_cache_bytes=10)
     assert not (tmp_path / "small").exists()

@@ -20,8 +20,16 @@ from edgemem.runtime import Engine
 ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINT = ROOT / "checkpoints" / "deltanet-mqar.safetensors"
 HORIZONS = ["32", "512", "4096", "32768"]
-QUANT_OPS = {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger", "MatMulIntegerToFloat",
-             "DynamicQuantizeMatMul", "QLinearMatMul", "QGemm"}
+QUANT_OPS = {
+    "QuantizeLinear",
+    "DequantizeLinear",
+    "DynamicQuantizeLinear",
+    "MatMulInteger",
+    "MatMulIntegerToFloat",
+    "DynamicQuantizeMatMul",
+    "QLinearMatMul",
+    "QGemm",
+}
 # a short calibration and one held-out stream: enough for every property below but the trained-model one
 FAST_RECIPE = """
 [data]
@@ -46,8 +54,12 @@ def fp32(tmp_path_factory):
     from edgemem.models import build
 
     out = tmp_path_factory.mktemp("quant") / "deltanet"
-    export(build("deltanet", seed=0, d_model=64, mlp_hidden=64, n_layers=2), out, targets=["generic", "ort", "trt"],
-           extra_config={"seed": 0})
+    export(
+        build("deltanet", seed=0, d_model=64, mlp_hidden=64, n_layers=2),
+        out,
+        targets=["generic", "ort", "trt"],
+        extra_config={"seed": 0},
+    )
     return out
 
 
@@ -68,8 +80,12 @@ def quantized(fp32, recipe):
     report = fp32.with_name("static-report.json")
     result = _invoke("calibrate", fp32, "--method", "static", "--recipe", recipe, "--report", report)
     assert result.exit_code == 0, result.output
-    return {"dynamic": dynamic, "static": fp32.with_name("deltanet-int8-static"), "report": report,
-            "output": result.output}
+    return {
+        "dynamic": dynamic,
+        "static": fp32.with_name("deltanet-int8-static"),
+        "report": report,
+        "output": result.output,
+    }
 
 
 def _graphs(model):
@@ -147,8 +163,10 @@ def test_every_weight_projection_is_int8(fp32, quantized, method):
         if method == "dynamic":
             count = sum(n.op_type == "MatMulInteger" for n in model.graph.node)
         else:  # QDQ: activation and weight both come from DequantizeLinear; the weight is stored as int8
-            count = sum(n.op_type == "MatMul" and produced.get(n.input[0]) == produced.get(n.input[1]) == "DequantizeLinear"
-                        for n in model.graph.node)
+            count = sum(
+                n.op_type == "MatMul" and produced.get(n.input[0]) == produced.get(n.input[1]) == "DequantizeLinear"
+                for n in model.graph.node
+            )
             int8 = {i.name for i in model.graph.initializer if i.data_type == onnx.TensorProto.INT8}
             assert sum(n.op_type == "DequantizeLinear" and n.input[0] in int8 for n in model.graph.node) == expected
         assert expected == 11 and count == expected, (path, count, expected)  # 2 × (qkv, beta, out, up, down) + head
@@ -164,7 +182,9 @@ def test_static_trt_graphs_use_the_ort_calibration(quantized):
         for target in ("ort", "trt"):
             model = onnx.load(str(quantized["static"] / target / f"{kind}.onnx"))
             values = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
-            scales[target] = {n.input[0]: float(values[n.input[1]]) for n in model.graph.node if n.op_type == "QuantizeLinear"}
+            scales[target] = {
+                n.input[0]: float(values[n.input[1]]) for n in model.graph.node if n.op_type == "QuantizeLinear"
+            }
             if target == "trt":
                 assert any(n.domain == "edgemem" for n in model.graph.node) and not model.functions
         assert scales["ort"] and scales["ort"] == scales["trt"]
@@ -193,8 +213,19 @@ def test_manifest_records_quantization_and_hashes_verify(fp32, quantized, method
 def test_cli_run_and_bench_take_the_quantized_export(quantized):
     result = _invoke("run", quantized["static"], "--prompt", "def ", "--max-new-tokens", "8", "--threads", "1")
     assert result.exit_code == 0, result.output
-    result = _invoke("bench", quantized["dynamic"], "--positions", "64", "--batch", "1,2", "--steps", "3",
-                     "--time-limit", "0.2", "--no-eager")
+    result = _invoke(
+        "bench",
+        quantized["dynamic"],
+        "--positions",
+        "64",
+        "--batch",
+        "1,2",
+        "--steps",
+        "3",
+        "--time-limit",
+        "0.2",
+        "--no-eager",
+    )
     assert result.exit_code == 0, result.output
 
 
@@ -258,8 +289,9 @@ def test_malformed_recipe_is_a_clean_error(fp32, tmp_path):
 
 
 def test_existing_output_needs_force(fp32, quantized, recipe):
-    _clean_failure(_invoke("calibrate", fp32, "--out", quantized["dynamic"], "--recipe", recipe, "--no-drift"),
-                   "--force")
+    _clean_failure(
+        _invoke("calibrate", fp32, "--out", quantized["dynamic"], "--recipe", recipe, "--no-drift"), "--force"
+    )
 
 
 def test_verify_refuses_an_int8_export_and_names_the_source(fp32, quantized):
@@ -274,7 +306,8 @@ def test_recipe_exclusions_keep_projections_float(fp32, tmp_path):
     manifest = calibrate(fp32, "dynamic", str(path), tmp_path / "q")
     assert set(manifest.quantization["quantized_projections"].values()) == {8}
     assert {"model.blocks.0.mixer.beta", "model.blocks.1.mixer.beta", "model.head"} <= set(
-        manifest.quantization["excluded"]["projections_kept_float"])
+        manifest.quantization["excluded"]["projections_kept_float"]
+    )
 
 
 def test_shipped_recipes_load():
@@ -317,8 +350,20 @@ def int4(fp32, tmp_path_factory):
     recipe = base / "int4.toml"
     recipe.write_text(INT4_RECIPE)
     out, report = base / "deltanet-int4", base / "int4-report.json"
-    result = _invoke("calibrate", fp32, "--method", "int4", "--block-size", "16", "--recipe", recipe, "--out", out,
-                     "--report", report)
+    result = _invoke(
+        "calibrate",
+        fp32,
+        "--method",
+        "int4",
+        "--block-size",
+        "16",
+        "--recipe",
+        recipe,
+        "--out",
+        out,
+        "--report",
+        report,
+    )
     assert result.exit_code == 0, result.output
     return {"dir": out, "report": json.loads(report.read_text()), "output": result.output}
 
@@ -356,7 +401,7 @@ def _gathered_tables(model):
         assert attrs["bits"] == 4 and attrs["quantize_axis"] == 1 and attrs["gather_axis"] == 0
         packed, scale, zp = (values[name] for name in (node.input[0], node.input[2], node.input[3]))
         q = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(packed.shape[0], -1).astype(np.float64)
-        zp = np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(zp.shape[0], -1)[:, :scale.shape[1]].astype(np.float64)
+        zp = np.stack([zp & 0x0F, zp >> 4], axis=-1).reshape(zp.shape[0], -1)[:, : scale.shape[1]].astype(np.float64)
         rows = np.arange(q.shape[1]) // attrs["block_size"]
         found[node.input[0].removesuffix(".q4")] = ((q - zp[:, rows]) * scale[:, rows], scale, attrs["block_size"])
     return found
@@ -385,8 +430,9 @@ def test_int4_has_a_matmulnbits_node_per_projection_and_records_the_block(fp32, 
         model = onnx.load(str(path))
         nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
         assert len(projections) == 11 and {n.name.removesuffix("_Q4") for n in nbits} == projections, path
-        assert not any(n.op_type == "MatMul" and n.input[1] in {i.name for i in model.graph.initializer}
-                       for n in model.graph.node)  # no float weight projection left
+        assert not any(
+            n.op_type == "MatMul" and n.input[1] in {i.name for i in model.graph.initializer} for n in model.graph.node
+        )  # no float weight projection left
         for node in nbits:
             attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
             assert attrs["bits"] == 4 and attrs["block_size"] == 16 and node.domain == "com.microsoft"
@@ -401,7 +447,9 @@ def test_int4_weights_are_the_fp32_weights_rounded_to_their_block_grid(fp32, int
     """Unpacked in numpy: every weight within half a quantization step of the fp32 weight, per block."""
     source = onnx.load(str(fp32 / "ort" / "step.onnx"))
     weights = {i.name: onnx.numpy_helper.to_array(i) for i in source.graph.initializer}
-    original = {n.name: weights[n.input[1]] for n in source.graph.node if n.op_type == "MatMul" and n.input[1] in weights}
+    original = {
+        n.name: weights[n.input[1]] for n in source.graph.node if n.op_type == "MatMul" and n.input[1] in weights
+    }
     found = _nbits_weights(onnx.load(str(int4["dir"] / "ort" / "step.onnx")))
     assert len(found) == 11
     for name, (dequantized, scale, block) in found.items():
@@ -439,7 +487,9 @@ def test_int4_graph_matches_the_fp32_graph_with_dequantized_weights(fp32, int4):
     options.intra_op_num_threads = 1
 
     def run(model):
-        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feeds)
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
+            None, feeds
+        )
 
     outs_q, outs_deq, outs_fp = run(quantized), run(reference), run(source)
     for q, deq, fp in zip(outs_q, outs_deq, outs_fp):
@@ -469,13 +519,17 @@ def test_int4_quantizes_a_tied_head_read_through_a_transpose(tmp_path):
     rng = np.random.default_rng(0)
     embed, w = rng.standard_normal((40, 32)).astype(np.float32), rng.standard_normal((32, 32)).astype(np.float32)
     graph = helper.make_graph(
-        [helper.make_node("Gather", ["embed", "ids"], ["h"], name="embedding"),
-         helper.make_node("MatMul", ["h", "w"], ["h2"], name="proj"),
-         helper.make_node("Transpose", ["embed"], ["embed_t"], perm=[1, 0], name="tie"),
-         helper.make_node("MatMul", ["h2", "embed_t"], ["logits"], name="head")],
-        "tied", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "T"])],
+        [
+            helper.make_node("Gather", ["embed", "ids"], ["h"], name="embedding"),
+            helper.make_node("MatMul", ["h", "w"], ["h2"], name="proj"),
+            helper.make_node("Transpose", ["embed"], ["embed_t"], perm=[1, 0], name="tie"),
+            helper.make_node("MatMul", ["h2", "embed_t"], ["logits"], name="head"),
+        ],
+        "tied",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "T"])],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "T", 40])],
-        [numpy_helper.from_array(embed, "embed"), numpy_helper.from_array(w, "w")])
+        [numpy_helper.from_array(embed, "embed"), numpy_helper.from_array(w, "w")],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
     assert [p.quantizable for p in projections(model, set())] == [True, False]
     assert [p.quantizable for p in projections(model, set(), transposed=True)] == [True, True]
@@ -506,24 +560,32 @@ def test_int4_quantizes_a_tied_head_read_through_a_transpose(tmp_path):
     gather, head = quantized.graph.node[0], quantized.graph.node[2]
     for a, b in zip(gather.input[::2][:1] + gather.input[2:], head.input[1:4]):  # data, scales, zero points
         assert values[a].raw_data == values[b].raw_data and values[a].data_type == values[b].data_type, (a, b)
-    (table, scale, block), = _gathered_tables(quantized).values()
+    ((table, scale, block),) = _gathered_tables(quantized).values()
     step = np.repeat(scale, block, axis=1)
     assert np.all(np.abs(table - embed) <= step / 2 * (1 + 1e-5) + 1e-7) and np.abs(table - embed).max() > 0
-    lookup = onnx.helper.make_model(onnx.helper.make_graph(
-        [gather], "lookup", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "T"])],
-        [helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, "T", 32])],
-        [values[n] for n in gather.input if n in values]),
-        opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("com.microsoft", 1)])
+    lookup = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            [gather],
+            "lookup",
+            [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "T"])],
+            [helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, "T", 32])],
+            [values[n] for n in gather.input if n in values],
+        ),
+        opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("com.microsoft", 1)],
+    )
     np.testing.assert_allclose(run(lookup), table[feeds["ids"]], rtol=1e-6, atol=1e-6)  # onnxruntime's kernel
     err = np.linalg.norm(run(quantized) - reference) / np.linalg.norm(reference)
     assert 0 < err < 0.25, err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--method", "int4", "--block-size", "48"], "int4 block size must be a power of two from 16 to 256"),
-    (["--method", "int4", "--block-size", "8"], "int4 block size must be a power of two from 16 to 256"),
-    (["--method", "dynamic", "--block-size", "32"], "a block size applies to --method int4 only"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--method", "int4", "--block-size", "48"], "int4 block size must be a power of two from 16 to 256"),
+        (["--method", "int4", "--block-size", "8"], "int4 block size must be a power of two from 16 to 256"),
+        (["--method", "dynamic", "--block-size", "32"], "a block size applies to --method int4 only"),
+    ],
+)
 def test_bad_block_size_is_a_clean_error(fp32, tmp_path, args, message):
     _clean_failure(_invoke("calibrate", fp32, *args, "--out", tmp_path / "q", "--no-drift"), message)
     assert not (tmp_path / "q").exists()
@@ -535,8 +597,12 @@ def test_bad_block_size_is_a_clean_error(fp32, tmp_path, args, message):
 
 
 def test_4_bit_embeddings_without_int4_are_a_clean_error(fp32, tmp_path):
-    _clean_failure(_invoke("calibrate", fp32, "--method", "dynamic", "--embeddings", "int4", "--out", tmp_path / "q",
-                           "--no-drift"), "4-bit embeddings come with --method int4 only")
+    _clean_failure(
+        _invoke(
+            "calibrate", fp32, "--method", "dynamic", "--embeddings", "int4", "--out", tmp_path / "q", "--no-drift"
+        ),
+        "4-bit embeddings come with --method int4 only",
+    )
     assert not (tmp_path / "q").exists()
 
 

@@ -39,14 +39,22 @@ from edgemem.errors import EdgememError
 from edgemem.models import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", "samples/README.md", "samples/triton-server/README.md", "export/README.md",
-        "calib/README.md", "checkpoints/README.md", "benchmarks/README.md"]
+DOCS = [
+    "README.md",
+    "samples/README.md",
+    "samples/triton-server/README.md",
+    "export/README.md",
+    "calib/README.md",
+    "checkpoints/README.md",
+    "benchmarks/README.md",
+]
 SMALL = "--set d_model=32 --set n_layers=1 --set mlp_hidden=32"
 
 
 @dataclass(frozen=True)
 class Run:
     """Run the command with `replace` ({old: new}, each old must occur) applied and `add` appended."""
+
     replace: dict = field(default_factory=dict)
     add: str = ""
     why: str = ""
@@ -56,6 +64,7 @@ class Run:
 class Help:
     """Not run (`why`): `--help` of the same program must list every option the line names; `instance`,
     when given, is a concrete form of the line that is run."""
+
     why: str
     instance: str = ""
 
@@ -69,6 +78,7 @@ class Background(Run):
 class Elsewhere:
     """Not run here: the test `test` (tests/FILE.py::NAME) builds and runs it; that test must exist and name
     the program (`program`)."""
+
     test: str
     program: str
 
@@ -87,10 +97,13 @@ class SameAsCI:
 @dataclass(frozen=True)
 class Pinned:
     """A pip install of pinned versions: each must be the installed one and allowed by the extra `extra`."""
+
     extra: str
 
 
-NATIVE = "tests/test_native_runtime.py::test_the_sample_app_builds_on_the_installed_package_and_generates_what_python_does"
+NATIVE = (
+    "tests/test_native_runtime.py::test_the_sample_app_builds_on_the_installed_package_and_generates_what_python_does"
+)
 GPU = "needs an NVIDIA GPU and TensorRT; tests/test_trt_runtime.py runs it where one is present"
 COMMANDS: dict[str, object] = {
     # README.md: the two commands
@@ -101,69 +114,88 @@ COMMANDS: dict[str, object] = {
     "edgemem export --arch titans-mag --out out/titans-mag --force": Run(add=SMALL),
     "edgemem verify out/titans-mag": Run(),
     "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e '.[dev]' && "
-    "python -m pytest -q -n 2 --dist loadfile -m \"not slow\" && python -m pytest -q -n 2 --dist loadfile -m slow":
-        SameAsCI(),
+    'python -m pytest -q -n 2 --dist loadfile -m "not slow" && python -m pytest -q -n 2 --dist loadfile -m slow': SameAsCI(),  # noqa: E501
     # README.md: export
     "edgemem export --arch A --out DIR [--target generic,ort,onnx27,trt] [--seed N] [--checkpoint PATH] "
-    "[--set key=value]... [--dtype fp32|fp16] [--force] [--max-length N [--sinks S]]":
-        Help("a synopsis; the exports below run it"),
+    "[--set key=value]... [--dtype fp32|fp16] [--force] [--max-length N [--sinks S]]": Help(
+        "a synopsis; the exports below run it"
+    ),
     "edgemem verify DIR": Help("a synopsis; the verifications below run it"),
     # README.md: runtime
     "edgemem export --arch gated-deltanet --out out/gdn": Run(add=SMALL),
     "edgemem run DIR --prompt TEXT | --ids 1,2,3 | --ids-file F [--print-ids] [--max-new-tokens N] [--load-state P] "
     "[--save-state P] [--temperature T [--top-k K] [--top-p P]] [--seed S] [--threads N] "
-    "[--draft prompt-lookup|DIR [--draft-tokens K]] [--prefix-cache BYTES]":
-        Help("a synopsis", instance="edgemem run out/gdn --ids 1,2,3 --print-ids --max-new-tokens 4 --save-state r.safetensors "
-                                    "--temperature 0.8 --top-k 5 --top-p 0.9 --seed 1 --threads 1 --draft prompt-lookup "
-                                    "--draft-tokens 2 --prefix-cache 1000000"),
-    "edgemem bench DIR [--positions 1000,10000] [--batch 1,8,64] [--threads 1] [--json F] [--plot F.png]":
-        Help("a synopsis", instance="edgemem bench out/gdn --positions 8 --batch 1,2 --threads 1 --json b.json --no-eager"),
+    "[--draft prompt-lookup|DIR [--draft-tokens K]] [--prefix-cache BYTES]": Help(
+        "a synopsis",
+        instance="edgemem run out/gdn --ids 1,2,3 --print-ids --max-new-tokens 4 --save-state r.safetensors "
+        "--temperature 0.8 --top-k 5 --top-p 0.9 --seed 1 --threads 1 --draft prompt-lookup "
+        "--draft-tokens 2 --prefix-cache 1000000",
+    ),
+    "edgemem bench DIR [--positions 1000,10000] [--batch 1,8,64] [--threads 1] [--json F] [--plot F.png]": Help(
+        "a synopsis", instance="edgemem bench out/gdn --positions 8 --batch 1,2 --threads 1 --json b.json --no-eager"
+    ),
     # README.md: the native runtime (built, installed and run by its own test, with the sanitizers on)
-    "cmake -S native -B build/native": Elsewhere(NATIVE, "samples\" / \"native"),
+    "cmake -S native -B build/native": Elsewhere(NATIVE, 'samples" / "native'),
     "cmake --build build/native": Elsewhere(NATIVE, "--build"),
     "cmake --install build/native --prefix $HOME/.local/edgemem": Elsewhere(NATIVE, "--install"),
-    "cmake -S samples/native -B build/sample -DCMAKE_PREFIX_PATH=$HOME/.local/edgemem": Elsewhere(NATIVE, "CMAKE_PREFIX_PATH"),
+    "cmake -S samples/native -B build/sample -DCMAKE_PREFIX_PATH=$HOME/.local/edgemem": Elsewhere(
+        NATIVE, "CMAKE_PREFIX_PATH"
+    ),
     "cmake --build build/sample": Elsewhere(NATIVE, "--build"),
     "build/sample/generate out/gdn s.safetensors 72 101 108 108 111 --tokens 16": Elsewhere(NATIVE, "--tokens"),
     # README.md: your own model (path/to/model is a tiny Qwen3.5 with a tokenizer, made by the test)
-    "edgemem export --hf path/to/model --out out/mine [--target generic,ort,trt] [--dtype fp32|fp16] [--force]":
-        Help("a synopsis", instance="edgemem export --hf path/to/model --out out/mine --target generic,ort"),
+    "edgemem export --hf path/to/model --out out/mine [--target generic,ort,trt] [--dtype fp32|fp16] [--force]": Help(
+        "a synopsis", instance="edgemem export --hf path/to/model --out out/mine --target generic,ort"
+    ),
     "edgemem verify out/mine": Run(),
-    "edgemem run out/mine --prompt \"Once upon a time\" --max-new-tokens 32": Run(),
+    'edgemem run out/mine --prompt "Once upon a time" --max-new-tokens 32': Run(),
     # README.md: quantization, training, TensorRT, serving
     "edgemem calibrate DIR --method dynamic|static|int4 [--block-size 32] [--embeddings int4|fp32] "
-    "[--recipe NAME|FILE.toml] [--out QDIR] [--force] [--report F.json] [--plot F.png] [--no-drift] [--threads 1]":
-        Help("a synopsis", instance="edgemem calibrate out/gdn --method int4 --block-size 16 --embeddings int4 "
-                                    "--out out/gdn-q4 --report q4.json --no-drift --threads 1"),
+    "[--recipe NAME|FILE.toml] [--out QDIR] [--force] [--report F.json] [--plot F.png] [--no-drift] [--threads 1]": Help(  # noqa: E501
+        "a synopsis",
+        instance="edgemem calibrate out/gdn --method int4 --block-size 16 --embeddings int4 "
+        "--out out/gdn-q4 --report q4.json --no-drift --threads 1",
+    ),
     "edgemem train --arch A | --init F.safetensors --task mqar|mqar-far|copy|bytes [--steps N] [--out F.safetensors] "
-    "[--set key=value]... [--task-set key=value]... [--seed S] [--batch 64] [--lr 3e-3] [--threads 1] [--device cpu]":
-        Help("a synopsis", instance=f"edgemem train --arch softmax --task mqar --steps 2 --out t.safetensors {SMALL} "
-                                    "--task-set pairs=4 --seed 1 --batch 4 --lr 3e-3 --threads 1 --device cpu"),
-    "edgemem eval --checkpoint F --task T [--length L] [--batch 128] [--seed S] [--json] [--no-memory]":
-        Help("a synopsis", instance="edgemem eval --checkpoint t.safetensors --task mqar --batch 4 --seed 1 --json"),
+    "[--set key=value]... [--task-set key=value]... [--seed S] [--batch 64] [--lr 3e-3] [--threads 1] [--device cpu]": Help(  # noqa: E501
+        "a synopsis",
+        instance=f"edgemem train --arch softmax --task mqar --steps 2 --out t.safetensors {SMALL} "
+        "--task-set pairs=4 --seed 1 --batch 4 --lr 3e-3 --threads 1 --device cpu",
+    ),
+    "edgemem eval --checkpoint F --task T [--length L] [--batch 128] [--seed S] [--json] [--no-memory]": Help(
+        "a synopsis", instance="edgemem eval --checkpoint t.safetensors --task mqar --batch 4 --seed 1 --json"
+    ),
     "edgemem linearize --checkpoint F | --hf DIR --out F.safetensors [--window 64] [--update-rule gated_delta] "
-    "[--gate-init 0.5]": Help("a synopsis", instance="edgemem linearize --checkpoint t.safetensors --out l.safetensors --window 8"),
+    "[--gate-init 0.5]": Help(
+        "a synopsis", instance="edgemem linearize --checkpoint t.safetensors --out l.safetensors --window 8"
+    ),
     "edgemem build DIR --plugins build/libedgemem_trt_plugins.so [--fp16] [--max-batch N] [--max-sequence N] "
     "[--out E] [--force]": Help(GPU),
-    "cmake -S plugins -B build/rtx -DTensorRT_ROOT=TRT11_HEADERS -DCMAKE_CUDA_ARCHITECTURES=\"86;89;120\"":
-        Help("needs nvcc and TensorRT 11's headers; tests/test_plugins.py and tests/test_rtx.py build what builds here"),
-    "edgemem build DIR --rtx --sm 86,89,120 --plugins build/rtx/libedgemem_trt_plugins.so":
-        Help("needs the plugin library built by nvcc; tests/test_rtx.py builds engines with a CPU-built library"),
-    "edgemem triton DIR --out REPO [--max-live N] [--idle-seconds S] [--prefix-cache BYTES]":
-        Help("a synopsis", instance="edgemem triton out/gdn --out repo --max-live 2 --idle-seconds 5"),
+    'cmake -S plugins -B build/rtx -DTensorRT_ROOT=TRT11_HEADERS -DCMAKE_CUDA_ARCHITECTURES="86;89;120"': Help(
+        "needs nvcc and TensorRT 11's headers; tests/test_plugins.py and tests/test_rtx.py build what builds here"
+    ),
+    "edgemem build DIR --rtx --sm 86,89,120 --plugins build/rtx/libedgemem_trt_plugins.so": Help(
+        "needs the plugin library built by nvcc; tests/test_rtx.py builds engines with a CPU-built library"
+    ),
+    "edgemem triton DIR --out REPO [--max-live N] [--idle-seconds S] [--prefix-cache BYTES]": Help(
+        "a synopsis", instance="edgemem triton out/gdn --out repo --max-live 2 --idle-seconds 5"
+    ),
     "edgemem serve REPO": Help("a synopsis: samples/triton-server/README.md's serve runs"),
     # samples/triton-server/README.md
     "pip install 'nvidia-pytriton==0.7.0' 'tritonclient[grpc]==2.73.0'": Pinned("serve"),
     "edgemem triton out/gdn --out out/models --max-live 64 --idle-seconds 600": Run(),
     "edgemem serve out/models --grpc-port 8001": Background(replace={"8001": "{port}"}),
-    "python samples/triton-server/stream_client.py --url 127.0.0.1:8001 --sequence 42 --prompt \"Once upon a time\"":
-        Run(replace={"8001": "{port}"}),
-    "python samples/triton-server/stream_client.py --url 127.0.0.1:8001 --sequence 42 --continue --end":
-        Run(replace={"8001": "{port}"}),
+    'python samples/triton-server/stream_client.py --url 127.0.0.1:8001 --sequence 42 --prompt "Once upon a time"': Run(
+        replace={"8001": "{port}"}
+    ),
+    "python samples/triton-server/stream_client.py --url 127.0.0.1:8001 --sequence 42 --continue --end": Run(
+        replace={"8001": "{port}"}
+    ),
     # export/README.md
     "edgemem export --arch export/titans-mag-orin-nano.toml --out out/mag-nano": Run(add=SMALL),
-    "edgemem train --arch export/titans-mag-orin-nano.toml --task mqar --out mag-nano.safetensors":
-        Run(add=f"--steps 2 --batch 4 {SMALL}"),
+    "edgemem train --arch export/titans-mag-orin-nano.toml --task mqar --out mag-nano.safetensors": Run(
+        add=f"--steps 2 --batch 4 {SMALL}"
+    ),
     # calib/README.md
     "edgemem calibrate DIR --method dynamic|static|int4 [--block-size 32] [--embeddings int4|fp32] "
     "[--recipe calib/mqar | mqar | path/to/r.toml] [--out QDIR] [--force] [--report F.json] [--plot F.png] "
@@ -174,61 +206,81 @@ COMMANDS: dict[str, object] = {
     "edgemem train --arch gated-deltanet --task mqar --steps 800 --set d_model=64 --set mlp_hidden=128 --threads 1 "
     "--out checkpoints/gated-deltanet-mqar.safetensors": Run(replace={"--steps 800": "--steps 2"}, add="--batch 4"),
     "edgemem train --arch titans-mag --task mqar --steps 1500 --set d_model=64 --set mlp_hidden=128 --device cuda "
-    "--out checkpoints/titans-mag-mqar.safetensors":
-        Run(replace={"--steps 1500": "--steps 2", "--device cuda": "--device cpu"}, add="--batch 4",
-            why="no GPU here: the same run on the CPU"),
+    "--out checkpoints/titans-mag-mqar.safetensors": Run(
+        replace={"--steps 1500": "--steps 2", "--device cuda": "--device cpu"},
+        add="--batch 4",
+        why="no GPU here: the same run on the CPU",
+    ),
     "edgemem train --arch softmax --task mqar --steps 1200 --set d_model=64 --set mlp_hidden=128 --threads 1 "
     "--out checkpoints/softmax-mqar.safetensors": Run(replace={"--steps 1200": "--steps 2"}, add="--batch 4"),
     "edgemem train --arch linear --task mqar --steps 1200 --set d_model=64 --set mlp_hidden=128 --threads 1 "
     "--out checkpoints/linear-mqar.safetensors": Run(replace={"--steps 1200": "--steps 2"}, add="--batch 4"),
     "edgemem train --arch deltanet --task bytes --steps 600 --batch 32 --set d_model=64 --set mlp_hidden=192 "
-    "--threads 1 --out checkpoints/deltanet-bytes.safetensors":
-        Run(replace={"--steps 600": "--steps 2", "--batch 32": "--batch 4"}),
+    "--threads 1 --out checkpoints/deltanet-bytes.safetensors": Run(
+        replace={"--steps 600": "--steps 2", "--batch 32": "--batch 4"}
+    ),
     "edgemem eval --checkpoint checkpoints/deltanet-mqar.safetensors --task mqar": Run(add="--batch 4"),
     "edgemem train --arch titans-mag --task mqar-far --task-set pairs=4 --task-set gap=32 --steps 1000 --batch 32 "
     "--set d_model=64 --set mlp_hidden=128 --set window=8 --set chunk_size=8 --set max_lr=0.1 --set momentum=false "
-    "--threads 1 --out checkpoints/titans-mag-far.safetensors":
-        Run(replace={"--steps 1000": "--steps 2", "--batch 32": "--batch 4"}),
+    "--threads 1 --out checkpoints/titans-mag-far.safetensors": Run(
+        replace={"--steps 1000": "--steps 2", "--batch 32": "--batch 4"}
+    ),
     "edgemem train --arch titans-mac --task mqar-far --task-set pairs=4 --task-set gap=20 --steps 1000 --batch 32 "
     "--lr 5e-3 --seed 2 --set d_model=64 --set mlp_hidden=128 --set chunk_size=8 --set max_lr=0.1 --set momentum=false "
-    "--threads 1 --out checkpoints/titans-mac-far.safetensors":
-        Run(replace={"--steps 1000": "--steps 2", "--batch 32": "--batch 4"}),
+    "--threads 1 --out checkpoints/titans-mac-far.safetensors": Run(
+        replace={"--steps 1000": "--steps 2", "--batch 32": "--batch 4"}
+    ),
     "edgemem eval --checkpoint checkpoints/titans-mag-far.safetensors --task mqar-far --task-set pairs=4 "
-    "--task-set gap=32 [--no-memory]":
-        Help("a synopsis of two runs", instance="edgemem eval --checkpoint checkpoints/titans-mag-far.safetensors "
-                                                "--task mqar-far --task-set pairs=4 --task-set gap=32 --no-memory --batch 4"),
+    "--task-set gap=32 [--no-memory]": Help(
+        "a synopsis of two runs",
+        instance="edgemem eval --checkpoint checkpoints/titans-mag-far.safetensors "
+        "--task mqar-far --task-set pairs=4 --task-set gap=32 --no-memory --batch 4",
+    ),
     # benchmarks/README.md
-    "python benchmarks/peers.py": Help("a 0.75B-parameter model for about 40 minutes; tests/test_peers_bench.py "
-                                       "runs it with --config tiny"),
+    "python benchmarks/peers.py": Help(
+        "a 0.75B-parameter model for about 40 minutes; tests/test_peers_bench.py runs it with --config tiny"
+    ),
     "python benchmarks/peers.py --quick": Help("as above, still the 0.75B model"),
-    "python benchmarks/peers.py --engines edgemem,genai --precisions int4 --positions 1024,4096":
-        Help("as above, still the 0.75B model"),
+    "python benchmarks/peers.py --engines edgemem,genai --precisions int4 --positions 1024,4096": Help(
+        "as above, still the 0.75B model"
+    ),
     "LLAMA_CPP_SRC=path/to/llama.cpp python benchmarks/peers.py": Help("needs a llama.cpp source tree"),
     "python benchmarks/gqa_fold.py": Help("one attention layer of the 0.75B model at 16K positions (minutes)"),
     "bash plugins/scripts/gpu_check.sh": Help("needs an NVIDIA GPU and nvcc"),
-    "python benchmarks/footprint.py": Help("a 45M-parameter import measured in fresh processes (minutes); "
-                                           "tests/test_footprint.py measures a small one"),
-    "python benchmarks/long_run.py": Help("1,000,000 tokens (minutes); tests/test_hardening_2.py checks the resume and "
-                                          "bounds it relies on"),
-    "python benchmarks/prefix_spec.py": Help("a 2,048-token prompt and several models (minutes); "
-                                             "tests/test_prefix_spec.py checks what it times"),
+    "python benchmarks/footprint.py": Help(
+        "a 45M-parameter import measured in fresh processes (minutes); tests/test_footprint.py measures a small one"
+    ),
+    "python benchmarks/long_run.py": Help(
+        "1,000,000 tokens (minutes); tests/test_hardening_2.py checks the resume and bounds it relies on"
+    ),
+    "python benchmarks/prefix_spec.py": Help(
+        "a 2,048-token prompt and several models (minutes); tests/test_prefix_spec.py checks what it times"
+    ),
     "python benchmarks/native.py --json benchmarks/results/native.json": Help(
-        "builds libedgemem in Release and streams 100,000 tokens (minutes); tests/test_native_runtime.py checks it"),
+        "builds libedgemem in Release and streams 100,000 tokens (minutes); tests/test_native_runtime.py checks it"
+    ),
     "bash native/scripts/aarch64.sh": Help("a cross toolchain, qemu-user and the aarch64 onnxruntime wheel (minutes)"),
-    "python benchmarks/led_encoder.py": Help("16,384 tokens through LED's encoder and transformers' (minutes); "
-                                             "tests/test_hf_led.py checks the encoder's numbers"),
-    "python benchmarks/first_hour.py": Help("a fresh clone and virtual environment at full sizes (about half an hour); "
-                                            "this file runs the same commands small"),
-    "CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
-    "-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON\" "
-    "pip install --no-binary llama-cpp-python llama-cpp-python==0.3.36":
-        Help("a source build of llama.cpp from the network (minutes); not part of any extra"),
+    "python benchmarks/led_encoder.py": Help(
+        "16,384 tokens through LED's encoder and transformers' (minutes); "
+        "tests/test_hf_led.py checks the encoder's numbers"
+    ),
+    "python benchmarks/first_hour.py": Help(
+        "a fresh clone and virtual environment at full sizes (about half an hour); "
+        "this file runs the same commands small"
+    ),
+    'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON '
+    '-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" '
+    "pip install --no-binary llama-cpp-python llama-cpp-python==0.3.36": Help(
+        "a source build of llama.cpp from the network (minutes); not part of any extra"
+    ),
 }
 
 # Python blocks that need hardware, by their first line: the exception they must raise here, and why.
 PYTHON = {
-    'engine = Engine.load("out/gdn", backend="trt", plugins="build/libedgemem_trt_plugins.so")  # or $EDGEMEM_TRT_PLUGINS':
-        (EdgememError, GPU),
+    'engine = Engine.load("out/gdn", backend="trt", plugins="build/libedgemem_trt_plugins.so")  # or $EDGEMEM_TRT_PLUGINS': (  # noqa: E501
+        EdgememError,
+        GPU,
+    ),
 }
 
 
@@ -269,7 +321,7 @@ def blocks(doc: str) -> list[Block]:
         if fence:
             end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
             lang = {"": "text", "bash": "sh", "shell": "sh"}.get(fence.group(1), fence.group(1))
-            body = lines[i + 1:end]
+            body = lines[i + 1 : end]
             found.append(Block(doc, i + 1, lang, _command_lines(body) if lang == "sh" else ["\n".join(body)]))
             i = end + 1
         elif lines[i].startswith("    ") and (i == 0 or not lines[i - 1].strip()):
@@ -344,9 +396,23 @@ def _qwen_with_tokenizer(path: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     config = transformers.Qwen3_5TextConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=40, num_hidden_layers=1, layer_types=["linear_attention"], num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-        linear_num_value_heads=2, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        eos_token_id=None,
+        pad_token_id=None,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     transformers.Qwen3_5ForCausalLM(config).save_pretrained(path)
     words = ["<unk>", "Once", "upon", "a", "time", *(f"w{i}" for i in range(59))]
@@ -403,8 +469,14 @@ class Shell:
             assert done.returncode == 0, done.stderr  # the script parses
             return
         else:
-            done = subprocess.run([*words[:2], "--help"], cwd=self.cwd, env={**os.environ, **env},
-                                  capture_output=True, text=True, timeout=120)
+            done = subprocess.run(
+                [*words[:2], "--help"],
+                cwd=self.cwd,
+                env={**os.environ, **env},
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
             assert done.returncode == 0, done.stderr[-2000:]
             text = done.stdout
         for option in options:
@@ -475,7 +547,18 @@ def _toml(block: Block, cwd: Path) -> None:
 
 def _copy(tmp_path: Path) -> Path:
     repo = tmp_path / "edgemem"
-    keep = ("README.md", "pyproject.toml", ".ci", "samples", "export", "calib", "checkpoints", "benchmarks", "plugins", "native")
+    keep = (
+        "README.md",
+        "pyproject.toml",
+        ".ci",
+        "samples",
+        "export",
+        "calib",
+        "checkpoints",
+        "benchmarks",
+        "plugins",
+        "native",
+    )
     for name in keep:
         source = ROOT / name
         if source.is_dir():
@@ -524,7 +607,7 @@ def run_doc(doc: str, tmp_path: Path, monkeypatch) -> Shell:
 def _elsewhere(how: Elsewhere) -> None:
     path, _, name = how.test.partition("::")
     source = (ROOT / path).read_text()
-    body = source[source.index(f"def {name}("):]
+    body = source[source.index(f"def {name}(") :]
     body = body[: body.find("\ndef ", 1) if "\ndef " in body[1:] else len(body)]
     assert how.program in body, f"{how.test} does not run {how.program}"
 
@@ -537,7 +620,9 @@ def _pinned(command: str, extra: str) -> None:
         req = Requirement(word)
         (pin,) = [s.version for s in req.specifier if s.operator == "=="]
         assert specs[req.name].contains(pin), f"{word} is outside [{extra}]'s {specs[req.name]}"
-        assert importlib.metadata.version(req.name) == pin, f"{word}: the tests run {importlib.metadata.version(req.name)}"
+        assert importlib.metadata.version(req.name) == pin, (
+            f"{word}: the tests run {importlib.metadata.version(req.name)}"
+        )
 
 
 FAST = ["samples/README.md", "export/README.md", "calib/README.md", "checkpoints/README.md", "benchmarks/README.md"]

@@ -36,7 +36,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from plugin_build import cmake_build
 from plugin_build import run as _run
 
@@ -47,7 +46,9 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 PLUGINS = ROOT / "plugins"
-HEADERS = Path(os.environ.get("EDGEMEM_RTX_TENSORRT_ROOT") or ROOT.parent / "shared" / "third_party" / "tensorrt" / "v11.1")
+HEADERS = Path(
+    os.environ.get("EDGEMEM_RTX_TENSORRT_ROOT") or ROOT.parent / "shared" / "third_party" / "tensorrt" / "v11.1"
+)
 OPS = {"LinearAttention", "NeuralMemory", "WindowAttention", "BandedAttention"}
 ARCHS = ("deltanet", "gated-deltanet", "titans-mag", "ttt-linear", "longformer", "longformer-encoder")
 SM = (86, 120)  # two RTX generations (Ampere, Blackwell): the plugin kernels and the engines target both
@@ -87,11 +88,32 @@ def identity_plugin(tmp_path_factory, headers) -> Path:
     """plugins/tests/identity_plugin.cpp: the smallest IPluginV3 library, no edgemem code."""
     cxx, cuda = shutil.which("g++") or shutil.which("c++"), _cuda_home()
     if not cxx or not cuda:
-        pytest.skip("g++ and the CUDA toolkit (cuda_runtime_api.h, libcudart_static) are needed for the identity plugin")
+        pytest.skip(
+            "g++ and the CUDA toolkit (cuda_runtime_api.h, libcudart_static) are needed for the identity plugin"
+        )
     lib = tmp_path_factory.mktemp("identity") / "libidentity_plugin.so"
-    _run([cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-fvisibility=hidden", "-Wno-deprecated-declarations",
-          f"-I{headers / 'include'}", f"-I{cuda / 'include'}", str(PLUGINS / "tests" / "identity_plugin.cpp"),
-          f"-L{cuda / 'lib64'}", "-lcudart_static", "-ldl", "-lrt", "-lpthread", "-Wl,--no-undefined", "-o", str(lib)])
+    _run(
+        [
+            cxx,
+            "-std=c++17",
+            "-O1",
+            "-shared",
+            "-fPIC",
+            "-fvisibility=hidden",
+            "-Wno-deprecated-declarations",
+            f"-I{headers / 'include'}",
+            f"-I{cuda / 'include'}",
+            str(PLUGINS / "tests" / "identity_plugin.cpp"),
+            f"-L{cuda / 'lib64'}",
+            "-lcudart_static",
+            "-ldl",
+            "-lrt",
+            "-lpthread",
+            "-Wl,--no-undefined",
+            "-o",
+            str(lib),
+        ]
+    )
     return lib
 
 
@@ -101,8 +123,12 @@ def edgemem_plugins(tmp_path_factory, headers) -> Path:
     if not shutil.which("cmake") or not (shutil.which("nvcc") or Path("/usr/local/cuda/bin/nvcc").exists()):
         pytest.skip("cmake and nvcc are needed to build libedgemem_trt_plugins.so")
     build = tmp_path_factory.mktemp("rtx_plugins")
-    cmake_build(build, f"-DTensorRT_ROOT={headers}", f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(map(str, SM))}",
-                targets=("edgemem_trt_plugins",))
+    cmake_build(
+        build,
+        f"-DTensorRT_ROOT={headers}",
+        f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(map(str, SM))}",
+        targets=("edgemem_trt_plugins",),
+    )
     return build / "libedgemem_trt_plugins.so"
 
 
@@ -197,8 +223,13 @@ RTX_CHECK = ENGINE_REPORT + textwrap.dedent(
 
 
 def _rtx(library: Path | None, model: Path, engine: Path, env: dict[str, str] | None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", RTX_BUILD, str(library or "-"), str(model), str(engine)],
-                          capture_output=True, text=True, env=env, timeout=900)
+    return subprocess.run(
+        [sys.executable, "-c", RTX_BUILD, str(library or "-"), str(model), str(engine)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
 
 
 def _report(proc: subprocess.CompletedProcess) -> dict:
@@ -223,11 +254,14 @@ def _identity_model(path: Path) -> Path:
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])
-    node = helper.make_node("Identity", ["x"], ["y"], domain="edgemem_test", plugin_namespace="edgemem_test",
-                            plugin_version="1")
+    node = helper.make_node(
+        "Identity", ["x"], ["y"], domain="edgemem_test", plugin_namespace="edgemem_test", plugin_version="1"
+    )
     graph = helper.make_graph([node], "identity", [x], [y])
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("edgemem_test", 1)]),
-              path)
+    onnx.save(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("edgemem_test", 1)]),
+        path,
+    )
     return path
 
 
@@ -246,7 +280,8 @@ def test_parser_abort_is_the_missing_library_name_not_the_plugin(identity_plugin
     aborted = _rtx(identity_plugin, model, engine, env)
     assert aborted.returncode == -signal.SIGABRT and "terminate called" in aborted.stderr, (
         f"TensorRT-RTX no longer aborts without libtensorrt_rtx.so (rc {aborted.returncode}): "
-        f"drop the LD_LIBRARY_PATH workaround\n{aborted.stderr[-2000:]}")
+        f"drop the LD_LIBRARY_PATH workaround\n{aborted.stderr[-2000:]}"
+    )
     report = _report(_rtx(identity_plugin, model, engine, name_fix))
     assert report["parsed"], report["errors"]
     assert report["plugins"] == [dict(name="Identity", namespace="edgemem_test", version="1", metadata=None)]
@@ -305,7 +340,8 @@ def test_every_graph_builds_with_edgemem_plugins(edgemem_plugins, name_fix, trt_
         nodes = _edgemem_nodes(path)
         assert nodes, f"{name} has no edgemem node"
         assert [(p["name"], p["namespace"], p["version"]) for p in report["plugins"]] == [
-            (op, "edgemem", "1") for op, _ in nodes], name
+            (op, "edgemem", "1") for op, _ in nodes
+        ], name
         for (op, attrs), plugin in zip(nodes, report["plugins"]):
             meta = dict(item.split("=", 1) for item in plugin["metadata"].split(";"))
             for key, value in _metadata(attrs).items():  # the plugin parsed every attribute
@@ -313,8 +349,10 @@ def test_every_graph_builds_with_edgemem_plugins(edgemem_plugins, name_fix, trt_
         assert "build_s" in report and "engine_bytes" in report, (name, report)
         _check_engine(report, engine)
         seen |= {op for op, _ in nodes}
-        rows.append(f"{name:<28} {len(nodes):>2} plugin layers  parse {report['parse_s']:6.2f} s  "
-                    f"build {report['build_s']:6.2f} s  engine {report['engine_bytes'] / 2**20:7.2f} MiB")
+        rows.append(
+            f"{name:<28} {len(nodes):>2} plugin layers  parse {report['parse_s']:6.2f} s  "
+            f"build {report['build_s']:6.2f} s  engine {report['engine_bytes'] / 2**20:7.2f} MiB"
+        )
     assert seen == OPS, f"ops without an engine: {OPS - seen}"
     print("\n" + "\n".join(rows))
 
@@ -324,8 +362,9 @@ def test_linear_attention_without_edgemem_library_goes_to_the_builtin_importer(n
     needs its built-in plugin (not registered without a GPU): a clear parse error, no silent swap."""
     report = _report(_rtx(None, trt_graphs["deltanet-step"], tmp_path / "x.engine", name_fix))
     assert not report["parsed"]
-    assert any("importLinearAttention" in e and "failed to load LinearAttention plugin" in e for e in report["errors"]), \
-        report["errors"]
+    assert any(
+        "importLinearAttention" in e and "failed to load LinearAttention plugin" in e for e in report["errors"]
+    ), report["errors"]
 
 
 def test_build_command_makes_rtx_engines_with_edgemem_plugins(edgemem_plugins, small_exports, tmp_path):
@@ -337,24 +376,42 @@ def test_build_command_makes_rtx_engines_with_edgemem_plugins(edgemem_plugins, s
     import tensorrt_rtx
     from click.testing import CliRunner
 
-    from edgemem.trt_build import dim_names, in_place_states, profile
     from edgemem.cli import main
     from edgemem.files import sha256
     from edgemem.manifest import load
+    from edgemem.trt_build import dim_names, in_place_states, profile
 
     assert "libtensorrt_rtx.so" not in os.environ.get("LD_LIBRARY_PATH", "")
     seen, built = set(), []
     for i, arch in enumerate(ARCHS):
         export, out, max_batch = small_exports[arch], tmp_path / arch, 1 + i % 2  # batch 1: a step graph of fixed dims
-        result = CliRunner().invoke(main, ["build", str(export), "--rtx", "--sm", ",".join(map(str, SM)), "--plugins",
-                                           str(edgemem_plugins), "--max-batch", str(max_batch), "--max-sequence", "64",
-                                           "--out", str(out)])
+        result = CliRunner().invoke(
+            main,
+            [
+                "build",
+                str(export),
+                "--rtx",
+                "--sm",
+                ",".join(map(str, SM)),
+                "--plugins",
+                str(edgemem_plugins),
+                "--max-batch",
+                str(max_batch),
+                "--max-sequence",
+                "64",
+                "--out",
+                str(out),
+            ],
+        )
         assert result.exit_code == 0, (arch, result.output)
         manifest = load(export)
         info = json.loads((out / "engines.json").read_text())
         assert info["format"] == "edgemem-engines/2"
-        assert info["library"] == {"module": "tensorrt_rtx", "version": tensorrt_rtx.__version__,
-                                   "compute_capabilities": [f"SM{s}" for s in SM]}
+        assert info["library"] == {
+            "module": "tensorrt_rtx",
+            "version": tensorrt_rtx.__version__,
+            "compute_capabilities": [f"SM{s}" for s in SM],
+        }
         assert info["plugins"] == {"file": str(edgemem_plugins.resolve()), "sha256": sha256(edgemem_plugins)}
         assert info["export"] == {"arch": arch, "identity": manifest.identity(), "dtype": "fp32"}
         assert (info["max_batch"], info["max_sequence"]) == (max_batch, 64)
@@ -363,9 +420,15 @@ def test_build_command_makes_rtx_engines_with_edgemem_plugins(edgemem_plugins, s
             graph = export / "trt" / f"{kind}.onnx"
             model = onnx.load(str(graph), load_external_data=False)
             nodes = _edgemem_nodes(graph)
-            assert record["plugins"] == [{"op": op, "namespace": "edgemem", "version": "1"} for op, _ in nodes], (arch, kind)
+            assert record["plugins"] == [{"op": op, "namespace": "edgemem", "version": "1"} for op, _ in nodes], (
+                arch,
+                kind,
+            )
             assert record["profile"] == profile(dim_names(model), max_batch, 64)
-            assert record["profile"]["input_ids"][2] == [max_batch, 1 if kind == "step" else 64]  # every graph: batch dynamic
+            assert record["profile"]["input_ids"][2] == [
+                max_batch,
+                1 if kind == "step" else 64,
+            ]  # every graph: batch dynamic
             assert record["in_place"] == in_place_states(model, manifest)
             assert record["sha256"] == sha256(out / record["file"])
             seen |= {op for op, _ in nodes}

@@ -39,12 +39,16 @@ TARGETS = {"deltanet": ["generic", "ort"]}
 RECURRENT = ["deltanet", "gated-deltanet", "titans-mag", "longformer", "titans-mac"]
 ALL = [*RECURRENT, "softmax"]
 
+
 @pytest.fixture(scope="module")
 def exports(request, tmp_path_factory, small_exports):
     """The presets above, exported once (tests/conftest.py: two processes, cached across runs); those
     whose settings are the session's small ones come from `small_exports`."""
-    shared = {arch: small_exports[arch] for arch, overrides in PRESETS.items()
-              if overrides == small(arch) and arch not in TARGETS}
+    shared = {
+        arch: small_exports[arch]
+        for arch, overrides in PRESETS.items()
+        if overrides == small(arch) and arch not in TARGETS
+    }
     jobs = {arch: (o, TARGETS.get(arch, ["ort"])) for arch, o in PRESETS.items() if arch not in shared}
     return {**shared, **export_presets(request, tmp_path_factory, "runtime-exports", jobs)}
 
@@ -66,8 +70,16 @@ def _close(a, b, rtol=1e-4):
 # ---------------------------------------------------------------- layering
 
 
-RUNTIME_MODULES = ["edgemem.runtime", "edgemem.runtime.base", "edgemem.runtime.ort", "edgemem.runtime.trt",
-                   "edgemem.runtime.engines", "edgemem.runtime.bench", "edgemem.runtime.state", "edgemem.runtime.sampling"]
+RUNTIME_MODULES = [
+    "edgemem.runtime",
+    "edgemem.runtime.base",
+    "edgemem.runtime.ort",
+    "edgemem.runtime.trt",
+    "edgemem.runtime.engines",
+    "edgemem.runtime.bench",
+    "edgemem.runtime.state",
+    "edgemem.runtime.sampling",
+]
 # what the runtime package may import of edgemem itself (the manifest, file helpers, errors)
 RUNTIME_MAY_USE = {"edgemem", "edgemem.config", "edgemem.errors", "edgemem.files", "edgemem.kinds", "edgemem.manifest"}
 
@@ -97,19 +109,19 @@ def test_engine_runs_with_torch_and_onnx_unimportable(exports, tmp_path):
                     raise ImportError('blocked: ' + name)
         sys.meta_path.insert(0, Block())
         from edgemem.runtime import Engine
-        engine = Engine.load({str(exports['titans-mag'])!r}, threads=1)
+        engine = Engine.load({str(exports["titans-mag"])!r}, threads=1)
         stream = engine.new_stream()
         stream.prefill(b'hello')
         stream.step(1)
-        stream.save({str(tmp_path / 's.safetensors')!r})
-        assert engine.load_stream({str(tmp_path / 's.safetensors')!r}).position == 6
+        stream.save({str(tmp_path / "s.safetensors")!r})
+        assert engine.load_stream({str(tmp_path / "s.safetensors")!r}).position == 6
         print(engine.generate(b'ab', max_new_tokens=3))
         from edgemem.cli import main  # `edgemem run` and `edgemem bench --no-eager` too
-        main(['run', {str(exports['titans-mag'])!r}, '--prompt', 'ab', '--max-new-tokens', '3'], standalone_mode=False)
-        main(['bench', {str(exports['titans-mag'])!r}, '--no-eager', '--positions', '0,8', '--batch', '1,2',
-              '--steps', '3', '--time-limit', '0.01', '--json', {str(tmp_path / 'bench.json')!r}], standalone_mode=False)
+        main(['run', {str(exports["titans-mag"])!r}, '--prompt', 'ab', '--max-new-tokens', '3'], standalone_mode=False)
+        main(['bench', {str(exports["titans-mag"])!r}, '--no-eager', '--positions', '0,8', '--batch', '1,2',
+              '--steps', '3', '--time-limit', '0.01', '--json', {str(tmp_path / "bench.json")!r}], standalone_mode=False)
         assert not {{'torch', 'onnx', 'onnxscript'}} & set(sys.modules)
-    """)
+    """)  # noqa: E501
     subprocess.run([sys.executable, "-c", code], check=True)
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert [(r["position"], r["batch"]) for r in rows] == [(0, 1), (0, 2), (8, 1), (8, 2)]
@@ -411,7 +423,9 @@ def test_truncated_file_is_refused(engines, saved):
 
 
 def test_state_of_another_model_is_refused(engines, saved):
-    with pytest.raises(StateFileError, match=r"saved from another model \(arch deltanet.*this export is gated-deltanet"):
+    with pytest.raises(
+        StateFileError, match=r"saved from another model \(arch deltanet.*this export is gated-deltanet"
+    ):
         engines["gated-deltanet"].load_stream(saved)
 
 
@@ -484,8 +498,10 @@ def test_a_growing_cache_step_reuses_memory_instead_of_faulting_in_a_new_cache(e
 
     engine = engines["softmax"]
     position = 300_000
-    state = {name: np.zeros([position if d == "past_sequence" else d for d in (1, *spec.shape[1:])], np.float32)
-             for name, spec in ((s.input, s) for s in engine.manifest.state)}
+    state = {
+        name: np.zeros([position if d == "past_sequence" else d for d in (1, *spec.shape[1:])], np.float32)
+        for name, spec in ((s.input, s) for s in engine.manifest.state)
+    }
     stream = engine.stream_from_state(state, position)
     del state
     cache_pages = stream.state_bytes // 4096
@@ -539,10 +555,12 @@ def test_cli_errors_are_one_line(exports, tmp_path):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\x00" * 3)
     runner = CliRunner()
-    for args in (["run", str(exports["deltanet"]), "--load-state", str(bad)],
-                 ["run", str(exports["deltanet"]), "--load-state", str(tmp_path / "nope")],
-                 ["run", str(tmp_path), "--prompt", "x"],
-                 ["run", str(exports["deltanet"]), "--prompt", "x", "--backend", "ort-cuda"]):
+    for args in (
+        ["run", str(exports["deltanet"]), "--load-state", str(bad)],
+        ["run", str(exports["deltanet"]), "--load-state", str(tmp_path / "nope")],
+        ["run", str(tmp_path), "--prompt", "x"],
+        ["run", str(exports["deltanet"]), "--prompt", "x", "--backend", "ort-cuda"],
+    ):
         result = runner.invoke(main, args)
         if "ort-cuda" in args and result.exit_code == 0:
             continue  # a machine with CUDA
@@ -553,8 +571,20 @@ def test_cli_errors_are_one_line(exports, tmp_path):
 
 def test_cli_bench_reports_runtime_eager_and_kv_baseline(exports, tmp_path):
     out = tmp_path / "bench.json"
-    args = ["bench", str(exports["gated-deltanet"]), "--positions", "0,300", "--batch", "1,4", "--steps", "5",
-            "--time-limit", "0.05", "--json", str(out)]
+    args = [
+        "bench",
+        str(exports["gated-deltanet"]),
+        "--positions",
+        "0,300",
+        "--batch",
+        "1,4",
+        "--steps",
+        "5",
+        "--time-limit",
+        "0.05",
+        "--json",
+        str(out),
+    ]
     plot = tmp_path / "bench.png"
     try:
         import matplotlib  # noqa: F401
@@ -585,15 +615,20 @@ def test_cli_bench_without_torch_says_to_pass_no_eager(exports, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # what `import torch` sees when torch is not installed
     result = CliRunner().invoke(main, ["bench", str(exports["gated-deltanet"]), "--positions", "0", "--batch", "1"])
     assert result.exit_code == 2 and "Traceback" not in result.output
-    assert result.stderr.strip() == ("error: the PyTorch eager baseline needs torch, which is not installed: pass "
-                                     "--no-eager for the runtime alone, or install PyTorch")
+    assert result.stderr.strip() == (
+        "error: the PyTorch eager baseline needs torch, which is not installed: pass "
+        "--no-eager for the runtime alone, or install PyTorch"
+    )
 
 
 def test_sample_script_runs(exports, tmp_path):
     sample = Path(__file__).resolve().parents[1] / "samples" / "stream_decode.py"
     for resumed in (False, True):  # the second run resumes from the checkpoint of the first
-        result = subprocess.run([sys.executable, str(sample), str(exports["deltanet"]), "--state", str(tmp_path / "s.st")],
-                                check=False, capture_output=True)  # generated bytes are not necessarily UTF-8
+        result = subprocess.run(
+            [sys.executable, str(sample), str(exports["deltanet"]), "--state", str(tmp_path / "s.st")],
+            check=False,
+            capture_output=True,
+        )  # generated bytes are not necessarily UTF-8
         assert result.returncode == 0, result.stderr.decode(errors="replace")
         assert (b"[resumed at position 96]" in result.stdout) == resumed  # 16-byte prompt + 64 + 16 bytes
         assert b"[restored" in result.stdout and (tmp_path / "s.st").is_file()

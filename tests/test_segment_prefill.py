@@ -24,9 +24,9 @@ from onnx.reference import ReferenceEvaluator
 from test_protocol import split_points
 
 from edgemem.errors import EdgememError
-from edgemem.layers import TitansMAC
 from edgemem.export.segments import loop_over_segments, position_input, prefill_segment
 from edgemem.export.verify import rebuild, verify
+from edgemem.layers import TitansMAC
 from edgemem.manifest import load
 from edgemem.models import LM, LMConfig, build
 from edgemem.runtime import Engine
@@ -88,8 +88,10 @@ def _stepped_fp64(model: LM, ids: torch.Tensor, start: int) -> tuple[np.ndarray,
 
 
 def _feeds(manifest, state) -> dict[str, np.ndarray]:
-    return {s.input: np.ascontiguousarray(v.detach().numpy() if isinstance(v, torch.Tensor) else v, dtype=s.dtype)
-            for s, v in zip(manifest.state, state.values())}
+    return {
+        s.input: np.ascontiguousarray(v.detach().numpy() if isinstance(v, torch.Tensor) else v, dtype=s.dtype)
+        for s, v in zip(manifest.state, state.values())
+    }
 
 
 def _close(got: np.ndarray, expected: np.ndarray, what: str) -> None:
@@ -103,9 +105,18 @@ def test_prefill_segment_is_mac_segment_and_divides_every_layer_segment():
     assert prefill_segment(build("hope", seed=0, **LOOPED["hope"])) == SEGMENT
     assert prefill_segment(build("hope", seed=0, d_model=32, chunk_size=6, levels=[8, 12])) == 2
     assert prefill_segment(build("deltanet", seed=0, d_model=32, mlp_hidden=32)) == 0
-    hybrid = LM(LMConfig(arch="hybrid", mixer="titans_mac", d_model=32, n_layers=2, mlp_hidden=0,
-                         mixer_options={"num_heads": 4, "chunk_size": 6}, layer_types=["titans_mac", "deltanet"],
-                         layer_type_options={"deltanet": {"num_heads": 4}}))
+    hybrid = LM(
+        LMConfig(
+            arch="hybrid",
+            mixer="titans_mac",
+            d_model=32,
+            n_layers=2,
+            mlp_hidden=0,
+            mixer_options={"num_heads": 4, "chunk_size": 6},
+            layer_types=["titans_mac", "deltanet"],
+            layer_type_options={"deltanet": {"num_heads": 4}},
+        )
+    )
     assert prefill_segment(hybrid) == 6 and position_input(hybrid) == "past_key_values.0.position"
     hybrid.blocks[1].mixer = TitansMAC(32, 4, chunk_size=4)  # pieces must stop at every multiple of 4 and of 6
     assert prefill_segment(hybrid) == 2
@@ -123,7 +134,9 @@ def test_exported_prefill_equals_eager_prefill_and_fp64_steps_across_segments(di
         ids = torch.randint(0, manifest.vocab_size, (2, start + length), generator=torch.Generator().manual_seed(start))
         logits64, state64, at_start = _stepped_fp64(model64, ids, start)
         with torch.no_grad():
-            eager, eager_state = model.prefill(ids[:, start:], {k: v.float() if v.is_floating_point() else v for k, v in at_start.items()})
+            eager, eager_state = model.prefill(
+                ids[:, start:], {k: v.float() if v.is_floating_point() else v for k, v in at_start.items()}
+            )
         logits, state = _graph_run(session, ids[:, start:].numpy(), _feeds(manifest, at_start))
         assert logits.shape == (2, length, manifest.vocab_size)
         _close(logits, eager.numpy(), f"{target} {start}+{length} logits vs eager prefill")
@@ -155,7 +168,9 @@ def test_onnx_reference_runs_the_generic_prefill_like_onnxruntime(directory):
     state = initial_state(manifest, directory, 1)
     _, state = _graph_run(_session(directory, "generic", "prefill"), ids[:, :2], state)  # start mid-segment
     expected = _session(directory, "generic", "prefill").run(None, {"input_ids": ids[:, 2:], **state})
-    got = ReferenceEvaluator(onnx.load(directory / "generic" / "prefill.onnx")).run(None, {"input_ids": ids[:, 2:], **state})
+    got = ReferenceEvaluator(onnx.load(directory / "generic" / "prefill.onnx")).run(
+        None, {"input_ids": ids[:, 2:], **state}
+    )
     for a, b in zip(got, expected):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
@@ -183,13 +198,17 @@ def test_prefill_graph_is_one_loop_over_segments_holding_the_lowered_nodes(direc
         assert all(a["plugin_namespace"] == b"edgemem" and a["plugin_version"] == b"1" for a in attrs)
     else:
         assert functions == {"NeuralMemory"}
-    assert [i.name for i in model.graph.input] == [i.name for i in onnx.load(directory / target / "step.onnx").graph.input]
+    assert [i.name for i in model.graph.input] == [
+        i.name for i in onnx.load(directory / target / "step.onnx").graph.input
+    ]
 
 
 def test_verify_checks_the_prefill_graph_on_every_onnxruntime_target(directory):
     checks, skipped = verify(directory, threads=1, prompt=13, steps=6)
     assert set(skipped) == {"trt"}
-    assert {(c.target, c.graph) for c in checks} >= {(t, g) for t in ONNXRUNTIME_TARGETS for g in ("prefill", "prefill≡step")}
+    assert {(c.target, c.graph) for c in checks} >= {
+        (t, g) for t in ONNXRUNTIME_TARGETS for g in ("prefill", "prefill≡step")
+    }
     assert all(c.ok for c in checks), [c for c in checks if not c.ok]
 
 
@@ -204,7 +223,11 @@ def test_runtime_prefills_a_prompt_in_one_graph_run_per_chunk(directory, monkeyp
     assert runs == ["prefill"]
     runs.clear()
     chunked = engine.new_stream()
-    parts = [chunked.prefill(ids[:3], chunk_size=2), chunked.prefill(ids[3:30], chunk_size=7), chunked.prefill(ids[30:], chunk_size=5)]
+    parts = [
+        chunked.prefill(ids[:3], chunk_size=2),
+        chunked.prefill(ids[3:30], chunk_size=7),
+        chunked.prefill(ids[30:], chunk_size=5),
+    ]
     assert runs == ["prefill"] * (2 + 4 + 3)
     stepped = engine.new_stream()
     rows = np.stack([stepped.step(int(t)) for t in ids])
@@ -230,11 +253,21 @@ def _toy_piece(rank3: bool = True) -> onnx.ModelProto:
     from onnx import helper as h
 
     c = lambda name, v: h.make_node("Constant", [], [name], value=onnx.numpy_helper.from_array(np.array(v, np.int64)))  # noqa: E731
-    branch = h.make_graph([h.make_node("Cast", ["input_ids"], ["ids_f"], to=T.FLOAT)], "read", [],
-                          [h.make_tensor_value_info("ids_f", T.FLOAT, None)])
+    branch = h.make_graph(
+        [h.make_node("Cast", ["input_ids"], ["ids_f"], to=T.FLOAT)],
+        "read",
+        [],
+        [h.make_tensor_value_info("ids_f", T.FLOAT, None)],
+    )
     nodes = [
-        c("one", 1), c("zero", 0), c("axis1", [1]), c("axis2", [2]), c("segment", SEGMENT), c("thousand", 1000),
-        h.make_node("Shape", ["input_ids"], ["n1"], start=1, end=2), h.make_node("Squeeze", ["n1"], ["n"]),
+        c("one", 1),
+        c("zero", 0),
+        c("axis1", [1]),
+        c("axis2", [2]),
+        c("segment", SEGMENT),
+        c("thousand", 1000),
+        h.make_node("Shape", ["input_ids"], ["n1"], start=1, end=2),
+        h.make_node("Squeeze", ["n1"], ["n"]),
         h.make_node("Range", ["zero", "n", "one"], ["steps"]),
         h.make_node("Unsqueeze", ["past_key_values.position", "axis1"], ["pos_col"]),
         h.make_node("Add", ["pos_col", "steps"], ["positions"]),
@@ -244,7 +277,9 @@ def _toy_piece(rank3: bool = True) -> onnx.ModelProto:
         h.make_node("Cast", ["thousand"], ["thousand_f"], to=T.FLOAT),
         h.make_node("Mul", ["ids_read", "thousand_f"], ["scaled"]),
         h.make_node("Add", ["scaled", "positions_f"], ["flat_logits"]),
-        h.make_node("Unsqueeze", ["flat_logits", "axis2"], ["logits"]) if rank3 else h.make_node("Identity", ["flat_logits"], ["logits"]),
+        h.make_node("Unsqueeze", ["flat_logits", "axis2"], ["logits"])
+        if rank3
+        else h.make_node("Identity", ["flat_logits"], ["logits"]),
         h.make_node("Add", ["past_key_values.position", "n"], ["present.position"]),
         h.make_node("Add", ["past_key_values.pieces", "one"], ["present.pieces"]),
         h.make_node("Div", ["positions", "segment"], ["segments"]),
@@ -253,13 +288,24 @@ def _toy_piece(rank3: bool = True) -> onnx.ModelProto:
         h.make_node("Sub", ["last", "first"], ["crossed"]),
         h.make_node("Add", ["past_key_values.crossings", "crossed"], ["present.crossings"]),
     ]
-    graph = h.make_graph(nodes, "toy", [
-        h.make_tensor_value_info("input_ids", T.INT64, ["batch", "sequence"]),
-        *(h.make_tensor_value_info(f"past_key_values.{k}", T.INT64, ["batch"]) for k in ("position", "pieces", "crossings")),
-    ], [
-        h.make_tensor_value_info("logits", T.FLOAT, ["batch", "sequence", 1] if rank3 else ["batch", "sequence"]),
-        *(h.make_tensor_value_info(f"present.{k}", T.INT64, ["batch"]) for k in ("position", "pieces", "crossings")),
-    ])
+    graph = h.make_graph(
+        nodes,
+        "toy",
+        [
+            h.make_tensor_value_info("input_ids", T.INT64, ["batch", "sequence"]),
+            *(
+                h.make_tensor_value_info(f"past_key_values.{k}", T.INT64, ["batch"])
+                for k in ("position", "pieces", "crossings")
+            ),
+        ],
+        [
+            h.make_tensor_value_info("logits", T.FLOAT, ["batch", "sequence", 1] if rank3 else ["batch", "sequence"]),
+            *(
+                h.make_tensor_value_info(f"present.{k}", T.INT64, ["batch"])
+                for k in ("position", "pieces", "crossings")
+            ),
+        ],
+    )
     return h.make_model(graph, opset_imports=[h.make_opsetid("", 20)])
 
 
@@ -275,8 +321,12 @@ def test_loop_over_segments_runs_each_piece_within_one_segment_and_puts_rows_in_
     for start, length in [(0, 1), (0, 4), (3, 1), (3, 2), (5, 11), (8, 9), (2, 30)]:
         ids = rng.integers(0, 256, (2, length))
         starts = np.array([start, start + 3 * SEGMENT])  # rows a multiple of the segment apart share the pieces
-        feeds = {"input_ids": ids, "past_key_values.position": starts, "past_key_values.pieces": np.zeros(2, np.int64),
-                 "past_key_values.crossings": np.zeros(2, np.int64)}
+        feeds = {
+            "input_ids": ids,
+            "past_key_values.position": starts,
+            "past_key_values.pieces": np.zeros(2, np.int64),
+            "past_key_values.crossings": np.zeros(2, np.int64),
+        }
         expected = ids * 1000.0 + starts[:, None] + np.arange(length)
         for runtime, run in (("onnxruntime", session.run), ("onnx.reference", reference.run)):
             logits, position, pieces, crossings = run(None, feeds)
@@ -321,5 +371,7 @@ def test_titans_mac_prefill_sample_measures_a_prefill_equal_to_stepping(small_ex
     spec.loader.exec_module(sample)
     report = sample.measure(small_exports["titans-mac"], [37, 70], repeats=1, threads=1)
     assert [row["tokens"] for row in report["results"]] == [37, 70]
-    assert all(row["max_abs_logit_diff"] < 1e-4 and row["prefill_s"] > 0 and row["step_s"] > 0 for row in report["results"])
+    assert all(
+        row["max_abs_logit_diff"] < 1e-4 and row["prefill_s"] > 0 and row["step_s"] > 0 for row in report["results"]
+    )
     assert report["engine"]["target"] == "ort"

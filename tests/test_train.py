@@ -75,7 +75,7 @@ def test_copy_reproduces_the_scattered_data_in_order():
         data = tokens[:span][(tokens[:span] >= DATA[0]) & (tokens[:span] < DATA[1])]
         assert len(data) == 6 and ((tokens[:span] < DATA[1]) | (tokens[:span] >= NOISE[0])).all()
         assert tokens[span] == MARKER and np.array_equal(tokens[span + 1 :], data)
-        assert np.array_equal(targets[span : 39], data) and (targets[:span] == -1).all() and targets[39] == -1
+        assert np.array_equal(targets[span:39], data) and (targets[:span] == -1).all() and targets[39] == -1
     long = task.stream(3, 160, seed=5)
     assert (long.tokens[:, 40 * np.arange(4) + span] == MARKER).all()
 
@@ -135,8 +135,11 @@ def test_tiny_training_lowers_the_loss_and_round_trips_through_the_checkpoint(tm
 
 def committed() -> list[tuple[str, str, float, float]]:
     """(file, task, metric at the training length, at 4×) from the table in checkpoints/README.md."""
-    rows = re.findall(r"^\| `(\S+\.safetensors)` \| \S+ \| (\w+) \| ([\d.]+) \| ([\d.]+) \|",
-                      (ROOT / "checkpoints" / "README.md").read_text(), flags=re.M)
+    rows = re.findall(
+        r"^\| `(\S+\.safetensors)` \| \S+ \| (\w+) \| ([\d.]+) \| ([\d.]+) \|",
+        (ROOT / "checkpoints" / "README.md").read_text(),
+        flags=re.M,
+    )
     return [(f, task, float(a), float(b)) for f, task, a, b in rows]
 
 
@@ -173,17 +176,33 @@ def test_cli_train_then_eval_json(tmp_path):
     assert all(r["task"] == "copy" and r["arch"] == "deltanet" and 0 <= r["accuracy"] <= 1 for r in rows)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["train", "--arch", "nope", "--task", "mqar", "--steps", "1"], "unknown arch 'nope'"),
-    (["train", "--arch", "deltanet", "--task", "nope", "--steps", "1"], "unknown task 'nope'"),
-    (["train", "--arch", "deltanet", "--task", "mqar", "--steps", "0"], "--steps"),
-    (["train", "--arch", "deltanet", "--task", "mqar", "--set", "d_model=zero"], "d_model"),
-    (["train", "--arch", "deltanet", "--task", "mqar", "--steps", "1", "--device", "tpu9"], "cannot train on device"),
-    (["eval", "--checkpoint", "missing.safetensors", "--task", "mqar"], "cannot read checkpoint"),
-    (["eval", "--checkpoint", "README.md", "--task", "mqar"], "cannot read checkpoint"),
-    (["eval", "--checkpoint", "checkpoints/deltanet-mqar.safetensors", "--task", "mqar", "--task-set", "pairs=x"],
-     "integer"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["train", "--arch", "nope", "--task", "mqar", "--steps", "1"], "unknown arch 'nope'"),
+        (["train", "--arch", "deltanet", "--task", "nope", "--steps", "1"], "unknown task 'nope'"),
+        (["train", "--arch", "deltanet", "--task", "mqar", "--steps", "0"], "--steps"),
+        (["train", "--arch", "deltanet", "--task", "mqar", "--set", "d_model=zero"], "d_model"),
+        (
+            ["train", "--arch", "deltanet", "--task", "mqar", "--steps", "1", "--device", "tpu9"],
+            "cannot train on device",
+        ),
+        (["eval", "--checkpoint", "missing.safetensors", "--task", "mqar"], "cannot read checkpoint"),
+        (["eval", "--checkpoint", "README.md", "--task", "mqar"], "cannot read checkpoint"),
+        (
+            [
+                "eval",
+                "--checkpoint",
+                "checkpoints/deltanet-mqar.safetensors",
+                "--task",
+                "mqar",
+                "--task-set",
+                "pairs=x",
+            ],
+            "integer",
+        ),
+    ],
+)
 def test_cli_bad_input_is_one_clean_error(args, message, monkeypatch):
     monkeypatch.chdir(ROOT)
     result = CliRunner().invoke(main, args)

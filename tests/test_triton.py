@@ -24,7 +24,9 @@ from edgemem.serve.repository import CONTROLS, onnx_reasons, write_repository
 from edgemem.serve.sequences import SequenceError, Sequences
 from edgemem.serve.server import ServerError, TritonServer
 
-grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient is not installed (pip install 'edgemem-toolkit[serve]')")
+grpcclient = pytest.importorskip(
+    "tritonclient.grpc", reason="tritonclient is not installed (pip install 'edgemem-toolkit[serve]')"
+)
 from google.protobuf import text_format  # noqa: E402  (comes with tritonclient[grpc])
 from tritonclient.grpc import model_config_pb2  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
@@ -53,7 +55,9 @@ def repo(export_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(repo, tmp_path_factory):
-    pytest.importorskip("pytriton", reason="tritonserver comes from the nvidia-pytriton wheel (pip install 'edgemem-toolkit[serve]')")
+    pytest.importorskip(
+        "pytriton", reason="tritonserver comes from the nvidia-pytriton wheel (pip install 'edgemem-toolkit[serve]')"
+    )
     server = TritonServer(repo.path, log_file=tmp_path_factory.mktemp("log") / "tritonserver.log")
     with server:
         yield server
@@ -87,24 +91,34 @@ def test_onnx_backend_config_is_valid_triton_config_with_the_manifest_state(repo
     import onnxruntime as ort
 
     manifest = load_manifest(export_dir)
-    config = text_format.Parse((repo.path / repo.onnx_model / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    config = text_format.Parse(
+        (repo.path / repo.onnx_model / "config.pbtxt").read_text(), model_config_pb2.ModelConfig()
+    )
     assert config.backend == "onnxruntime" and config.max_batch_size >= 1
     fp32 = model_config_pb2.DataType.Value("TYPE_FP32")
     states = [(s.input_name, s.output_name, s.data_type, list(s.dims)) for s in config.sequence_batching.state]
     assert states == [(s.input, s.output, fp32, s.shape[1:]) for s in manifest.state]
     for s in config.sequence_batching.state:
-        assert len(s.initial_state) == 1 and s.initial_state[0].zero_data and list(s.initial_state[0].dims) == list(s.dims)
-    controls = {c.name: model_config_pb2.ModelSequenceBatching.Control.Kind.Name(c.control[0].kind)
-                for c in config.sequence_batching.control_input}
+        assert (
+            len(s.initial_state) == 1 and s.initial_state[0].zero_data and list(s.initial_state[0].dims) == list(s.dims)
+        )
+    controls = {
+        c.name: model_config_pb2.ModelSequenceBatching.Control.Kind.Name(c.control[0].kind)
+        for c in config.sequence_batching.control_input
+    }
     assert controls == dict(CONTROLS)
     assert [i.name for i in config.input] == ["input_ids"] and [o.name for o in config.output] == ["logits"]
 
-    # the model file takes exactly what Triton will feed it: inputs, states and controls; and computes the export's graph
-    model = ort.InferenceSession(str(repo.path / repo.onnx_model / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    # the model file takes exactly what Triton will feed it: inputs, states and controls; and computes the export's graph  # noqa: E501
+    model = ort.InferenceSession(
+        str(repo.path / repo.onnx_model / "1" / "model.onnx"), providers=["CPUExecutionProvider"]
+    )
     original = ort.InferenceSession(str(export_dir / "generic" / "prefill.onnx"), providers=["CPUExecutionProvider"])
     assert [i.name for i in model.get_inputs()] == [i.name for i in original.get_inputs()] + [n for n, _ in CONTROLS]
     feeds = {"input_ids": np.array([_prompt(1, 5), _prompt(2, 5)], dtype=np.int64)}
-    feeds |= {s.input: np.random.default_rng(3).standard_normal([2, *s.shape[1:]]).astype(np.float32) for s in manifest.state}
+    feeds |= {
+        s.input: np.random.default_rng(3).standard_normal([2, *s.shape[1:]]).astype(np.float32) for s in manifest.state
+    }
     controls = {n: np.ones([2, 1], dtype=np.uint64 if n == "CORRID" else np.int32) for n, _ in CONTROLS}
     for got, expected in zip(model.run(None, feeds | controls), original.run(None, feeds)):
         np.testing.assert_array_equal(got, expected)
@@ -137,8 +151,14 @@ def test_onnx_backend_initial_state_from_state_init_as_raw_data(tmp_path):
 def test_no_onnx_backend_model_where_implicit_state_cannot_hold_the_state():
     def manifest(arch, **overrides):
         model = build(arch, seed=0, **{**SMALL, **overrides})
-        return Manifest(arch=arch, config={"vocab_size": 256}, opset=20, targets=["generic"], state=state_specs(model),
-                        graphs={"prefill": True, "step": True})
+        return Manifest(
+            arch=arch,
+            config={"vocab_size": 256},
+            opset=20,
+            targets=["generic"],
+            state=state_specs(model),
+            graphs={"prefill": True, "step": True},
+        )
 
     assert onnx_reasons(manifest("gated-deltanet")) == []
     assert any("grows with the position" in r for r in onnx_reasons(manifest("softmax")))
@@ -156,8 +176,10 @@ def test_cli_writes_a_repository_and_refuses_to_overwrite(export_dir, tmp_path):
 
 
 def test_the_served_model_needs_only_the_runtime():
-    code = ("import sys, edgemem.serve.python_model, edgemem.serve.server; "
-            "bad = {'torch', 'onnx', 'onnxscript'} & set(sys.modules); assert not bad, bad")
+    code = (
+        "import sys, edgemem.serve.python_model, edgemem.serve.server; "
+        "bad = {'torch', 'onnx', 'onnxscript'} & set(sys.modules); assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -295,12 +317,17 @@ def _free_port():
 
 
 def test_edgemem_serve_and_the_sample_client_stream_greedy_bytes(export_dir, engine, tmp_path):
-    pytest.importorskip("pytriton", reason="tritonserver comes from the nvidia-pytriton wheel (pip install 'edgemem-toolkit[serve]')")
+    pytest.importorskip(
+        "pytriton", reason="tritonserver comes from the nvidia-pytriton wheel (pip install 'edgemem-toolkit[serve]')"
+    )
     write_repository(export_dir, tmp_path / "models", name="mine")  # the client asks the server for the name
     grpc_port = _free_port()
     cli = [sys.executable, "-c", "from edgemem.cli import main; main()"]
-    serve = subprocess.Popen([*cli, "serve", str(tmp_path / "models"), "--grpc-port", str(grpc_port)],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    serve = subprocess.Popen(
+        [*cli, "serve", str(tmp_path / "models"), "--grpc-port", str(grpc_port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
         deadline = time.monotonic() + 120
@@ -308,8 +335,22 @@ def test_edgemem_serve_and_the_sample_client_stream_greedy_bytes(export_dir, eng
             assert serve.poll() is None and time.monotonic() < deadline, serve.stdout.read().decode()[-2000:]
             time.sleep(0.3)
         sample = Path(__file__).resolve().parents[1] / "samples" / "triton-server" / "stream_client.py"
-        run = subprocess.run([sys.executable, str(sample), "--url", f"127.0.0.1:{grpc_port}", "--sequence", "7",
-                              "--prompt", "Once upon", "--max-new-tokens", "8"], capture_output=True, timeout=60)
+        run = subprocess.run(
+            [
+                sys.executable,
+                str(sample),
+                "--url",
+                f"127.0.0.1:{grpc_port}",
+                "--sequence",
+                "7",
+                "--prompt",
+                "Once upon",
+                "--max-new-tokens",
+                "8",
+            ],
+            capture_output=True,
+            timeout=60,
+        )
         assert run.returncode == 0, run.stderr.decode()
         assert run.stdout == engine.generate(b"Once upon", max_new_tokens=8)
     finally:

@@ -27,11 +27,11 @@ from onnx import TensorProto, helper
 from edgemem.errors import ConfigError, EdgememError
 from edgemem.manifest import Manifest, StateSpec
 from edgemem.manifest import load as load_manifest
-from edgemem.trt_build import build_engines, dim_names, in_place_states, profile
 from edgemem.runtime import BackendError, BatchError, Engine, engines
 from edgemem.runtime import trt as trt_runtime
 from edgemem.runtime.engines import ENGINES_JSON
 from edgemem.runtime.ort import ORT_TYPES
+from edgemem.trt_build import build_engines, dim_names, in_place_states, profile
 
 RECURRENT = "past_key_values.0.recurrent_state"
 CONV = "past_key_values.0.conv_state"
@@ -57,8 +57,9 @@ TENSORRT = engines.Toolkit("tensorrt", "10.13.0")
 RTX = engines.Toolkit("tensorrt_rtx", "1.7.1.116", ["SM86", "SM120"])
 
 
-def _fake_engines(export: Path, folder: Path, max_batch: int = 4, max_sequence: int = 5,
-                  toolkit: engines.Toolkit = TENSORRT) -> Path:
+def _fake_engines(
+    export: Path, folder: Path, max_batch: int = 4, max_sequence: int = 5, toolkit: engines.Toolkit = TENSORRT
+) -> Path:
     """engines.json as `edgemem build` writes it, over placeholder engine files and a placeholder plugin library."""
     folder.mkdir(parents=True, exist_ok=True)
     manifest = load_manifest(export)
@@ -69,10 +70,12 @@ def _fake_engines(export: Path, folder: Path, max_batch: int = 4, max_sequence: 
         model = onnx.load(str(export / "trt" / f"{kind}.onnx"))
         path = folder / f"{kind}.engine"
         path.write_bytes(f"placeholder {kind} engine".encode())
-        plugins = [{"op": n.op_type, "namespace": "edgemem", "version": "1"} for n in model.graph.node
-                   if n.domain == "edgemem"]
-        entries[kind] = engines.entry(path, profile(dim_names(model), max_batch, max_sequence),
-                                      in_place_states(model, manifest), plugins)
+        plugins = [
+            {"op": n.op_type, "namespace": "edgemem", "version": "1"} for n in model.graph.node if n.domain == "edgemem"
+        ]
+        entries[kind] = engines.entry(
+            path, profile(dim_names(model), max_batch, max_sequence), in_place_states(model, manifest), plugins
+        )
     engines.write(folder, manifest, toolkit, library, max_batch, max_sequence, entries)
     return library
 
@@ -83,22 +86,31 @@ def test_in_place_only_for_state_a_plugin_alone_reads_and_writes(export_dir):
     for kind in ("step", "prefill"):
         assert in_place_states(onnx.load(str(export_dir / "trt" / f"{kind}.onnx")), manifest) == [RECURRENT]
     # a state that another node also reads (Titans' position: Unsqueeze, Reshape) is not updated in place
-    specs = [StateSpec("past.a", "present.a", ["batch", 2], "float32", "0", "memory.0", "zeros"),
-             StateSpec("past.p", "present.p", ["batch"], "int64", "0", "position", "zeros")]
-    nodes = [helper.make_node("NeuralMemory", ["x", "past.a", "past.p"], ["y", "present.a", "present.p"], domain="edgemem"),
-             helper.make_node("Shape", ["past.a"], ["s"]),  # dims only: no reader
-             helper.make_node("Unsqueeze", ["past.p", "s"], ["u"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
-                                           for n in ("x", "past.a", "past.p")],
-                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
-                               for n in ("y", "u", "present.a", "present.p")])
+    specs = [
+        StateSpec("past.a", "present.a", ["batch", 2], "float32", "0", "memory.0", "zeros"),
+        StateSpec("past.p", "present.p", ["batch"], "int64", "0", "position", "zeros"),
+    ]
+    nodes = [
+        helper.make_node("NeuralMemory", ["x", "past.a", "past.p"], ["y", "present.a", "present.p"], domain="edgemem"),
+        helper.make_node("Shape", ["past.a"], ["s"]),  # dims only: no reader
+        helper.make_node("Unsqueeze", ["past.p", "s"], ["u"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("x", "past.a", "past.p")],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "u", "present.a", "present.p")],
+    )
     manifest = Manifest("custom", {"vocab_size": 4}, 20, ["trt"], specs, {"step": True})
     assert in_place_states(helper.make_model(graph), manifest) == ["past.a"]
 
 
 def test_profile_ranges():
     dims = {"input_ids": ["batch", "sequence"], "past": ["batch", 4, 8], "fixed": [1, 4]}
-    assert profile(dims, 8, 100) == {"input_ids": [[1, 1], [8, 64], [8, 100]], "past": [[1, 4, 8], [8, 4, 8], [8, 4, 8]]}
+    assert profile(dims, 8, 100) == {
+        "input_ids": [[1, 1], [8, 64], [8, 100]],
+        "past": [[1, 4, 8], [8, 4, 8], [8, 4, 8]],
+    }
     # max_batch 1: a step graph's dims all collapse, yet its symbolic inputs still need their range (or nothing builds)
     assert profile({"input_ids": ["batch", 1], "fixed": [1, 4]}, 1, 100) == {"input_ids": [[1, 1], [1, 1], [1, 1]]}
 
@@ -110,9 +122,12 @@ def test_fp16_needs_an_fp16_export(export_dir):
 
 # ---------------------------------------------------------------------- the binding plan
 def test_binding_plan_aliases_in_place_state_and_ping_pongs_the_rest():
-    specs = [StateSpec(RECURRENT, "present.0.recurrent_state", ["batch", 4, 8, 8], "float32", "0", "recurrent_state",
-                       "zeros"),
-             StateSpec(CONV, "present.0.conv_state", ["batch", 96, 3], "float32", "0", "conv_state", "zeros")]
+    specs = [
+        StateSpec(
+            RECURRENT, "present.0.recurrent_state", ["batch", 4, 8, 8], "float32", "0", "recurrent_state", "zeros"
+        ),
+        StateSpec(CONV, "present.0.conv_state", ["batch", 96, 3], "float32", "0", "conv_state", "zeros"),
+    ]
     shared = {RECURRENT}
     assert [trt_runtime.buffer_count(s, shared) for s in specs] == [1, 2]
     for side in (0, 1):
@@ -135,8 +150,10 @@ def test_shapes_and_profile_limits(export_dir, tmp_path):
     engines.check_profile(info, "prefill", trt_runtime.io_shapes(manifest, 4, 5))
     assert engines.max_tokens(info, "prefill", "input_ids") == 5
     assert engines.max_tokens(info, "step", "input_ids") == 1
-    with pytest.raises(BackendError,
-                       match=r"step engine takes input_ids from \[1, 1\] to \[4, 1\], this run needs \[5, 1\].*--max-batch 4"):
+    with pytest.raises(
+        BackendError,
+        match=r"step engine takes input_ids from \[1, 1\] to \[4, 1\], this run needs \[5, 1\].*--max-batch 4",
+    ):
         engines.check_profile(info, "step", trt_runtime.io_shapes(manifest, 5, 1))
 
 
@@ -164,7 +181,9 @@ def test_load_says_what_is_missing(export_dir, tmp_path, monkeypatch):
         Engine.load(export, backend="trt", plugins=other)
     monkeypatch.setenv("EDGEMEM_TRT_PLUGINS", str(library))
     if importlib.util.find_spec("tensorrt") is None:  # every check passed: TensorRT itself is what is missing
-        with pytest.raises(BackendError, match=r"needs TensorRT's Python package.*pip install 'edgemem-toolkit\[gpu\]'"):
+        with pytest.raises(
+            BackendError, match=r"needs TensorRT's Python package.*pip install 'edgemem-toolkit\[gpu\]'"
+        ):
             Engine.load(export, backend="trt")
     (export / "engines" / "step.engine").write_bytes(b"changed")
     with pytest.raises(BackendError, match=r"step.engine does not match its sha256 in engines.json"):
@@ -192,8 +211,9 @@ def test_engines_of_another_export_are_refused(export_dir, tmp_path):
 
 
 def test_models_the_backend_cannot_run():
-    growing = StateSpec("past_key_values.0.key", "present.0.key", ["batch", 2, "past_sequence", 8], "float32", "0",
-                        "key", "zeros")
+    growing = StateSpec(
+        "past_key_values.0.key", "present.0.key", ["batch", 2, "past_sequence", 8], "float32", "0", "key", "zeros"
+    )
     manifest = Manifest("softmax", {"vocab_size": 4}, 20, ["trt"], [growing], {"step": True, "prefill": True})
     with pytest.raises(BackendError, match=r"state grows .*use backend 'ort'"):
         trt_runtime.check_model(manifest, Path("x"))
@@ -209,26 +229,39 @@ def test_engines_load_into_the_library_that_built_them(export_dir, tmp_path, mon
     shutil.copytree(export_dir, export)
     library = _fake_engines(export, export / "engines", toolkit=RTX)
     info = json.loads((export / "engines" / ENGINES_JSON).read_text())
-    assert info["library"] == {"module": "tensorrt_rtx", "version": "1.7.1.116", "compute_capabilities": ["SM86", "SM120"]}
+    assert info["library"] == {
+        "module": "tensorrt_rtx",
+        "version": "1.7.1.116",
+        "compute_capabilities": ["SM86", "SM120"],
+    }
     assert [p["op"] for p in info["engines"]["step"]["plugins"]] == ["LinearAttention"]
     monkeypatch.setitem(sys.modules, "tensorrt_rtx", None)  # not importable
-    with pytest.raises(BackendError, match=r"needs TensorRT for RTX's Python package \(`import tensorrt_rtx`\).*\[rtx\]"):
+    with pytest.raises(
+        BackendError, match=r"needs TensorRT for RTX's Python package \(`import tensorrt_rtx`\).*\[rtx\]"
+    ):
         Engine.load(export, backend="trt", plugins=library)
     rtx = types.ModuleType("tensorrt_rtx")
     rtx.__version__ = "1.8.0.1"
     monkeypatch.setitem(sys.modules, "tensorrt_rtx", rtx)
-    with pytest.raises(BackendError, match=r"built by TensorRT for RTX 1.7.1.116, this is TensorRT for RTX 1.8.0.1; rebuild them with `edgemem build --rtx`"):
+    with pytest.raises(
+        BackendError,
+        match=r"built by TensorRT for RTX 1.7.1.116, this is TensorRT for RTX 1.8.0.1; rebuild them with `edgemem build --rtx`",  # noqa: E501
+    ):
         Engine.load(export, backend="trt", plugins=library)
     library = _fake_engines(export, export / "engines", toolkit=TENSORRT)  # the same export, TensorRT engines
     trt = types.ModuleType("tensorrt")
     trt.__version__ = "10.3.0"
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
-    with pytest.raises(BackendError, match=r"built by TensorRT 10.13.0, this is TensorRT 10.3.0; rebuild them with `edgemem build`"):
+    with pytest.raises(
+        BackendError, match=r"built by TensorRT 10.13.0, this is TensorRT 10.3.0; rebuild them with `edgemem build`"
+    ):
         Engine.load(export, backend="trt", plugins=library)
     info = json.loads((export / "engines" / ENGINES_JSON).read_text())
     info["library"]["module"] = "tensorrt_llm"
     (export / "engines" / ENGINES_JSON).write_text(json.dumps(info))
-    with pytest.raises(BackendError, match=r"not a valid engines.json \('library' needs a module \(tensorrt or tensorrt_rtx"):
+    with pytest.raises(
+        BackendError, match=r"not a valid engines.json \('library' needs a module \(tensorrt or tensorrt_rtx"
+    ):
         Engine.load(export, backend="trt", plugins=library)
 
 
@@ -354,8 +387,14 @@ def test_rtx_engines_get_the_same_binding_plan(export_dir, tmp_path):
         _fake_engines(export_dir, folder, toolkit=toolkit)
         device = HostDevice()
         graphs = {kind: OrtGraph(export_dir / "generic" / f"{kind}.onnx", device) for kind in ("step", "prefill")}
-        engine = trt_runtime.TrtEngine(export_dir, load_manifest(export_dir),
-                                       json.loads((folder / ENGINES_JSON).read_text()), graphs, device, chunk_size=512)
+        engine = trt_runtime.TrtEngine(
+            export_dir,
+            load_manifest(export_dir),
+            json.loads((folder / ENGINES_JSON).read_text()),
+            graphs,
+            device,
+            chunk_size=512,
+        )
         stream = engine.new_stream()
         stream.step(1)
         plans[toolkit.module] = (engine._shared, engine._plans, {k: len(v) for k, v in stream._buffers.state.items()})
@@ -484,8 +523,14 @@ def test_state_on_a_real_cuda_device(export_dir, tmp_path):
     _fake_engines(export_dir, tmp_path, max_batch=4, max_sequence=5)
     device = trt_runtime._Cuda(cudart)
     graphs = {kind: OrtGraph(export_dir / "generic" / f"{kind}.onnx", device) for kind in ("step", "prefill")}
-    engine = trt_runtime.TrtEngine(export_dir, load_manifest(export_dir), json.loads((tmp_path / ENGINES_JSON).read_text()),
-                                   graphs, device, chunk_size=512)
+    engine = trt_runtime.TrtEngine(
+        export_dir,
+        load_manifest(export_dir),
+        json.loads((tmp_path / ENGINES_JSON).read_text()),
+        graphs,
+        device,
+        chunk_size=512,
+    )
     reference = Engine.load(export_dir, target="generic", threads=1)
     ours, theirs = engine.new_stream(), reference.new_stream()
     assert _close(ours.prefill(b"hello world"), theirs.prefill(b"hello world"))
@@ -498,7 +543,9 @@ def test_state_on_a_real_cuda_device(export_dir, tmp_path):
         device.alloc(1 << 60)
 
 
-@pytest.mark.skipif(_gpu_reason() is not None, reason=f"needs TensorRT, cuda-python, a GPU and the plugins: {_gpu_reason()}")
+@pytest.mark.skipif(
+    _gpu_reason() is not None, reason=f"needs TensorRT, cuda-python, a GPU and the plugins: {_gpu_reason()}"
+)
 def test_real_engines_step_like_onnxruntime(export_dir, tmp_path):
     export = tmp_path / "export"
     shutil.copytree(export_dir, export)

@@ -81,9 +81,13 @@ def state_specs(model: nn.Module, dtype: torch.dtype | None = None) -> list[Stat
         layer, _, kind = key.partition(".")
         specs.append(
             StateSpec(
-                input=input_name(key), output="" if key in read_only else output_name(key), shape=shape,
+                input=input_name(key),
+                output="" if key in read_only else output_name(key),
+                shape=shape,
                 dtype=_ONNX_DTYPES[tensor.dtype],
-                layer=layer if kind else "", kind=kind or key, init="zeros" if not tensor.any() else "file",
+                layer=layer if kind else "",
+                kind=kind or key,
+                init="zeros" if not tensor.any() else "file",
             )
         )
     return specs
@@ -102,7 +106,9 @@ def _kv_cache(model: nn.Module, targets: Sequence[str]) -> dict[str, Any] | None
         return None
     window = kv["sinks"] is not None
     return {
-        "max_length": kv["max_length"], "overflow": "sink_window" if window else "error", "sinks": kv["sinks"] or 0,
+        "max_length": kv["max_length"],
+        "overflow": "sink_window" if window else "error",
+        "sinks": kv["sinks"] or 0,
         "states": [input_name(k) for k in kv["states"]],
         "in_place": [] if window or "ort" not in targets else ["ort"],  # GroupQueryAttention (export.lower)
     }
@@ -111,18 +117,22 @@ def _kv_cache(model: nn.Module, targets: Sequence[str]) -> dict[str, Any] | None
 def _encoder_entry(model: nn.Module) -> dict[str, Any]:
     """The manifest's `encoder` entry: its graph's inputs, longest input and the states it fills (state
     input → the encoder graph's output)."""
-    return {"inputs": {"tokens": "input_ids", "global_attention_mask": "global_attention_mask"},
-            "max_length": model.config.max_encoder_positions,
-            "fills": {input_name(k): output_name(k) for k in encoder_fills(model)}}
+    return {
+        "inputs": {"tokens": "input_ids", "global_attention_mask": "global_attention_mask"},
+        "max_length": model.config.max_encoder_positions,
+        "fills": {input_name(k): output_name(k) for k in encoder_fills(model)},
+    }
 
 
 def check_cache_length(max_length: int, sinks: int | None) -> None:
     """A preallocated KV cache without a sliding window must hold the streams the export traces its graphs on."""
     if sinks is None and max_length < TRACE_TOKENS:
         option = named("max_length", "--max-length")
-        raise ConfigError(f"{option} {max_length} is too short: the export traces its graphs on streams of "
-                          f"{TRACE_TOKENS} tokens, so the KV cache needs {option} {TRACE_TOKENS} or more "
-                          f"(or a sliding window: {named('sinks', '--sinks')})")
+        raise ConfigError(
+            f"{option} {max_length} is too short: the export traces its graphs on streams of "
+            f"{TRACE_TOKENS} tokens, so the KV cache needs {option} {TRACE_TOKENS} or more "
+            f"(or a sliding window: {named('sinks', '--sinks')})"
+        )
 
 
 TRACE_COPIES = 8  # streams' worth of state the export holds at once while tracing (batch-2 examples, outputs, copies)
@@ -136,8 +146,11 @@ def _check_state_fits(model: nn.Module) -> None:
         return
     per_stream = sum(t.numel() * t.element_size() for t in state.values())
     arch = getattr(getattr(model, "config", None), "arch", "the model")
-    fits_memory(TRACE_COPIES * per_stream, f"exporting {arch} (its state is {size_text(per_stream)} per stream; "
-                "the export traces several streams at once)")
+    fits_memory(
+        TRACE_COPIES * per_stream,
+        f"exporting {arch} (its state is {size_text(per_stream)} per stream; "
+        "the export traces several streams at once)",
+    )
 
 
 def _check_finite(model: nn.Module, where: str = "") -> None:
@@ -145,8 +158,9 @@ def _check_finite(model: nn.Module, where: str = "") -> None:
     for name, tensor in model.state_dict().items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             bad = int((~torch.isfinite(tensor)).sum())
-            raise EdgememError(f"weight {name} holds {bad} NaN or infinite value{'s' if bad > 1 else ''}{where}; "
-                               "nothing was exported")
+            raise EdgememError(
+                f"weight {name} holds {bad} NaN or infinite value{'s' if bad > 1 else ''}{where}; nothing was exported"
+            )
 
 
 def _check_tokenizer(files: Sequence[Path], vocab_size: int) -> None:
@@ -168,8 +182,10 @@ def _check_tokenizer(files: Sequence[Path], vocab_size: int) -> None:
         raise EdgememError(f"{path} is not a valid tokenizer file: {str(e).splitlines()[0]}") from None
     largest = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
     if largest >= vocab_size:
-        raise EdgememError(f"{path} has token ids up to {largest}, past the model's vocab_size {vocab_size}: "
-                           "the model cannot take them (a tokenizer of another model?)")
+        raise EdgememError(
+            f"{path} has token ids up to {largest}, past the model's vocab_size {vocab_size}: "
+            "the model cannot take them (a tokenizer of another model?)"
+        )
 
 
 def export(
@@ -193,7 +209,9 @@ def export(
         raise EdgememError(f"tokenizer file(s) not found: {', '.join(missing)}")
     unknown = [t for t in targets if t not in TARGETS]
     if unknown or not targets:
-        raise EdgememError(f"unknown target(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(TARGETS)}")
+        raise EdgememError(
+            f"unknown target(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(TARGETS)}"
+        )
     if dtype not in DTYPES:
         raise EdgememError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     if len(set(targets)) != len(targets):
@@ -224,7 +242,9 @@ def export(
         written: dict[str, list[Path]] = {target: [] for target in targets}
         for graph in [k for k, present in graphs.items() if present]:
             log.info("exporting the %s graph", graph)
-            proto = export_encoder(model, OPSET) if graph == "encoder" else export_graph(model, graph, OPSET, state_dtype)
+            proto = (
+                export_encoder(model, OPSET) if graph == "encoder" else export_graph(model, graph, OPSET, state_dtype)
+            )
             # the prefill graph with the head on the last position only, for the runtime's next-token prefill
             streams = graph == "prefill" and graphs["step"] and not segment and kind.name == "lm"  # one-pass LM prefill
             last = last_position_logits(proto, graph_io(model)[1]) if streams else None
@@ -249,7 +269,11 @@ def export(
             for path in paths:
                 files[f"{target}/{path.name}"] = sha256(path)
         specs = state_specs(model, state_dtype)
-        initial = {s.input: t.contiguous() for s, t in zip(specs, model.init_state(1, dtype=state_dtype).values()) if s.init == "file"}
+        initial = {
+            s.input: t.contiguous()
+            for s, t in zip(specs, model.init_state(1, dtype=state_dtype).values())
+            if s.init == "file"
+        }
         if initial:
             write_atomic(tmp / STATE_INIT, save_safetensors(initial))
             files[STATE_INIT] = sha256(tmp / STATE_INIT)
@@ -262,10 +286,18 @@ def export(
                 config["tokenizer"] = f"{TOKENIZER_DIR}/{path.name}"
         extras, output = graph_io(model)
         manifest = Manifest(
-            arch=str(getattr(model.config, "arch", "custom")), config=config, opset=OPSET, targets=list(targets),
-            state=specs, graphs=graphs, files=files,
-            inputs={"tokens": "input_ids", **{name: name for name in extras}}, outputs={output: output},
-            kv_cache=_kv_cache(model, targets), weights=stores or None, kind=kind.name,
+            arch=str(getattr(model.config, "arch", "custom")),
+            config=config,
+            opset=OPSET,
+            targets=list(targets),
+            state=specs,
+            graphs=graphs,
+            files=files,
+            inputs={"tokens": "input_ids", **{name: name for name in extras}},
+            outputs={output: output},
+            kv_cache=_kv_cache(model, targets),
+            weights=stores or None,
+            kind=kind.name,
             source=source.to_dict() if source else None,
             encoder=_encoder_entry(model) if graphs.get("encoder") else None,
         )

@@ -35,23 +35,30 @@ def decide(manifest: Manifest) -> tuple[str | None, list[str]]:
     reasons: list[str] = []
     target = next((t for t in TARGETS if t in manifest.targets), None)
     if target is None:
-        reasons.append(f"no ort or generic target (exported: {', '.join(manifest.targets)}): genai runs custom ops "
-                       "only as model-local functions")
+        reasons.append(
+            f"no ort or generic target (exported: {', '.join(manifest.targets)}): genai runs custom ops "
+            "only as model-local functions"
+        )
     if not manifest.graphs.get("step", False):
         reasons.append("bidirectional (no step graph): genai generates token by token")
     elif not manifest.graphs.get("prefill", False):
         reasons.append("no prefill graph (prompts are stepped): genai runs one graph for the whole prompt")
     if manifest.quantization and manifest.quantization.get("method") != "int4":
-        reasons.append("an INT8 export: edgemem calibrate writes no genai_config.json (the float export and an int4 "
-                       "export have one)")
+        reasons.append(
+            "an INT8 export: edgemem calibrate writes no genai_config.json (the float export and an int4 "
+            "export have one)"
+        )
     nonzero = [s.input for s in manifest.state if s.init != "zeros"]
     if nonzero:
-        reasons.append(f"non-zero initial state ({', '.join(nonzero)} start from {STATE_INIT}): genai starts every "
-                       "state at zero")
+        reasons.append(
+            f"non-zero initial state ({', '.join(nonzero)} start from {STATE_INIT}): genai starts every state at zero"
+        )
     unknown = sorted({s.kind for s in manifest.state if s.kind not in RECURRENT + ATTENTION or not s.layer.isdigit()})
     if unknown:
-        reasons.append(f"state of kind {', '.join(unknown)}: genai knows only conv_state, recurrent_state, key and value "
-                       "per numbered layer")
+        reasons.append(
+            f"state of kind {', '.join(unknown)}: genai knows only conv_state, recurrent_state, key and value "
+            "per numbered layer"
+        )
     other_dtypes = sorted({s.dtype for s in manifest.state if s.dtype != "float32"})
     if other_dtypes:
         reasons.append(f"{', '.join(other_dtypes)} state: genai carries float32 state for a float32 model")
@@ -68,14 +75,18 @@ def decide(manifest: Manifest) -> tuple[str | None, list[str]]:
         for group in (RECURRENT, ATTENTION):
             if have & set(group) and not have >= set(group):
                 missing = ", ".join(k for k in group if k not in have)
-                reasons.append(f"layer {layer} has {', '.join(k for k in group if k in have)} but no {missing}: "
-                               f"genai needs {' and '.join(group)} together")
+                reasons.append(
+                    f"layer {layer} has {', '.join(k for k in group if k in have)} but no {missing}: "
+                    f"genai needs {' and '.join(group)} together"
+                )
         for kind, shape in kinds.items():
             shapes[kind].add(json.dumps(shape))
             fixed = all(isinstance(d, int) for d in shape[1:])
             if kind in ATTENTION:
                 ok = len(shape) == 4 and shape[2] == "past_sequence" and all(isinstance(shape[i], int) for i in (1, 3))
-                expected = "[batch, heads, past_sequence, head_size]" + (" (this is a fixed-size window)" if fixed else "")
+                expected = "[batch, heads, past_sequence, head_size]" + (
+                    " (this is a fixed-size window)" if fixed else ""
+                )
             else:
                 ok, expected = fixed, "[batch, fixed dims...]"
             if (shape[0] != "batch" or not ok) and kind not in misshapen:
@@ -85,8 +96,10 @@ def decide(manifest: Manifest) -> tuple[str | None, list[str]]:
         if len(seen) > 1:
             reasons.append(f"{kind} shapes differ between layers ({', '.join(sorted(seen))}): genai needs one shape")
     if layers and sorted(map(int, layers)) != list(range(len(layers))):
-        reasons.append(f"state layers {sorted(map(int, layers))} are not numbered 0..{len(layers) - 1}: genai "
-                       "expects state for every layer")
+        reasons.append(
+            f"state layers {sorted(map(int, layers))} are not numbered 0..{len(layers) - 1}: genai "
+            "expects state for every layer"
+        )
     if not layers:
         reasons.append("the model has no state: nothing for genai to carry between tokens")
     return (None, reasons) if reasons else (target, [])
@@ -125,16 +138,28 @@ def genai_config(manifest: Manifest, target: str) -> dict[str, Any]:
                 "num_key_value_heads": heads,
                 "head_size": head_size,
                 "num_hidden_layers": n_layers,
-                "layer_types": ["linear_attention" if layer_kinds[str(i)] in RECURRENT else "full_attention"
-                                for i in range(n_layers)],
+                "layer_types": [
+                    "linear_attention" if layer_kinds[str(i)] in RECURRENT else "full_attention"
+                    for i in range(n_layers)
+                ],
                 "inputs": inputs,
                 "outputs": outputs,
             },
         },
         "search": {
-            "do_sample": False, "num_beams": 1, "num_return_sequences": 1, "max_length": CONTEXT_LENGTH, "min_length": 0,
-            "temperature": 1.0, "top_k": 1, "top_p": 1.0, "repetition_penalty": 1.0, "length_penalty": 1.0,
-            "no_repeat_ngram_size": 0, "diversity_penalty": 0.0, "early_stopping": True,
+            "do_sample": False,
+            "num_beams": 1,
+            "num_return_sequences": 1,
+            "max_length": CONTEXT_LENGTH,
+            "min_length": 0,
+            "temperature": 1.0,
+            "top_k": 1,
+            "top_p": 1.0,
+            "repetition_penalty": 1.0,
+            "length_penalty": 1.0,
+            "no_repeat_ngram_size": 0,
+            "diversity_penalty": 0.0,
+            "early_stopping": True,
             "past_present_share_buffer": False,
         },
     }
@@ -155,7 +180,7 @@ def entry(manifest: Manifest) -> tuple[dict[str, Any], bytes | None]:
 
 
 def unfit_reasons(manifest: Manifest) -> list[str]:
-    """Why an export does not fit onnxruntime-genai ([] when it does); manifests that predate the entry are judged now."""
+    """Why an export does not fit onnxruntime-genai ([] when it does); manifests that predate the entry are judged now."""  # noqa: E501
     recorded = manifest.genai
     if recorded is None:
         return decide(manifest)[1]

@@ -17,8 +17,8 @@ from onnx import helper
 from torch import nn
 
 from edgemem.errors import EdgememError
-from edgemem.opset import DOMAIN, VERSION
 from edgemem.ops import CONTRACTS, onnx_functions
+from edgemem.opset import DOMAIN, VERSION
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +105,10 @@ def export_graph(model: nn.Module, kind: str, opset: int, dtype: torch.dtype | N
     names = list(state)
     named = named_dims(model, dtype)
     batch = torch.export.Dim("batch", min=1, max=4096)
-    symbols = {"past_sequence": torch.export.Dim("past_sequence", min=0, max=1 << 20),
-               "encoder_sequence": torch.export.Dim("encoder_sequence", min=1, max=1 << 20)}
+    symbols = {
+        "past_sequence": torch.export.Dim("past_sequence", min=0, max=1 << 20),
+        "encoder_sequence": torch.export.Dim("encoder_sequence", min=1, max=1 << 20),
+    }
     seq_len = 1 if kind == "step" else 4
     ids = torch.randint(0, model.config.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(1))
     ids_dims = {0: batch} if kind == "step" else {0: batch, 1: torch.export.Dim("sequence", min=1, max=1 << 20)}
@@ -115,10 +117,15 @@ def export_graph(model: nn.Module, kind: str, opset: int, dtype: torch.dtype | N
     extra_values = [torch.zeros(ids.shape, dtype=d) for d in extras.values()]
     rest_dims = (*(ids_dims for _ in extras), *state_dims)
     dynamic_shapes = (ids_dims, rest_dims) if rest_dims else (ids_dims,)
-    program = trace(_Graph(model, names, list(extras)).eval(), (ids, *extra_values, *state.values()), opset,
-                    ["input_ids", *extras, *map(input_name, names)],
-                    [output, *map(output_name, written_states(model, names))],
-                    dynamic_shapes, kind)
+    program = trace(
+        _Graph(model, names, list(extras)).eval(),
+        (ids, *extra_values, *state.values()),
+        opset,
+        ["input_ids", *extras, *map(input_name, names)],
+        [output, *map(output_name, written_states(model, names))],
+        dynamic_shapes,
+        kind,
+    )
     proto = program.model_proto
     _check_dynamic(proto, kind)
     attach_functions(proto, opset)
@@ -126,16 +133,31 @@ def export_graph(model: nn.Module, kind: str, opset: int, dtype: torch.dtype | N
     return proto
 
 
-def trace(module: nn.Module, args: tuple, opset: int, input_names: list[str], output_names: list[str],
-          dynamic_shapes: tuple, kind: str):
+def trace(
+    module: nn.Module,
+    args: tuple,
+    opset: int,
+    input_names: list[str],
+    output_names: list[str],
+    dynamic_shapes: tuple,
+    kind: str,
+):
     """`torch.onnx.export` (dynamo) of `module` on `args`; its errors as one EdgememError line."""
     # the exporter logs a warning per missing optional library (torchvision); not the user's concern
     logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            return torch.onnx.export(module, args, dynamo=True, opset_version=opset, input_names=input_names,
-                                     output_names=output_names, dynamic_shapes=dynamic_shapes, verbose=False)
+            return torch.onnx.export(
+                module,
+                args,
+                dynamo=True,
+                opset_version=opset,
+                input_names=input_names,
+                output_names=output_names,
+                dynamic_shapes=dynamic_shapes,
+                verbose=False,
+            )
         except ModuleNotFoundError:  # a missing optional module (onnxscript): the CLI names its extra
             raise
         except Exception as e:  # the exporter's own errors are long reports; keep the cause
@@ -168,8 +190,15 @@ def export_encoder(model: nn.Module, opset: int) -> onnx.ModelProto:
     mask = torch.zeros_like(ids)
     mask[0, 0] = 1
     dims = {0: batch, 1: length}
-    program = trace(_Encoder(model).eval(), (ids, mask), opset, ["input_ids", "global_attention_mask"],
-                    [output_name(k) for k in encoder_fills(model)], (dims, dims), "encoder")
+    program = trace(
+        _Encoder(model).eval(),
+        (ids, mask),
+        opset,
+        ["input_ids", "global_attention_mask"],
+        [output_name(k) for k in encoder_fills(model)],
+        (dims, dims),
+        "encoder",
+    )
     proto = program.model_proto
     _check_dynamic(proto, "prefill")
     attach_functions(proto, opset)

@@ -22,11 +22,11 @@ from onnx import TensorProto, helper, inliner, version_converter
 
 from edgemem.errors import EdgememError
 from edgemem.manifest import TARGETS
-from edgemem.opset import DOMAIN, VERSION, Graph
 from edgemem.ops import onnx_functions
 from edgemem.ops.cache_attention import OP_TYPE as CACHE_ATTENTION
 from edgemem.ops.linear_attention import ATTRIBUTES as LINEAR_ATTRIBUTES
 from edgemem.ops.linear_attention import OP_TYPE as LINEAR_ATTENTION
+from edgemem.opset import DOMAIN, VERSION, Graph
 
 
 def _attr(node: onnx.NodeProto, name: str):
@@ -72,11 +72,26 @@ def _group_query_attention(node: onnx.NodeProto, names: set[str]) -> list[onnx.N
     group = heads // kv_heads
     g = Graph({}, names)
 
-    def attend(sub: Graph, q: str, k: str, v: str, last: str, total: str, num_heads: int, out: list, *bias: str) -> list[str]:
+    def attend(
+        sub: Graph, q: str, k: str, v: str, last: str, total: str, num_heads: int, out: list, *bias: str
+    ) -> list[str]:
         seqlens, total = sub.Cast(last, to=TensorProto.INT32), sub.Cast(total, to=TensorProto.INT32)
         extra = ("", "", "", *bias) if bias else ()
-        return sub.GroupQueryAttention(q, k, v, past_key, past_value, seqlens, total, *extra, out=out, domain="com.microsoft",
-                                       num_heads=num_heads, kv_num_heads=kv_heads, scale=scale)
+        return sub.GroupQueryAttention(
+            q,
+            k,
+            v,
+            past_key,
+            past_value,
+            seqlens,
+            total,
+            *extra,
+            out=out,
+            domain="com.microsoft",
+            num_heads=num_heads,
+            kv_num_heads=kv_heads,
+            scale=scale,
+        )
 
     total = g.Add(position, g.Shape(query, start=1, end=2))  # [B]: tokens per row after this run
     last, longest = g.Sub(total, g.const([1])), g.ReduceMax(total, keepdims=0)
@@ -91,15 +106,23 @@ def _group_query_attention(node: onnx.NodeProto, names: set[str]) -> list[onnx.N
 
         def fold(sub: Graph) -> list[str]:
             # [1, 1, H_kv*G*D] → [1, G, H_kv*D]: token i, head j is query head j*G + i
-            folded = sub.Reshape(sub.Transpose(sub.Reshape(q, sub.const([1, 1, kv_heads, group, -1])), perm=[0, 1, 3, 2, 4]),
-                                 sub.const([1, group, -1]))
+            folded = sub.Reshape(
+                sub.Transpose(sub.Reshape(q, sub.const([1, 1, kv_heads, group, -1])), perm=[0, 1, 3, 2, 4]),
+                sub.const([1, group, -1]),
+            )
             kf, vf = (sub.Tile(x, sub.const([1, group, 1])) for x in (k, v))
             late = sub.Greater(sub.Range(sub.const(0), end, sub.const(1)), position)
-            bias = sub.Expand(sub.Reshape(sub.Where(late, sub.const(float("-inf")), sub.const(0.0)), sub.const([1, 1, 1, -1])),
-                              sub.const([1, 1, group, 1]))  # [1, 1, G, p+G]
-            y, pk, pv = attend(sub, folded, kf, vf, sub.Add(last, sub.const(group - 1)), end, kv_heads, [None] * 3, bias)
-            y = sub.Reshape(sub.Transpose(sub.Reshape(y, sub.const([1, group, kv_heads, -1])), perm=[0, 2, 1, 3]),
-                            sub.const([1, 1, -1]))
+            bias = sub.Expand(
+                sub.Reshape(sub.Where(late, sub.const(float("-inf")), sub.const(0.0)), sub.const([1, 1, 1, -1])),
+                sub.const([1, 1, group, 1]),
+            )  # [1, 1, G, p+G]
+            y, pk, pv = attend(
+                sub, folded, kf, vf, sub.Add(last, sub.const(group - 1)), end, kv_heads, [None] * 3, bias
+            )
+            y = sub.Reshape(
+                sub.Transpose(sub.Reshape(y, sub.const([1, group, kv_heads, -1])), perm=[0, 2, 1, 3]),
+                sub.const([1, 1, -1]),
+            )
             return [y, pk, pv]
 
         def plain(sub: Graph) -> list[str]:
@@ -151,8 +174,13 @@ def _tied_head_as_gemm(graph: onnx.GraphProto) -> None:
     Gemm(x, W, transB=1) on x flattened to 2-D: onnxruntime folds a Transpose of an initializer into a
     transposed copy in every session, a second table per graph. The Gemm keeps the MatMul's name."""
     inits = {i.name: i for i in graph.initializer}
-    transposes = {n.output[0]: n for n in graph.node if n.op_type == "Transpose" and n.domain in ("", "ai.onnx")
-                  and len(getattr(inits.get(n.input[0]), "dims", ())) == 2}
+    transposes = {
+        n.output[0]: n
+        for n in graph.node
+        if n.op_type == "Transpose"
+        and n.domain in ("", "ai.onnx")
+        and len(getattr(inits.get(n.input[0]), "dims", ())) == 2
+    }
     readers: dict[str, list[onnx.NodeProto | None]] = {}
     for node in graph.node:
         for i, name in enumerate(node.input):
@@ -265,7 +293,9 @@ def lower(model: onnx.ModelProto, target: str) -> onnx.ModelProto:
                 _standard_linear_attention(node, "")
         used = {n.op_type for n in out.graph.node if n.domain == DOMAIN}
         fresh = onnx_functions(27, sorted(used))
-        out.functions.extend(fresh[f.name] if f.domain == DOMAIN else f for f in functions if f.domain != DOMAIN or f.name in used)
+        out.functions.extend(
+            fresh[f.name] if f.domain == DOMAIN else f for f in functions if f.domain != DOMAIN or f.name in used
+        )
         _prune(out)
     elif target == "trt":
         if any(n.op_type == CACHE_ATTENTION for n in nodes):

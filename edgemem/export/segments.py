@@ -10,7 +10,7 @@ stay initializers of the outer graph, which the body reads from its enclosing sc
 position differs from row 0's by a multiple of S are placed alike; any other row would need other
 pieces, and its floating-point outputs come out NaN rather than quietly wrong (the runtime prefills
 one stream per run; the PyTorch layer refuses such a batch).
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -40,8 +40,10 @@ def position_input(model: Any) -> str:
     for key, tensor in model.init_state(1).items():
         if key.rpartition(".")[2] == "position" and tensor.dtype == torch.int64:
             return input_name(key)
-    raise EdgememError(f"{type(model).__name__} prefills segment by segment but has no int64 `position` state to "
-                       "place a prompt's segments by")
+    raise EdgememError(
+        f"{type(model).__name__} prefills segment by segment but has no int64 `position` state to "
+        "place a prompt's segments by"
+    )
 
 
 def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
@@ -66,8 +68,12 @@ def _renamed(node: onnx.NodeProto, names: dict[str, str]) -> onnx.NodeProto:
     """A copy of `node` reading and writing `names[x]` for every x in `names`, in its subgraphs too."""
     copy = onnx.NodeProto()
     copy.CopyFrom(node)
-    subgraphs = [g for a in copy.attribute for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs)
-                 for g in _graphs(sub)]
+    subgraphs = [
+        g
+        for a in copy.attribute
+        for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs)
+        for g in _graphs(sub)
+    ]
     for n in [copy, *(n for g in subgraphs for n in g.node)]:
         n.input[:] = [names.get(x, x) for x in n.input]
         n.output[:] = [names.get(x, x) for x in n.output]
@@ -96,8 +102,10 @@ def loop_over_segments(piece: onnx.ModelProto, segment: int, position: str, toke
     dims = result.type.tensor_type.shape.dim
     rank, rest = len(dims), [d.dim_value if d.HasField("dim_value") else -1 for d in dims[2:]]
     if rank < 2 or rest.count(-1) > 1:
-        raise EdgememError(f"the piece graph's output {result.name} is not [batch, tokens, ...] with at most one "
-                           f"dim after the tokens of unknown size: {rank} dims, {rest}")
+        raise EdgememError(
+            f"the piece graph's output {result.name} is not [batch, tokens, ...] with at most one "
+            f"dim after the tokens of unknown size: {rank} dims, {rest}"
+        )
 
     g = Graph({})
     g.reserve(*(_names(graph) - {o.name for o in graph.output}))  # the outer graph's outputs keep their names
@@ -136,8 +144,12 @@ def loop_over_segments(piece: onnx.ModelProto, segment: int, position: str, toke
     formal += [(c, types[n], None) for c, n in zip(carried, state_in)]
     out_types = [TensorProto.BOOL, *(_elem_type(o) for o in state_out), _elem_type(result)]
     loop_body = g.subgraph("segment", body, formal, out_types)
-    finals = g.node("Loop", [trips, g.const(True), *state_in],
-                    [*(f"{o.name}_looped" for o in state_out), "segment_outputs"], body=loop_body)
+    finals = g.node(
+        "Loop",
+        [trips, g.const(True), *state_in],
+        [*(f"{o.name}_looped" for o in state_out), "segment_outputs"],
+        body=loop_body,
+    )
     # [segments, B·S·…] → [segments, B, S, …] → [B, segments·S, …] → the prompt's rows [d, d + T)
     zero = g.const([0])
     batch = g.Shape(tokens[0], start=0, end=1)

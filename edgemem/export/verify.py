@@ -54,10 +54,12 @@ def _check_config(manifest: Manifest, model: nn.Module) -> None:
     built = {s.input: s.shape for s in state_specs(model)}
     recorded = {s.input: s.shape for s in manifest.state}
     if built != recorded:
-        name = next((n for n in sorted(built.keys() | recorded.keys()) if built.get(n) != recorded.get(n)))
-        raise EdgememError(f"the config in edgemem.json does not describe these graphs: state {name} is "
-                           f"{recorded.get(name, 'absent')} in the graphs, {built.get(name, 'absent')} for the config "
-                           "(edited by hand?); re-export the model")
+        name = next(n for n in sorted(built.keys() | recorded.keys()) if built.get(n) != recorded.get(n))
+        raise EdgememError(
+            f"the config in edgemem.json does not describe these graphs: state {name} is "
+            f"{recorded.get(name, 'absent')} in the graphs, {built.get(name, 'absent')} for the config "
+            "(edited by hand?); re-export the model"
+        )
 
 
 def _session(path: Path, options: ort.SessionOptions) -> ort.InferenceSession:
@@ -73,8 +75,10 @@ def _compare(a: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
     return (float(diff.max()) if diff.size else 0.0), (float(diff.max()) / scale if diff.size else 0.0)
 
 
-TRT_SKIPPED = ("its graphs hold edgemem's TensorRT plugin nodes, which onnxruntime does not run: build engines with "
-               "`edgemem build` and run them with backend 'trt' on a GPU")
+TRT_SKIPPED = (
+    "its graphs hold edgemem's TensorRT plugin nodes, which onnxruntime does not run: build engines with "
+    "`edgemem build` and run them with backend 'trt' on a GPU"
+)
 
 
 def runnable_targets(manifest: Manifest) -> dict[str, str]:
@@ -89,8 +93,14 @@ def runnable_targets(manifest: Manifest) -> dict[str, str]:
 
 
 def verify(
-    directory: str | Path, *, checkpoint: str | Path | None = None, batch: int = 2, prompt: int = 11,
-    steps: int = 6, seed: int = 0, threads: int | None = None,
+    directory: str | Path,
+    *,
+    checkpoint: str | Path | None = None,
+    batch: int = 2,
+    prompt: int = 11,
+    steps: int = 6,
+    seed: int = 0,
+    threads: int | None = None,
 ) -> tuple[list[Check], dict[str, str]]:
     """Compare every runnable target with PyTorch; returns the checks and the skipped targets."""
     directory = Path(directory)
@@ -102,7 +112,8 @@ def verify(
         raise EdgememError(
             f"{directory} is an {kind} export ({method} quantization): verify compares float exports with PyTorch "
             f"at float tolerances. Verify {source} instead, and judge the {kind} export by its drift report "
-            f"(`edgemem calibrate SOURCE --method {method} --report drift.json`)")
+            f"(`edgemem calibrate SOURCE --method {method} --report drift.json`)"
+        )
     unfit = unfit_reasons(manifest)
     if unfit:  # `edgemem verify` says so itself
         log.info("%s does not fit onnxruntime-genai: %s", directory, "; ".join(unfit))
@@ -123,15 +134,19 @@ def verify(
     names = [s.input for s in written]
     extras, output = graph_io(model)
     if extras and manifest.graphs["step"]:
-        raise EdgememError(f"{directory}: verify feeds per-token inputs ({', '.join(extras)}) to prefill-only models only")
+        raise EdgememError(
+            f"{directory}: verify feeds per-token inputs ({', '.join(extras)}) to prefill-only models only"
+        )
     # per-token inputs such as Longformer's global_attention_mask: about one token in four set
     extra = {name: (torch.rand(batch, prompt, generator=rng) < 0.25).to(dtype) for name, dtype in extras.items()}
     outputs = [output, *(s.output for s in written)]
     encoded = None
     if manifest.encoder:  # an encoder-decoder: decoder streams start from an encoded random input
         length = min(13, manifest.encoder["max_length"])
-        encoded = {"input_ids": torch.randint(0, manifest.vocab_size, (batch, length), generator=rng),
-                   "global_attention_mask": (torch.rand(batch, length, generator=rng) < 0.25).long()}
+        encoded = {
+            "input_ids": torch.randint(0, manifest.vocab_size, (batch, length), generator=rng),
+            "global_attention_mask": (torch.rand(batch, length, generator=rng) < 0.25).long(),
+        }
         with torch.no_grad():
             start = model.start(*encoded.values())
         state0 = {spec.input: start[key].numpy() for spec, key in zip(manifest.state, start)}
@@ -155,13 +170,18 @@ def verify(
     for target in manifest.targets:
         if target in skipped:
             continue
-        sessions = {kind: _session(directory / target / f"{kind}.onnx", options)
-                    for kind in manifest.graphs_of(target) if kind != "encoder"}
+        sessions = {
+            kind: _session(directory / target / f"{kind}.onnx", options)
+            for kind in manifest.graphs_of(target)
+            if kind != "encoder"
+        }
 
         def prefill(ids: np.ndarray, state: dict[str, np.ndarray]) -> list[np.ndarray]:
             """The prefill graph, or token by token through the step graph when there is none."""
             if "prefill" in sessions:
-                return sessions["prefill"].run(outputs, {"input_ids": ids, **{k: v.numpy() for k, v in extra.items()}, **state})
+                return sessions["prefill"].run(
+                    outputs, {"input_ids": ids, **{k: v.numpy() for k, v in extra.items()}, **state}
+                )
             logits = []
             for i in range(ids.shape[1]):
                 result = sessions["step"].run(outputs, {"input_ids": ids[:, i : i + 1], **read_only, **state})
@@ -171,16 +191,21 @@ def verify(
 
         if encoded is not None:
             fills = manifest.encoder["fills"]
-            session = ort.InferenceSession(str(directory / target / "encoder.onnx"), options,
-                                           providers=["CPUExecutionProvider"])
+            session = ort.InferenceSession(
+                str(directory / target / "encoder.onnx"), options, providers=["CPUExecutionProvider"]
+            )
             got = session.run(list(fills.values()), {k: v.numpy() for k, v in encoded.items()})
             checks += [Check(target, "encoder", n, *_compare(a, state0[n]), True) for n, a in zip(fills, got)]
         got = prefill(tokens[:, :prompt].numpy(), state0)
-        checks += [Check(target, "prefill", n, *_compare(a, e), True) for n, a, e in zip(outputs, got, expected["prefill"])]
+        checks += [
+            Check(target, "prefill", n, *_compare(a, e), True) for n, a, e in zip(outputs, got, expected["prefill"])
+        ]
         if PREFILL_LAST in sessions:  # the last position's logits only, the same state
             last = sessions[PREFILL_LAST].run(outputs, {"input_ids": tokens[:, :prompt].numpy(), **state0})
-            checks += [Check(target, PREFILL_LAST, n, *_compare(a, e[:, -1:] if n == output else e), True)
-                       for n, a, e in zip(outputs, last, expected["prefill"])]
+            checks += [
+                Check(target, PREFILL_LAST, n, *_compare(a, e[:, -1:] if n == output else e), True)
+                for n, a, e in zip(outputs, last, expected["prefill"])
+            ]
         if "step" in sessions:
             state = dict(zip(names, got[1:]))
             worst: dict[str, tuple[float, float]] = {}

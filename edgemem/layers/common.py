@@ -53,7 +53,9 @@ class ShortConv(nn.Module):
         return F.silu(y.transpose(1, 2)), window[:, :, t:].to(state.dtype)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0, rotary_dim: int | None = None) -> torch.Tensor:
+def rope(
+    x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0, rotary_dim: int | None = None
+) -> torch.Tensor:
     """Rotary embedding (Su et al. 2021), rotate-half form, on the first `rotary_dim` channels
     (default all; the rest pass through). x `[B, H, T, D]`, positions `[T]` or `[B, T]`."""
     if rotary_dim is not None and rotary_dim < x.shape[-1]:

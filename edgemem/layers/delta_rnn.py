@@ -77,8 +77,16 @@ class DeltaRNN(StatefulLayer):
         q, k, v, r, u = self.proj(x).unflatten(2, (5, self.num_heads, self.head_dim)).unbind(2)
         beta, gamma = torch.sigmoid(self.rates(x)).chunk(2, dim=-1)
         read, memory = linear_attention(
-            q.softmax(-1), k.softmax(-1), v, state["recurrent_state"], None, beta,
-            update_rule="delta", scale=1.0, q_num_heads=self.num_heads, kv_num_heads=self.num_heads,
+            q.softmax(-1),
+            k.softmax(-1),
+            v,
+            state["recurrent_state"],
+            None,
+            beta,
+            update_rule="delta",
+            scale=1.0,
+            q_num_heads=self.num_heads,
+            kv_num_heads=self.num_heads,
         )
         dtype = compute_dtype(read)  # the recurrence runs in float32 (float64) whatever the weights
         carry = (state["feedback_state"].to(dtype), state["last_output"].to(dtype))

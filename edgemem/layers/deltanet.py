@@ -99,8 +99,15 @@ class DeltaNet(StatefulLayer):
         if self.allow_neg_eigval:
             beta = 2 * beta
         o, new_state["recurrent_state"] = linear_attention(
-            q, k, v.unflatten(2, (self.num_v_heads, self.v_head_dim)), state["recurrent_state"], self.decay(x), beta,
-            update_rule=self.update_rule, q_num_heads=self.num_v_heads, kv_num_heads=self.num_v_heads,
+            q,
+            k,
+            v.unflatten(2, (self.num_v_heads, self.v_head_dim)),
+            state["recurrent_state"],
+            self.decay(x),
+            beta,
+            update_rule=self.update_rule,
+            q_num_heads=self.num_v_heads,
+            kv_num_heads=self.num_v_heads,
         )
         o = self.gate(self.norm(o), x)
         return self.out(o.flatten(2)), {k: new_state[k] for k in state}

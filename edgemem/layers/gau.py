@@ -78,8 +78,14 @@ class GAU(StatefulLayer):
         k_quad, k_lin = (zs[:, :, None] * self.gamma[2:] + self.beta[2:]).unbind(2)
         # token i reads S plus keys at positions ≤ p_i − C, i.e. zs[: i + 1]: a causal linear attention
         far, linear_state = linear_attention(
-            q_lin[:, :, None], k_lin[:, :t, None], vs[:, :t, None], state["linear_state"][:, None],
-            update_rule="linear", scale=1.0 / c, q_num_heads=1, kv_num_heads=1,
+            q_lin[:, :, None],
+            k_lin[:, :t, None],
+            vs[:, :t, None],
+            state["linear_state"][:, None],
+            update_rule="linear",
+            scale=1.0 / c,
+            q_num_heads=1,
+            kv_num_heads=1,
         )
         near = self._window(q_quad, q_lin, k_quad, k_lin, vs, state["position"])
         y = self.out(u * (far[:, :, 0] + near))

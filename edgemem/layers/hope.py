@@ -148,7 +148,9 @@ class HOPE(StatefulLayer):
         super().__init__()
         ok = isinstance(levels, list) and levels and all(isinstance(c, int) and not isinstance(c, bool) for c in levels)
         if not ok or levels[0] < 1 or any(a >= b for a, b in zip(levels, levels[1:])):
-            raise ConfigError(f"levels are the CMS update periods, increasing integers ≥ 1 (e.g. [16, 64, 256]); got {levels!r}")
+            raise ConfigError(
+                f"levels are the CMS update periods, increasing integers ≥ 1 (e.g. [16, 64, 256]); got {levels!r}"
+            )
         if "residual_norm" in memory:
             raise ConfigError("hope's memory always has the residual form x + γ ⊙ LN(f(x)) + β; drop residual_norm")
         self.memory = SelfModifyingMemory(d_model, num_heads, **memory)
@@ -160,7 +162,7 @@ class HOPE(StatefulLayer):
 
     def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> State:
         state = self.memory.init_state(batch, device, dtype)
-        for l, level in enumerate(self.levels):
+        for l, level in enumerate(self.levels):  # noqa: E741
             own = level.init_state(batch, device, dtype)
             state.update({f"cms.{l}.{kind}": t for kind, t in own.items() if kind != "position"})
         return state
@@ -168,7 +170,7 @@ class HOPE(StatefulLayer):
     def prefill(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         mine = {k: t for k, t in state.items() if not k.startswith("cms.")}
         h, new = self.memory.prefill(x, mine)
-        for l, level in enumerate(self.levels):
+        for l, level in enumerate(self.levels):  # noqa: E741
             prefix = f"cms.{l}."
             own = {k[len(prefix) :]: t for k, t in state.items() if k.startswith(prefix)}
             h, own = level.prefill(h, {**own, "position": state["position"]})

@@ -34,8 +34,14 @@ class LinearAttention(StatefulLayer):
         q, k = F.elu(q) + 1, F.elu(k) + 1
         v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
         o, s = linear_attention(
-            q, k, v, state["recurrent_state"],
-            update_rule="linear", scale=1.0, q_num_heads=self.num_heads, kv_num_heads=self.num_heads,
+            q,
+            k,
+            v,
+            state["recurrent_state"],
+            update_rule="linear",
+            scale=1.0,
+            q_num_heads=self.num_heads,
+            kv_num_heads=self.num_heads,
         )
         o = o[..., :-1] / (o[..., -1:] + self.eps)
         return self.out(o.flatten(2)), {"recurrent_state": s}

@@ -77,7 +77,13 @@ class LiZA(AttentionProjections):
     def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> State:
         dtype = self.state_dtype(dtype)
         key, value = init_window_state(
-            batch, self.num_heads, self.head_dim, window=self.window, dilation=self.dilation, device=device, dtype=dtype,
+            batch,
+            self.num_heads,
+            self.head_dim,
+            window=self.window,
+            dilation=self.dilation,
+            device=device,
+            dtype=dtype,
         )
         recurrent = torch.zeros(batch, self.num_kv_heads, self.head_dim, self.head_dim, device=device, dtype=dtype)
         position = torch.zeros(batch, dtype=torch.int64, device=device)
@@ -90,16 +96,28 @@ class LiZA(AttentionProjections):
         group = self.num_heads // self.num_kv_heads
         heads = lambda t: t.repeat_interleave(group, dim=1).transpose(1, 2)  # noqa: E731  [B, T, H, D]
         window, key, value = window_attention_prefill(
-            self.rotate(q, positions).transpose(1, 2), heads(self.rotate(k, positions)), heads(v),
-            state["key"], state["value"], position,
-            num_heads=self.num_heads, window=self.window, dilation=self.dilation,
-            persistent_key=self.persistent_key, persistent_value=self.persistent_value,
+            self.rotate(q, positions).transpose(1, 2),
+            heads(self.rotate(k, positions)),
+            heads(v),
+            state["key"],
+            state["value"],
+            position,
+            num_heads=self.num_heads,
+            window=self.window,
+            dilation=self.dilation,
+            persistent_key=self.persistent_key,
+            persistent_value=self.persistent_value,
         )
         linear, recurrent = linear_attention(
-            l2norm(q).transpose(1, 2), l2norm(k).transpose(1, 2), v.transpose(1, 2), state["recurrent_state"],
+            l2norm(q).transpose(1, 2),
+            l2norm(k).transpose(1, 2),
+            v.transpose(1, 2),
+            state["recurrent_state"],
             None if self.decay is None else F.logsigmoid(self.decay(x)),
             None if self.beta is None else torch.sigmoid(self.beta(x)),
-            update_rule=self.update_rule, q_num_heads=self.num_heads, kv_num_heads=self.num_kv_heads,
+            update_rule=self.update_rule,
+            q_num_heads=self.num_heads,
+            kv_num_heads=self.num_kv_heads,
         )
         alpha = torch.sigmoid(self.gate(x))[..., None]
         y = window + alpha * (linear.to(window.dtype) - window)

@@ -28,7 +28,13 @@ from edgemem.ops.window_attention import init_window_state, window_attention_pre
 
 class _Projections(StatefulLayer):
     def __init__(
-        self, d_model: int, num_heads: int, window: int, dilation: int | list[int], bias: bool = False, rope: bool = True
+        self,
+        d_model: int,
+        num_heads: int,
+        window: int,
+        dilation: int | list[int],
+        bias: bool = False,
+        rope: bool = True,
     ):
         super().__init__()
         if d_model % num_heads or (rope and (d_model // num_heads) % 2):
@@ -39,7 +45,9 @@ class _Projections(StatefulLayer):
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.out = nn.Linear(d_model, d_model, bias=bias)
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor, qkv: nn.Linear | None = None) -> tuple[torch.Tensor, ...]:
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor, qkv: nn.Linear | None = None
+    ) -> tuple[torch.Tensor, ...]:
         """q, k (rotated at `positions` when the layer uses RoPE) and v from `qkv` (default:
         the layer's own), each `[B, T, H, D]`."""
         q, k, v = (qkv or self.qkv)(x).unflatten(2, (3, self.num_heads, self.head_dim)).unbind(2)
@@ -59,8 +67,13 @@ class SlidingWindowAttention(_Projections):
 
     def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> State:
         key, value = init_window_state(
-            batch, self.num_heads, self.head_dim, window=self.window, dilation=self.dilation,
-            device=device, dtype=self.state_dtype(dtype),
+            batch,
+            self.num_heads,
+            self.head_dim,
+            window=self.window,
+            dilation=self.dilation,
+            device=device,
+            dtype=self.state_dtype(dtype),
         )
         return {"key": key, "value": value, "position": torch.zeros(batch, dtype=torch.int64, device=device)}
 
@@ -68,9 +81,17 @@ class SlidingWindowAttention(_Projections):
         position = state["position"]
         q, k, v = self.project(x, position[:, None] + torch.arange(x.shape[1], device=x.device))
         y, key, value = window_attention_prefill(
-            q, k, v, state["key"], state["value"], position,
-            num_heads=self.num_heads, window=self.window, dilation=self.dilation,
-            persistent_key=self.persistent_key, persistent_value=self.persistent_value,
+            q,
+            k,
+            v,
+            state["key"],
+            state["value"],
+            position,
+            num_heads=self.num_heads,
+            window=self.window,
+            dilation=self.dilation,
+            persistent_key=self.persistent_key,
+            persistent_value=self.persistent_value,
         )
         return self.out(y.flatten(2)), {"key": key, "value": value, "position": position + x.shape[1]}
 

@@ -100,25 +100,31 @@ class SoftmaxAttention(AttentionProjections):
 
     forwards_options_to = AttentionProjections  # **options are the projections' options
 
-    def __init__(self, d_model: int, num_heads: int, *, max_length: int | None = None, sinks: int | None = None,
-                 **options: Any):
+    def __init__(
+        self, d_model: int, num_heads: int, *, max_length: int | None = None, sinks: int | None = None, **options: Any
+    ):
         super().__init__(d_model, num_heads, **options)
         self.set_cache(max_length, sinks)
 
     def set_cache(self, max_length: int | None, sinks: int | None = None) -> None:
-        """The cache layout (module docstring): growing (None), or `max_length` slots with `sinks` (None: error past it)."""
+        """The cache layout (module docstring): growing (None), or `max_length` slots with `sinks` (None: error past it)."""  # noqa: E501
         length, sink = named("max_length", "--max-length"), named("sinks", "--sinks")
         if max_length is not None and (type(max_length) is not int or max_length < 1):
             raise ConfigError(f"{length} must be a positive integer; got {max_length!r}")
         if sinks is not None and (max_length is None or type(sinks) is not int or not 0 <= sinks < max_length):
-            raise ConfigError(f"{sink} (attention sinks of the sliding window) must be an integer in [0, {length}) "
-                              f"with {length} set; got {sink} {sinks!r}, {length} {max_length!r}")
+            raise ConfigError(
+                f"{sink} (attention sinks of the sliding window) must be an integer in [0, {length}) "
+                f"with {length} set; got {sink} {sinks!r}, {length} {max_length!r}"
+            )
         self.max_length, self.sinks = max_length, sinks
 
     def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> State:
         shape = (batch, self.num_kv_heads, self.max_length or 0, self.head_dim)
         dtype = self.state_dtype(dtype)
-        state = {"key": torch.zeros(shape, device=device, dtype=dtype), "value": torch.zeros(shape, device=device, dtype=dtype)}
+        state = {
+            "key": torch.zeros(shape, device=device, dtype=dtype),
+            "value": torch.zeros(shape, device=device, dtype=dtype),
+        }
         if self.max_length is not None:
             state["position"] = torch.zeros(batch, dtype=torch.int64, device=device)
         return state
@@ -145,15 +151,18 @@ class SoftmaxAttention(AttentionProjections):
         dtype = state["key"].dtype
         return y, {"key": keys.to(dtype), "value": values.to(dtype)}
 
-    def _prefill_cache(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None,
-                       state: State) -> tuple[torch.Tensor, State]:
+    def _prefill_cache(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, state: State
+    ) -> tuple[torch.Tensor, State]:
         """The preallocated cache, from `project`'s q `[B, H, T, D]`, k and v `[B, H_kv, T, D]`."""
         t = q.shape[2]
         position = state["position"]
         if self.sinks is None and not torch.onnx.is_in_onnx_export() and int(position.max()) + t > self.max_length:
-            raise CacheFullError(f"the KV cache holds max_length={self.max_length} tokens; a stream at position "
-                                 f"{int(position.max())} cannot take {t} more (export with a larger max_length, or sinks "
-                                 "for a sliding window)")
+            raise CacheFullError(
+                f"the KV cache holds max_length={self.max_length} tokens; a stream at position "
+                f"{int(position.max())} cannot take {t} more (export with a larger max_length, or sinks "
+                "for a sliding window)"
+            )
         positions = position[:, None] + torch.arange(t, device=q.device)  # [B, T]
 
         def packed(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] → [B, T, H·D]
@@ -162,7 +171,15 @@ class SoftmaxAttention(AttentionProjections):
         query, key = packed(self.rotate(q, positions)), packed(self.rotate(k, positions))
         sink_query = None if self.sinks is None else packed(self.rotate(q, positions.clamp(max=self.max_length - 1)))
         y, present_key, present_value = cache_attention(
-            query, key, packed(v), state["key"], state["value"], position, sink_query,
-            num_heads=self.num_heads, kv_num_heads=self.num_kv_heads, sinks=-1 if self.sinks is None else self.sinks,
+            query,
+            key,
+            packed(v),
+            state["key"],
+            state["value"],
+            position,
+            sink_query,
+            num_heads=self.num_heads,
+            kv_num_heads=self.num_kv_heads,
+            sinks=-1 if self.sinks is None else self.sinks,
         )
         return self.output(y, gate), {"key": present_key, "value": present_value, "position": position + t}

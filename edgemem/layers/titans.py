@@ -119,7 +119,9 @@ class NeuralMemoryLayer(StatefulLayer):
         zeros = x.new_zeros(*x.shape[:2], self.num_heads)
         depth = len(self.initial_memory)
         y, memory, momentum, chunk_memory, new["position"] = neural_memory_step(
-            l2norm(q), l2norm(k), v,
+            l2norm(q),
+            l2norm(k),
+            v,
             self.max_lr * torch.sigmoid(self.theta(x)),
             zeros if self.eta is None else torch.sigmoid(self.eta(x)),
             zeros if self.alpha is None else torch.sigmoid(self.alpha(x)),
@@ -127,8 +129,11 @@ class NeuralMemoryLayer(StatefulLayer):
             [state[f"momentum.{i}"] for i in range(depth)],
             [state[f"chunk_memory.{i}"] for i in range(depth)],
             state["position"],
-            num_heads=self.num_heads, chunk_size=self.chunk_size, activation=self.activation,
-            norm_weight=self.inner_norm_weight, norm_bias=self.inner_norm_bias,
+            num_heads=self.num_heads,
+            chunk_size=self.chunk_size,
+            activation=self.activation,
+            norm_weight=self.inner_norm_weight,
+            norm_bias=self.inner_norm_bias,
         )
         for i in range(depth):
             new[f"memory.{i}"], new[f"momentum.{i}"], new[f"chunk_memory.{i}"] = memory[i], momentum[i], chunk_memory[i]
@@ -157,7 +162,7 @@ def by_segment(piece: Piece, x: torch.Tensor, state: State, segment: int, layer:
     position = state["position"]
     if bool((position != position[0]).any()):
         raise EdgememError(
-            f"{layer} prefills a batch only when its streams sit at one position (got {position.tolist()}); step them instead"
+            f"{layer} prefills a batch only when its streams sit at one position (got {position.tolist()}); step them instead"  # noqa: E501
         )
     first, start, outputs = int(position[0]), 0, []
     while start < x.shape[1]:
@@ -252,7 +257,9 @@ class TitansMAC(StatefulLayer):
         read = l2norm(heads(F.silu(self.read_query(x))))
         memory = self.memory
         h = memory_read(
-            read.to(state["memory.0"].dtype), memory.segment_memory(state), memory.activation,
+            read.to(state["memory.0"].dtype),
+            memory.segment_memory(state),
+            memory.activation,
             ResidualNorm.of(memory.inner_norm_weight, memory.inner_norm_bias),
         )
         h = h.to(x.dtype).transpose(1, 2).flatten(2)

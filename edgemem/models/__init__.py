@@ -1,12 +1,12 @@
 """Models built from edgemem layers: the presets declared in `edgemem/presets/`, checkpoints, imports.
 
-    lm          LM: a language model of blocks with one mixer each (LMConfig, MIXERS)
-    encoder     the bidirectional (encoder) models
-    recipes     a preset's config from its recipe (load_config)
-    preset      build(arch): a preset by name, randomly initialised; describe / write_sizes: its sizes
-    checkpoint  save_checkpoint / load_checkpoint, and the tokenizer beside a checkpoint
-    linearize   a softmax model turned into a hybrid (LiZA) one
-    hf          from_hf: a Hugging Face / flash-linear-attention directory as an edgemem model
+lm          LM: a language model of blocks with one mixer each (LMConfig, MIXERS)
+encoder     the bidirectional (encoder) models
+recipes     a preset's config from its recipe (load_config)
+preset      build(arch): a preset by name, randomly initialised; describe / write_sizes: its sizes
+checkpoint  save_checkpoint / load_checkpoint, and the tokenizer beside a checkpoint
+linearize   a softmax model turned into a hybrid (LiZA) one
+hf          from_hf: a Hugging Face / flash-linear-attention directory as an edgemem model
 """
 
 from edgemem.models.checkpoint import checkpoint_tokenizer, load_checkpoint, save_checkpoint, tokenizer_dir

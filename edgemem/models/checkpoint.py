@@ -10,7 +10,6 @@ from pathlib import Path
 from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
-
 from torch import nn
 
 from edgemem import kinds
@@ -41,8 +40,10 @@ def _save_tokenizer(files: list[Path], path: Path) -> dict[str, str]:
 
     folder = tokenizer_dir(path)
     if folder.exists() and (not folder.is_dir() or any(p.name not in TOKENIZER_FILES for p in folder.iterdir())):
-        raise OutputError(f"{folder} (where the tokenizer of {path.name} goes) exists and holds other files; "
-                          "move it or write the checkpoint elsewhere")
+        raise OutputError(
+            f"{folder} (where the tokenizer of {path.name} goes) exists and holds other files; "
+            "move it or write the checkpoint elsewhere"
+        )
     with staged_directory(folder) as tmp:
         for file in files:
             shutil.copyfile(file, tmp / file.name)
@@ -57,8 +58,10 @@ def checkpoint_tokenizer(path: str | Path) -> list[Path]:
     for name, digest in recorded.items():
         if not (folder / name).is_file() or sha256(folder / name) != digest:
             state = "changed" if (folder / name).is_file() else "missing"
-            raise EdgememError(f"{folder / name} is {state}: {path.name} was saved with this tokenizer file beside "
-                               f"it (keep {folder.name}/ next to the checkpoint)")
+            raise EdgememError(
+                f"{folder / name} is {state}: {path.name} was saved with this tokenizer file beside "
+                f"it (keep {folder.name}/ next to the checkpoint)"
+            )
     return [folder / name for name in recorded]
 
 

@@ -69,8 +69,9 @@ class EncoderBlock(nn.Module):
     def __init__(self, d_model: int, num_heads: int, window: int, mlp_hidden: int, norm_eps: float):
         super().__init__()
         d = d_model
-        self.attn = BandedEncoderAttention(d, num_heads, window, global_tokens=0, bias=True, rope=False,
-                                           global_projections=True)
+        self.attn = BandedEncoderAttention(
+            d, num_heads, window, global_tokens=0, bias=True, rope=False, global_projections=True
+        )
         self.attn_norm = nn.LayerNorm(d, eps=norm_eps)
         self.up = nn.Linear(d, mlp_hidden)
         self.down = nn.Linear(mlp_hidden, d)

@@ -6,7 +6,7 @@ weight of the original is kept: embeddings, norms, MLPs, head, the other layers 
 layer's q/k/v/output projections and q/k norms; only the LiZA gate and the linear branch's β /
 decay projections are new (initialised as in `edgemem.layers.liza`). The result streams with a fixed-size state: the window's
 ring buffer plus one linear-attention state per layer. Fine-tuning it is the user's (`edgemem.train`).
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -28,14 +28,19 @@ def linearize(model: LM, *, window: int = 64, update_rule: str = "gated_delta", 
     config = model.config
     kinds = [config.mixer_of(i)[0] for i in range(config.n_layers)]
     if "softmax" not in kinds:
-        raise ConfigError(f"linearize turns softmax attention into LiZA; {config.arch} has none (mixers: "
-                          f"{', '.join(sorted(set(kinds)))})")
-    projections = {k: v for k, v in config.mixer_of(kinds.index("softmax"))[1].items()
-                   if k not in ("max_length", "sinks")}  # a KV-cache layout: LiZA keeps none
+        raise ConfigError(
+            f"linearize turns softmax attention into LiZA; {config.arch} has none (mixers: "
+            f"{', '.join(sorted(set(kinds)))})"
+        )
+    projections = {
+        k: v for k, v in config.mixer_of(kinds.index("softmax"))[1].items() if k not in ("max_length", "sinks")
+    }  # a KV-cache layout: LiZA keeps none
     softmax = {**projections, "window": window, "update_rule": update_rule, "gate_init": gate_init}
     rename = lambda kind: "liza" if kind == "softmax" else kind  # noqa: E731
     config = dataclasses.replace(
-        config, arch=f"{config.arch}-linearized", mixer=rename(config.mixer),
+        config,
+        arch=f"{config.arch}-linearized",
+        mixer=rename(config.mixer),
         mixer_options=softmax if config.mixer == "softmax" else config.mixer_options,
         layer_types=[rename(k) for k in config.layer_types],
         layer_type_options={rename(k): softmax if k == "softmax" else v for k, v in config.layer_type_options.items()},

@@ -119,8 +119,17 @@ class LM(nn.Module):
         super().__init__()
         self.config = config
         for options in [config.mixer_options, *config.layer_type_options.values()]:  # before any allocation
-            check_settings({"d_model": config.d_model, "n_layers": config.n_layers, "mlp_hidden": config.mlp_hidden,
-                            "vocab_size": config.vocab_size, "norm_eps": config.norm_eps, **options}, config.arch)
+            check_settings(
+                {
+                    "d_model": config.d_model,
+                    "n_layers": config.n_layers,
+                    "mlp_hidden": config.mlp_hidden,
+                    "vocab_size": config.vocab_size,
+                    "norm_eps": config.norm_eps,
+                    **options,
+                },
+                config.arch,
+            )
         if config.layer_types and len(config.layer_types) != config.n_layers:
             raise ConfigError(f"layer_types has {len(config.layer_types)} entries for {config.n_layers} layers")
         unknown = sorted({t for t in [config.mixer, *config.layer_types] if t not in MIXERS})
@@ -151,10 +160,16 @@ class LM(nn.Module):
         if not layers or layouts == {(None, None)}:
             return None
         if len(layouts) > 1:
-            raise ConfigError(f"softmax-attention layers differ in their KV cache (max_length, sinks): {sorted(layouts, key=str)}; "
-                              "give them one layout")
+            raise ConfigError(
+                f"softmax-attention layers differ in their KV cache (max_length, sinks): {sorted(layouts, key=str)}; "
+                "give them one layout"
+            )
         ((max_length, sinks),) = layouts
-        return {"max_length": max_length, "sinks": sinks, "states": [f"{i}.{kind}" for i, _ in layers for kind in ("key", "value")]}
+        return {
+            "max_length": max_length,
+            "sinks": sinks,
+            "states": [f"{i}.{kind}" for i, _ in layers for kind in ("key", "value")],
+        }
 
     @property
     def prefill_segment(self) -> int:
@@ -208,4 +223,7 @@ def set_kv_cache(model: LM, max_length: int, sinks: int | None = None) -> None:
     if config.mixer == "softmax":
         config.mixer_options = {**config.mixer_options, **options}
     if "softmax" in config.layer_types and config.mixer != "softmax":
-        config.layer_type_options = {**config.layer_type_options, "softmax": {**config.layer_type_options.get("softmax", {}), **options}}
+        config.layer_type_options = {
+            **config.layer_type_options,
+            "softmax": {**config.layer_type_options.get("softmax", {}), **options},
+        }

@@ -58,5 +58,3 @@ def describe(arch: str, **overrides: Any) -> dict[str, Any]:
 def write_sizes() -> Path:
     """Measure every preset and write `edgemem/presets/sizes.json` (after changing a preset or a layer)."""
     return save_sizes({name: describe(name) for name in archs()})
-
-

@@ -58,7 +58,9 @@ def load_config(arch: str, **overrides: Any) -> LMConfig:
         raise ConfigError(f"unknown arch {arch!r}; known: {', '.join(sorted(files))} (or a recipe file, *.toml)")
     unknown = set(recipe) - {"model", "mixer"}
     if unknown:
-        raise ConfigError(f"recipe {arch}: unknown section(s) {', '.join(sorted(unknown))}; expected [model] and [mixer]")
+        raise ConfigError(
+            f"recipe {arch}: unknown section(s) {', '.join(sorted(unknown))}; expected [model] and [mixer]"
+        )
     model, mixer = dict(recipe.get("model", {})), dict(recipe.get("mixer", {}))
     mixer_type = mixer.pop("type", None)
     if mixer_type not in MIXERS:

@@ -101,8 +101,9 @@ class DecoderBlock(nn.Module):
     def forward(self, x: torch.Tensor, state: State, position: torch.Tensor) -> tuple[torch.Tensor, State]:
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         h = self.num_heads
-        y, key, value = cache_attention(q, k, v, state["key"], state["value"], position, num_heads=h, kv_num_heads=h,
-                                        scale=self.head_dim**-0.5)
+        y, key, value = cache_attention(
+            q, k, v, state["key"], state["value"], position, num_heads=h, kv_num_heads=h, scale=self.head_dim**-0.5
+        )
         x = self.attn_norm(x + self.out(y))
         x = self.cross_norm(x + self.cross(x, state["cross_key"], state["cross_value"]))
         x = self.mlp_norm(x + self.down(F.gelu(self.up(x))))
@@ -119,14 +120,17 @@ class EncoderDecoder(nn.Module):
     def __init__(self, config: Seq2SeqConfig):
         super().__init__()
         if len(config.windows) != config.encoder_layers:
-            raise ConfigError(f"windows lists one window per encoder layer: {config.encoder_layers} expected, "
-                              f"got {config.windows}")
+            raise ConfigError(
+                f"windows lists one window per encoder layer: {config.encoder_layers} expected, got {config.windows}"
+            )
         for name in ("encoder_heads", "decoder_heads"):
             if config.d_model % getattr(config, name):
                 raise ConfigError(f"d_model ({config.d_model}) is not a multiple of {name} ({getattr(config, name)})")
         if not 1 <= config.cache_length <= config.max_decoder_positions:
-            raise ConfigError(f"max_length ({config.max_length}) must lie in [1, max_decoder_positions = "
-                              f"{config.max_decoder_positions}]: the decoder has no positions past it")
+            raise ConfigError(
+                f"max_length ({config.max_length}) must lie in [1, max_decoder_positions = "
+                f"{config.max_decoder_positions}]: the decoder has no positions past it"
+            )
         self.config = config
         d = config.d_model
         self.embed = nn.Embedding(config.vocab_size, d)
@@ -149,19 +153,24 @@ class EncoderDecoder(nn.Module):
             shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise ShapeError(f"input_ids must be an integer tensor [B, S]; got {shape}")
         mask = global_attention_mask
-        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.shape == input_ids.shape
-                                     and not mask.is_floating_point()):
+        if mask is not None and not (
+            isinstance(mask, torch.Tensor) and mask.shape == input_ids.shape and not mask.is_floating_point()
+        ):
             shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-            raise ShapeError(f"global_attention_mask must be an integer or bool tensor shaped like input_ids "
-                             f"{tuple(input_ids.shape)} (1: global, 0: local); got {shape}")
+            raise ShapeError(
+                f"global_attention_mask must be an integer or bool tensor shaped like input_ids "
+                f"{tuple(input_ids.shape)} (1: global, 0: local); got {shape}"
+            )
         if torch.onnx.is_in_onnx_export():
             return
         s, limit = input_ids.shape[1], self.config.max_encoder_positions
         if not 1 <= s <= limit:
             raise ShapeError(f"an input of {s} tokens: the encoder takes 1 to {limit} (max_encoder_positions)")
         if input_ids.min() < 0 or input_ids.max() >= self.config.vocab_size:
-            raise ShapeError(f"input_ids must lie in [0, {self.config.vocab_size}); got "
-                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+            raise ShapeError(
+                f"input_ids must lie in [0, {self.config.vocab_size}); got "
+                f"[{int(input_ids.min())}, {int(input_ids.max())}]"
+            )
 
     def encode(self, input_ids: torch.Tensor, global_attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The encoder's output `[B, S, d]` (LEDEncoder's last_hidden_state)."""
@@ -190,8 +199,11 @@ class EncoderDecoder(nn.Module):
     @property
     def state_dims(self) -> dict[str, dict[int, str]]:
         """State dims whose size is set per stream (not by the model): the encoded input's length."""
-        return {f"{i}.cross_{kind}": {2: ENCODER_SEQUENCE} for i in range(self.config.decoder_layers)
-                for kind in ("key", "value")}
+        return {
+            f"{i}.cross_{kind}": {2: ENCODER_SEQUENCE}
+            for i in range(self.config.decoder_layers)
+            for kind in ("key", "value")
+        }
 
     @property
     def read_only(self) -> list[str]:
@@ -204,15 +216,20 @@ class EncoderDecoder(nn.Module):
         states = [f"{i}.{kind}" for i in range(self.config.decoder_layers) for kind in ("key", "value")]
         return {"max_length": self.config.cache_length, "sinks": None, "states": states}
 
-    def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None,
-                   encoder_length: int = 0) -> State:
+    def init_state(
+        self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None, encoder_length: int = 0
+    ) -> State:
         c = self.config
         heads, d = c.decoder_heads, c.d_model // c.decoder_heads
         dtype = dtype or torch.float32
         state: State = {}
         for i in range(c.decoder_layers):
-            for kind, length in (("key", c.cache_length), ("value", c.cache_length),
-                                 ("cross_key", encoder_length), ("cross_value", encoder_length)):
+            for kind, length in (
+                ("key", c.cache_length),
+                ("value", c.cache_length),
+                ("cross_key", encoder_length),
+                ("cross_value", encoder_length),
+            ):
                 state[f"{i}.{kind}"] = torch.zeros(batch, heads, length, d, device=device, dtype=dtype)
         state["position"] = torch.zeros(batch, dtype=torch.int64, device=device)
         return state
@@ -222,14 +239,16 @@ class EncoderDecoder(nn.Module):
         position = state["position"]
         t = tokens.shape[1]
         if not torch.onnx.is_in_onnx_export() and int(position.max()) + t > self.config.cache_length:
-            raise CacheFullError(f"the decoder holds max_length={self.config.cache_length} tokens; a stream at "
-                                 f"position {int(position.max())} cannot take {t} more")
+            raise CacheFullError(
+                f"the decoder holds max_length={self.config.cache_length} tokens; a stream at "
+                f"position {int(position.max())} cannot take {t} more"
+            )
         positions = position[:, None] + torch.arange(t, device=tokens.device)
         x = self.decoder_norm(self.embed(tokens) + self.decoder_positions(positions))
         new: State = {}
         for i, block in enumerate(self.decoder):
             prefix = f"{i}."
-            mine = {name[len(prefix):]: v for name, v in state.items() if name.startswith(prefix)}
+            mine = {name[len(prefix) :]: v for name, v in state.items() if name.startswith(prefix)}
             x, mine = block(x, mine, position)
             new.update({prefix + kind: v for kind, v in mine.items()})
         new["position"] = position + t
@@ -241,7 +260,11 @@ class EncoderDecoder(nn.Module):
         logits, state = self.prefill(tokens[:, None], state)
         return logits[:, 0], state
 
-    def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor,
-                global_attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        decoder_input_ids: torch.Tensor,
+        global_attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Teacher-forced logits `[B, T, V]` of `decoder_input_ids` given `input_ids`."""
         return self.prefill(decoder_input_ids, self.start(input_ids, global_attention_mask))[0]

@@ -50,12 +50,18 @@ class Source:
         return {key: self.seed if self.origin == "preset" else self.path}
 
     @classmethod
-    def from_manifest(cls, source: Mapping[str, Any] | None, config: Mapping[str, Any], kind: str,
-                      kv_cache: Mapping[str, Any] | None) -> Source:
+    def from_manifest(
+        cls, source: Mapping[str, Any] | None, config: Mapping[str, Any], kind: str, kv_cache: Mapping[str, Any] | None
+    ) -> Source:
         """The record of a manifest (its `source`, or for older exports the keys of its config)."""
-        layout = None if not kv_cache else {
-            "max_length": kv_cache["max_length"],
-            "sinks": kv_cache["sinks"] if kv_cache["overflow"] == "sink_window" else None}
+        layout = (
+            None
+            if not kv_cache
+            else {
+                "max_length": kv_cache["max_length"],
+                "sinks": kv_cache["sinks"] if kv_cache["overflow"] == "sink_window" else None,
+            }
+        )
         if source:
             try:
                 return cls(**{**source, "kv_cache": source.get("kv_cache") or layout})
@@ -98,8 +104,9 @@ def apply_kv_cache(model: nn.Module, max_length: int, sinks: int | None = None) 
             raise ConfigError("an encoder-decoder's decoder has learned positions that end: it takes no sinks")
         config = model.config
         if not 1 <= max_length <= config.max_decoder_positions:
-            raise ConfigError(f"max_length {max_length} must lie in [1, {config.max_decoder_positions}] "
-                              "(the decoder's positions)")
+            raise ConfigError(
+                f"max_length {max_length} must lie in [1, {config.max_decoder_positions}] (the decoder's positions)"
+            )
         config.max_length = max_length
         return
     from edgemem.models.lm import set_kv_cache

@@ -7,6 +7,18 @@ from edgemem.quant.graph import boundary_violations, projections, quantized_proj
 from edgemem.quant.recipe import Recipe, RecipeError, load_recipe, recipes
 
 __all__ = [
-    "BLOCK_SIZES", "METHODS", "Recipe", "RecipeError", "block_size_for", "boundary_violations", "calibrate", "default_out",
-    "drift_report", "load_recipe", "plot_report", "projections", "quantized_projections", "recipes",
+    "BLOCK_SIZES",
+    "METHODS",
+    "Recipe",
+    "RecipeError",
+    "block_size_for",
+    "boundary_violations",
+    "calibrate",
+    "default_out",
+    "drift_report",
+    "load_recipe",
+    "plot_report",
+    "projections",
+    "quantized_projections",
+    "recipes",
 ]

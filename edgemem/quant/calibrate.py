@@ -17,7 +17,7 @@ int4: onnxruntime's `MatMulNBitsQuantizer` (weight-only, round-to-nearest): each
 Only the recipe-approved projections (see `edgemem.quant.graph`) are quantized; outputs of MatMul/Gemm
 are never quantized, so nothing downstream (gates, decays, norms, custom nodes, state) sees INT8.
 The output directory is built beside its final place and renamed into it, like `edgemem export`.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -87,8 +87,10 @@ def block_size_for(method: str, block_size: int | None) -> int | None:
     if block_size is None:
         return DEFAULT_BLOCK
     if block_size not in BLOCK_SIZES:
-        raise ConfigError(f"int4 block size must be a power of two from 16 to 256 "
-                          f"({', '.join(map(str, BLOCK_SIZES))}); got {block_size}")
+        raise ConfigError(
+            f"int4 block size must be a power of two from 16 to 256 "
+            f"({', '.join(map(str, BLOCK_SIZES))}); got {block_size}"
+        )
     return block_size
 
 
@@ -118,8 +120,13 @@ class _Reader(CalibrationDataReader):
         return len(self.feeds)
 
 
-def calibration_feeds(directory: Path, manifest: Manifest, recipe: Recipe, threads: int | None,
-                      progress: Callable[[str], None] = lambda _: None) -> dict[str, list]:
+def calibration_feeds(
+    directory: Path,
+    manifest: Manifest,
+    recipe: Recipe,
+    threads: int | None,
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict[str, list]:
     """Inputs of the prefill and step graphs at the recipe's positions: `streams` held-out streams of the
     recipe's task rolled out by the fp32 runtime (chunked prefill), batched as one [streams, ...] feed
     per position. The step sample is the next token, the prefill sample the next `prefill_tokens`."""
@@ -150,20 +157,27 @@ def _loop_projections(paths: dict[tuple[str, str], Path], state_names: set[str])
     for (target, kind), path in paths.items():
         model = onnx.load(str(path), load_external_data=False)
         every = sum(p.quantizable for p in projections(model, state_names, subgraphs=True))
-        if (inside := every - sum(p.quantizable for p in projections(model, state_names))):
+        if inside := every - sum(p.quantizable for p in projections(model, state_names)):
             found[f"{target}/{kind}.onnx"] = inside
     return found
 
 
-def _select(paths: dict[tuple[str, str], Path], state_names: set[str], recipe: Recipe, *, matmul_only: bool = False,
-            subgraphs: bool = False) -> tuple[dict[tuple[str, str], list[Projection]], dict[tuple[str, str], list[str]]]:
+def _select(
+    paths: dict[tuple[str, str], Path],
+    state_names: set[str],
+    recipe: Recipe,
+    *,
+    matmul_only: bool = False,
+    subgraphs: bool = False,
+) -> tuple[dict[tuple[str, str], list[Projection]], dict[tuple[str, str], list[str]]]:
     """Every projection per (target, graph) and the node names to quantize (with `matmul_only`, for MatMulNBits:
     MatMul only, it has no Gemm form, but a weight read through a Transpose counts, and so does the tied head's
     Gemm, which `fold_transposed_weights` turns back into a MatMul); each recipe exclusion must
     name a projection of some graph."""
     models = {key: onnx.load(str(path), load_external_data=False) for key, path in paths.items()}
     found: dict[tuple[str, str], list[Projection]] = {
-        key: projections(model, state_names, transposed=matmul_only, subgraphs=subgraphs) for key, model in models.items()
+        key: projections(model, state_names, transposed=matmul_only, subgraphs=subgraphs)
+        for key, model in models.items()
     }
     # fold_transposed_weights reaches the top-level graph only, not a segment Loop's body: where an export's
     # prefill is such a Loop, Gemm heads stay float in every graph, so that prefill and steps quantize alike
@@ -172,11 +186,18 @@ def _select(paths: dict[tuple[str, str], Path], state_names: set[str], recipe: R
     unknown = [pattern for pattern in recipe.exclude if not any(p.matches(pattern) for p in everything)]
     if unknown:
         modules = sorted({p.module or p.node for p in everything})
-        raise RecipeError(f"{recipe.source}: quantize.exclude names no MatMul/Gemm of this export: {', '.join(unknown)} "
-                          f"(known projections: {', '.join(modules)})")
+        raise RecipeError(
+            f"{recipe.source}: quantize.exclude names no MatMul/Gemm of this export: {', '.join(unknown)} "
+            f"(known projections: {', '.join(modules)})"
+        )
     selected = {
-        key: [p.node for p in ps if p.quantizable and not any(p.matches(x) for x in recipe.exclude)
-              and (not matmul_only or p.op_type == "MatMul" or (p.head and not looped))]
+        key: [
+            p.node
+            for p in ps
+            if p.quantizable
+            and not any(p.matches(x) for x in recipe.exclude)
+            and (not matmul_only or p.op_type == "MatMul" or (p.head and not looped))
+        ]
         for key, ps in found.items()
     }
     return found, selected
@@ -207,9 +228,18 @@ def _int4(source: Path, dest: Path, nodes: list[str], block_size: int, embedding
         model = onnx.load(str(source))
         fold_transposed_weights(model, nodes)  # a tied output head: MatMulNBits needs the weight as an initializer
         chosen = set(nodes)
-        others = [n.name for nodes in graph_bodies(model) for n in nodes if n.op_type == "MatMul" and n.name not in chosen]
-        quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=block_size, is_symmetric=False, accuracy_level=ACCURACY_LEVEL,
-                                         nodes_to_exclude=others, op_types_to_quantize=("MatMul",))
+        others = [
+            n.name for nodes in graph_bodies(model) for n in nodes if n.op_type == "MatMul" and n.name not in chosen
+        ]
+        quantizer = MatMulNBitsQuantizer(
+            model,
+            bits=4,
+            block_size=block_size,
+            is_symmetric=False,
+            accuracy_level=ACCURACY_LEVEL,
+            nodes_to_exclude=others,
+            op_types_to_quantize=("MatMul",),
+        )
         quantizer.process()
         model = quantizer.model.model
         if embeddings:
@@ -233,19 +263,32 @@ def _embeddings_int4(model: onnx.ModelProto, quantizer: Any, block_size: int) ->
         table = numpy_helper.to_array(values[node.input[0]])
         vocab, hidden = table.shape
         if hidden % block_size:
-            log.warning("embedding %s stays fp32: its width %d is not a multiple of the block size %d",
-                        node.input[0], hidden, block_size)
+            log.warning(
+                "embedding %s stays fp32: its width %d is not a multiple of the block size %d",
+                node.input[0],
+                hidden,
+                block_size,
+            )
             continue
         packed, scales, zero_points = quantizer.qbits_block_quant(np.ascontiguousarray(table.T))
         name = node.input[0]
-        arrays = {f"{name}.q4": packed.reshape(vocab, hidden // 2),
-                  f"{name}.q4_scales": scales.reshape(vocab, hidden // block_size),
-                  f"{name}.q4_zero_points": zero_points.reshape(vocab, -1)}
+        arrays = {
+            f"{name}.q4": packed.reshape(vocab, hidden // 2),
+            f"{name}.q4_scales": scales.reshape(vocab, hidden // block_size),
+            f"{name}.q4_zero_points": zero_points.reshape(vocab, -1),
+        }
         model.graph.initializer.extend(numpy_helper.from_array(a, n) for n, a in arrays.items())
         gathered = onnx.helper.make_node(
-            "GatherBlockQuantized", [f"{name}.q4", node.input[1], f"{name}.q4_scales", f"{name}.q4_zero_points"],
-            list(node.output), name=node.name, domain="com.microsoft", gather_axis=0, quantize_axis=1,
-            block_size=block_size, bits=4)
+            "GatherBlockQuantized",
+            [f"{name}.q4", node.input[1], f"{name}.q4_scales", f"{name}.q4_zero_points"],
+            list(node.output),
+            name=node.name,
+            domain="com.microsoft",
+            gather_axis=0,
+            quantize_axis=1,
+            block_size=block_size,
+            bits=4,
+        )
         gathered.metadata_props.extend(node.metadata_props)
         node.CopyFrom(gathered)
         done += 1
@@ -258,11 +301,23 @@ def _embeddings_int4(model: onnx.ModelProto, quantizer: Any, block_size: int) ->
     return done
 
 
-def _quantize(method: str, source: Path, dest: Path, nodes: list[str], feeds: list | None, cache: Path,
-              block_size: int | None = None, embeddings: str = "fp32") -> None:
+def _quantize(
+    method: str,
+    source: Path,
+    dest: Path,
+    nodes: list[str],
+    feeds: list | None,
+    cache: Path,
+    block_size: int | None = None,
+    embeddings: str = "fp32",
+) -> None:
     """onnxruntime.quantization on `nodes`; static ranges come from `feeds`, or from `cache` when None."""
-    common = dict(op_types_to_quantize=list(PROJECTION_OPS), per_channel=True, nodes_to_quantize=nodes,
-                  weight_type=QuantType.QInt8)
+    common = dict(
+        op_types_to_quantize=list(PROJECTION_OPS),
+        per_channel=True,
+        nodes_to_quantize=nodes,
+        weight_type=QuantType.QInt8,
+    )
     quiet = _QuietQuantizer()
     logging.getLogger().addFilter(quiet)
     try:
@@ -273,22 +328,41 @@ def _quantize(method: str, source: Path, dest: Path, nodes: list[str], feeds: li
             quantize_dynamic(source, dest, extra_options={"MatMulConstBOnly": True, "EnableSubgraph": True}, **common)
             return
         quantize_static(
-            source, dest, _Reader(feeds) if feeds is not None else None, quant_format=QuantFormat.QDQ,
-            activation_type=QuantType.QInt8, calibrate_method=CalibrationMethod.MinMax, calibration_cache_path=cache,
-            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True, "MatMulConstBOnly": True,
-                           "OpTypesToExcludeOutputQuantization": list(PROJECTION_OPS)},
+            source,
+            dest,
+            _Reader(feeds) if feeds is not None else None,
+            quant_format=QuantFormat.QDQ,
+            activation_type=QuantType.QInt8,
+            calibrate_method=CalibrationMethod.MinMax,
+            calibration_cache_path=cache,
+            extra_options={
+                "ActivationSymmetric": True,
+                "WeightSymmetric": True,
+                "MatMulConstBOnly": True,
+                "OpTypesToExcludeOutputQuantization": list(PROJECTION_OPS),
+            },
             **common,
         )
     except Exception as e:  # noqa: BLE001 — onnxruntime.quantization raises varied exception types
-        raise EdgememError(f"onnxruntime.quantization failed on {dest.parent.name}/{dest.name} ({method}): {type(e).__name__}: {e}") from e
+        raise EdgememError(
+            f"onnxruntime.quantization failed on {dest.parent.name}/{dest.name} ({method}): {type(e).__name__}: {e}"
+        ) from e
     finally:
         logging.getLogger().removeFilter(quiet)
 
 
-def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Recipe | None = None,
-              out: str | Path | None = None, *, force: bool = False, threads: int | None = 1,
-              block_size: int | None = None, embeddings: str | None = None,
-              progress: Callable[[str], None] | None = None) -> Manifest:
+def calibrate(
+    directory: str | Path,
+    method: str = "dynamic",
+    recipe: str | Recipe | None = None,
+    out: str | Path | None = None,
+    *,
+    force: bool = False,
+    threads: int | None = 1,
+    block_size: int | None = None,
+    embeddings: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Manifest:
     """Quantize the export in `directory` to INT8 or INT4 (see the module docstring); returns the new manifest.
     `embeddings` (int4 only): "int4" (the default) stores the embedding tables in 4-bit blocks
     (GatherBlockQuantized, sharing a tied head's blocks), "fp32" keeps them float. `progress(text)` hears of
@@ -301,41 +375,59 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
     block_size = block_size_for(method, block_size)
     embeddings = embeddings_for(method, embeddings)
     if manifest.quantization:
-        raise EdgememError(f"{directory} is already quantized ({manifest.quantization['method']}); "
-                           "calibrate the fp32 export")
+        raise EdgememError(
+            f"{directory} is already quantized ({manifest.quantization['method']}); calibrate the fp32 export"
+        )
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     if method == "static":
         recipe.check_vocabulary(manifest.arch, manifest.vocab_size)
     runnable = [t for t in RUNNABLE if t in manifest.targets]
     if not runnable:
-        raise EdgememError(f"{directory} has no target onnxruntime can run (it has {', '.join(manifest.targets)}); "
-                           "calibration needs ort or generic")
+        raise EdgememError(
+            f"{directory} has no target onnxruntime can run (it has {', '.join(manifest.targets)}); "
+            "calibration needs ort or generic"
+        )
     targets = runnable + (["trt"] if method == "static" and "trt" in manifest.targets else [])
     if method == "int4" and "trt" in manifest.targets:
-        log.warning("int4 leaves the trt target out (MatMulNBits is an onnxruntime operator): TensorRT runs the "
-                    "float export, or INT8 with %s", named('method="static"', "--method static"))
+        log.warning(
+            "int4 leaves the trt target out (MatMulNBits is an onnxruntime operator): TensorRT runs the "
+            "float export, or INT8 with %s",
+            named('method="static"', "--method static"),
+        )
     elif method != "static" and "trt" in manifest.targets:
-        log.warning("%s leaves the trt target out (TensorRT needs explicit Q/DQ: use %s)", method,
-                    named('method="static"', "--method static"))
+        log.warning(
+            "%s leaves the trt target out (TensorRT needs explicit Q/DQ: use %s)",
+            method,
+            named('method="static"', "--method static"),
+        )
     kinds = [k for k in (*GRAPHS, PREFILL_LAST) if manifest.graphs.get(k)]
     out = Path(out) if out is not None else default_out(directory, method)
     out = check_output_dir(out, force=force, inputs=[directory])
 
     state_names = {n for s in manifest.state for n in (s.input, s.output)}
     sources = {(t, k): directory / t / f"{k}.onnx" for t in targets for k in kinds if k in manifest.graphs_of(t)}
-    found, selected = _select(sources, state_names, recipe, matmul_only=method == "int4",
-                              subgraphs=method in SUBGRAPH_METHODS)
+    found, selected = _select(
+        sources, state_names, recipe, matmul_only=method == "int4", subgraphs=method in SUBGRAPH_METHODS
+    )
     if not any(selected.values()):
-        why = f"quantize.exclude ({', '.join(recipe.exclude)}) keeps every one float" if recipe.exclude else \
-            "the export has none outside state and edgemem's ops"
-        raise RecipeError(f"{recipe.source or recipe.name}: nothing to quantize: {why}; the result would be the float "
-                          "export")
+        why = (
+            f"quantize.exclude ({', '.join(recipe.exclude)}) keeps every one float"
+            if recipe.exclude
+            else "the export has none outside state and edgemem's ops"
+        )
+        raise RecipeError(
+            f"{recipe.source or recipe.name}: nothing to quantize: {why}; the result would be the float export"
+        )
     recipe.check_memory(manifest.state_bytes(), calibration=method == "static", drift=False)
     loop_float = {} if method in SUBGRAPH_METHODS else _loop_projections(sources, state_names)
     if loop_float:
-        log.warning("%s keeps the %d projections inside the prefill's segment Loop float (onnxruntime calibrates no "
-                    "Loop body): prefill runs them float, steps INT8; %s quantizes both", method,
-                    sum(loop_float.values()), named('method="dynamic"', "--method dynamic"))
+        log.warning(
+            "%s keeps the %d projections inside the prefill's segment Loop float (onnxruntime calibrates no "
+            "Loop body): prefill runs them float, steps INT8; %s quantizes both",
+            method,
+            sum(loop_float.values()),
+            named('method="dynamic"', "--method dynamic"),
+        )
     feeds = calibration_feeds(directory, manifest, recipe, threads, progress) if method == "static" else None
 
     with staged_directory(out) as tmp:
@@ -358,7 +450,9 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
                         isolate_inputs(model, nodes)
                         source = tmp / f".{target}-{kind}.isolated.onnx"
                         onnx.save(model, source)
-                    samples = feeds["prefill" if kind == PREFILL_LAST else kind] if feeds is not None and i == 0 else None
+                    samples = (
+                        feeds["prefill" if kind == PREFILL_LAST else kind] if feeds is not None and i == 0 else None
+                    )
                     _quantize(method, source, dest, nodes, samples, cache, block_size, embeddings)
                     if method == "static":
                         source.unlink()
@@ -381,11 +475,20 @@ def calibrate(directory: str | Path, method: str = "dynamic", recipe: str | Reci
                 shutil.copyfile(directory / name, tmp / name)
                 files[name] = sha256(tmp / name)
         quantized = Manifest(
-            arch=manifest.arch, config=dict(manifest.config), opset=manifest.opset, targets=targets,
-            state=manifest.state, graphs=manifest.graphs, files=files, inputs=manifest.inputs, outputs=manifest.outputs,
-            kv_cache=manifest.kv_cache, weights=stores or None,
-            quantization=_record(directory, manifest, method, recipe, found, selected, counts, block_size, embeddings,
-                                 tables),
+            arch=manifest.arch,
+            config=dict(manifest.config),
+            opset=manifest.opset,
+            targets=targets,
+            state=manifest.state,
+            graphs=manifest.graphs,
+            files=files,
+            inputs=manifest.inputs,
+            outputs=manifest.outputs,
+            kv_cache=manifest.kv_cache,
+            weights=stores or None,
+            quantization=_record(
+                directory, manifest, method, recipe, found, selected, counts, block_size, embeddings, tables
+            ),
         )
         if loop_float:
             quantized.quantization["excluded"]["loop_projections_kept_float"] = loop_float
@@ -416,17 +519,37 @@ def _check(path: Path, state_names: set[str], expected: int) -> int:
 
 def _scheme(method: str, block_size: int | None, embeddings: str) -> dict[str, Any]:
     if method == "int4":
-        return {"weights": f"int4 asymmetric blockwise (block {block_size} input rows, float scale, 4-bit zero point)",
-                "activations": f"float in the graph; int8 per block inside MatMulNBits (accuracy_level {ACCURACY_LEVEL})",
-                "ops": ["MatMul"], "block_size": block_size,
-                "embeddings": "int4 blockwise along the hidden axis (GatherBlockQuantized; a tied head's MatMulNBits "
-                              "reads the same blocks)" if embeddings == "int4" else "fp32"}
-    return {"weights": "int8 symmetric per-channel", "activations": "int8 dynamic per-tensor"
-            if method == "dynamic" else "int8 symmetric per-tensor (QDQ, MinMax calibration)", "ops": list(PROJECTION_OPS)}
+        return {
+            "weights": f"int4 asymmetric blockwise (block {block_size} input rows, float scale, 4-bit zero point)",
+            "activations": f"float in the graph; int8 per block inside MatMulNBits (accuracy_level {ACCURACY_LEVEL})",
+            "ops": ["MatMul"],
+            "block_size": block_size,
+            "embeddings": "int4 blockwise along the hidden axis (GatherBlockQuantized; a tied head's MatMulNBits "
+            "reads the same blocks)"
+            if embeddings == "int4"
+            else "fp32",
+        }
+    return {
+        "weights": "int8 symmetric per-channel",
+        "activations": "int8 dynamic per-tensor"
+        if method == "dynamic"
+        else "int8 symmetric per-tensor (QDQ, MinMax calibration)",
+        "ops": list(PROJECTION_OPS),
+    }
 
 
-def _record(directory: Path, manifest: Manifest, method: str, recipe: Recipe, found: dict, selected: dict,
-            counts: dict[str, int], block_size: int | None, embeddings: str, tables: dict[str, int]) -> dict[str, Any]:
+def _record(
+    directory: Path,
+    manifest: Manifest,
+    method: str,
+    recipe: Recipe,
+    found: dict,
+    selected: dict,
+    counts: dict[str, int],
+    block_size: int | None,
+    embeddings: str,
+    tables: dict[str, int],
+) -> dict[str, Any]:
     """The manifest's record of how this export was quantized."""
     kept = {p.module or p.node for key, ps in found.items() for p in ps if p.node not in selected[key]}
     return {
@@ -437,6 +560,9 @@ def _record(directory: Path, manifest: Manifest, method: str, recipe: Recipe, fo
         "source": {"directory": str(directory.resolve()), "identity": manifest.identity()},
         "quantized_projections": counts,
         "quantized_embeddings": tables,
-        "excluded": {"state": [s.input for s in manifest.state] + [s.output for s in manifest.state],
-                     "projections_kept_float": sorted(kept), "patterns": recipe.exclude},
+        "excluded": {
+            "state": [s.input for s in manifest.state] + [s.output for s in manifest.state],
+            "projections_kept_float": sorted(kept),
+            "patterns": recipe.exclude,
+        },
     }

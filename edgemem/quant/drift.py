@@ -58,8 +58,15 @@ class _Sums:
         return value if np.isfinite(value) else None
 
 
-def drift_report(reference: str | Path, quantized: str | Path, recipe: str | Recipe | None = None, *,
-                 threads: int | None = 1, timing_steps: int = 200, progress: Progress | None = None) -> dict[str, Any]:
+def drift_report(
+    reference: str | Path,
+    quantized: str | Path,
+    recipe: str | Recipe | None = None,
+    *,
+    threads: int | None = 1,
+    timing_steps: int = 200,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
     """Compare `quantized` with the fp32 export `reference` (see the module docstring); a JSON-ready dict."""
     from edgemem.runtime import Engine
     from edgemem.runtime.bench import time_steps
@@ -71,7 +78,9 @@ def drift_report(reference: str | Path, quantized: str | Path, recipe: str | Rec
     record = q.manifest.quantization or {}
     source = record.get("source", {}).get("identity")
     if source is not None and source != fp.manifest.identity():
-        raise EdgememError(f"{quantized} was not quantized from {reference} (its manifest records another source export)")
+        raise EdgememError(
+            f"{quantized} was not quantized from {reference} (its manifest records another source export)"
+        )
     if [s.input for s in q.manifest.state] != [s.input for s in fp.manifest.state]:
         raise EdgememError(f"{quantized} and {reference} have different state tensors: not the same model")
     recipe.check_vocabulary(fp.manifest.arch, fp.manifest.vocab_size)
@@ -109,8 +118,10 @@ def drift_report(reference: str | Path, quantized: str | Path, recipe: str | Rec
             start = h
         if not us:  # time steps at the last horizon: the state is as large as it gets
             progress("timing steps")
-            us = {name: time_steps(lambda i, s=s: s.step(int(tokens[i % len(tokens)])), timing_steps, 10, 2.0)[0] * 1e6
-                  for name, s in (("fp32", sf), ("quantized", sq))}
+            us = {
+                name: time_steps(lambda i, s=s: s.step(int(tokens[i % len(tokens)])), timing_steps, 10, 2.0)[0] * 1e6
+                for name, s in (("fp32", sf), ("quantized", sq))
+            }
 
     def metric(h: int, name: str) -> float | None:
         total, n = scores[h][name]
@@ -160,10 +171,17 @@ def plot_report(report: dict[str, Any], path: str | Path) -> bool:
     err_ax.plot(horizons, [r["logits_rel_err"] for r in rows], "o-", label="logits")
     for kind in rows[0]["state_rel_err"]:
         err_ax.plot(horizons, [r["state_rel_err"][kind] for r in rows], "s--", label=f"state: {kind}")
-    err_ax.set(xscale="log", yscale="log", xlabel="position (tokens)", ylabel="relative error vs fp32",
-               title=f"{_label(report.get('method'))} drift")
+    err_ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="position (tokens)",
+        ylabel="relative error vs fp32",
+        title=f"{_label(report.get('method'))} drift",
+    )
     err_ax.legend(fontsize="small")
-    metric_ax.plot(horizons, [r["metric"] for r in rows], "o-", label="int4" if report.get("method") == "int4" else "int8")
+    metric_ax.plot(
+        horizons, [r["metric"] for r in rows], "o-", label="int4" if report.get("method") == "int4" else "int8"
+    )
     metric_ax.plot(horizons, [report["fp32_metric"][str(h)] for h in horizons], "s--", label="fp32")
     metric_ax.set(xscale="log", xlabel="position (tokens)", ylabel=report["metric_name"], title=report["task"]["name"])
     metric_ax.legend()

@@ -4,7 +4,7 @@ A projection is a MatMul/Gemm of the main graph (or of a Loop body, for dynamic 
 activation input is neither a state tensor nor a tensor that a custom node (edgemem's ops, or
 their com.microsoft lowering) reads or writes. Everything else stays float: state inputs and
 outputs, the recurrence inside custom nodes and their local-function bodies, decays, gates, norms.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -16,10 +16,20 @@ from fnmatch import fnmatchcase
 import onnx
 
 PROJECTION_OPS = ("MatMul", "Gemm")
-QUANT_OPS = frozenset({
-    "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger", "QLinearMatMul",
-    "MatMulIntegerToFloat", "DynamicQuantizeMatMul", "QGemm", "MatMulNBits", "GatherBlockQuantized",
-})
+QUANT_OPS = frozenset(
+    {
+        "QuantizeLinear",
+        "DequantizeLinear",
+        "DynamicQuantizeLinear",
+        "MatMulInteger",
+        "QLinearMatMul",
+        "MatMulIntegerToFloat",
+        "DynamicQuantizeMatMul",
+        "QGemm",
+        "MatMulNBits",
+        "GatherBlockQuantized",
+    }
+)
 _STANDARD_DOMAINS = ("", "ai.onnx")
 
 
@@ -88,8 +98,11 @@ def _transposed_weights(model: onnx.ModelProto) -> dict[str, str]:
     """{output: initializer} of 2-D Transposes of an initializer: a tied output head reads the embedding so when the
     exporter did not fold the transpose (it leaves large tensors alone)."""
     shapes = {i.name: len(i.dims) for i in model.graph.initializer}
-    return {n.output[0]: n.input[0] for n in model.graph.node
-            if n.op_type == "Transpose" and n.domain in _STANDARD_DOMAINS and shapes.get(n.input[0]) == 2}
+    return {
+        n.output[0]: n.input[0]
+        for n in model.graph.node
+        if n.op_type == "Transpose" and n.domain in _STANDARD_DOMAINS and shapes.get(n.input[0]) == 2
+    }
 
 
 def graph_bodies(model: onnx.ModelProto) -> Iterator[list[onnx.NodeProto]]:
@@ -100,14 +113,19 @@ def graph_bodies(model: onnx.ModelProto) -> Iterator[list[onnx.NodeProto]]:
             yield nodes
 
 
-def projections(model: onnx.ModelProto, state_names: set[str], *, transposed: bool = False,
-                subgraphs: bool = False) -> list[Projection]:
+def projections(
+    model: onnx.ModelProto, state_names: set[str], *, transposed: bool = False, subgraphs: bool = False
+) -> list[Projection]:
     """Every MatMul/Gemm of the main graph (with `subgraphs`, of the Loop bodies too: their weights are the
     main graph's), marked quantizable or not (see the module docstring). With `transposed`, a weight read
     transposed (a Transpose, or the tied head's Gemm; see `fold_transposed_weights`) counts as a weight."""
     weights = {i.name for i in model.graph.initializer}
-    weights |= {n.output[0] for nodes in graph_bodies(model) for n in nodes
-                if n.op_type == "Constant" and n.domain in _STANDARD_DOMAINS}
+    weights |= {
+        n.output[0]
+        for nodes in graph_bodies(model)
+        for n in nodes
+        if n.op_type == "Constant" and n.domain in _STANDARD_DOMAINS
+    }
     if transposed:
         weights |= set(_transposed_weights(model))
     protected = protected_tensors(model, state_names)
@@ -118,8 +136,16 @@ def projections(model: onnx.ModelProto, state_names: set[str], *, transposed: bo
         ok = len(node.input) >= 2 and node.input[1] in weights and node.input[0] not in weights
         ok = ok and (transposed or not _head(node))
         ok = ok and not protected & {node.input[0], *node.output}
-        found.append(Projection(node.name, node.op_type, _module(node), (*filter(None, node.input), *node.output),
-                                ok and bool(node.name), _head(node)))
+        found.append(
+            Projection(
+                node.name,
+                node.op_type,
+                _module(node),
+                (*filter(None, node.input), *node.output),
+                ok and bool(node.name),
+                _head(node),
+            )
+        )
     return found
 
 
@@ -140,7 +166,7 @@ def boundary_violations(model: onnx.ModelProto, state_names: set[str]) -> list[s
 
 
 def quantized_projections(model: onnx.ModelProto) -> int:
-    """Quantized projections: MatMul/Gemm fed by a DequantizeLinear (QDQ), integer matmuls (dynamic), MatMulNBits (int4)."""
+    """Quantized projections: MatMul/Gemm fed by a DequantizeLinear (QDQ), integer matmuls (dynamic), MatMulNBits (int4)."""  # noqa: E501
     nodes = [n for body in graph_bodies(model) for n in body]
     produced_by = {o: n.op_type for n in nodes for o in n.output}
     count = 0
@@ -204,7 +230,11 @@ def fold_transposed_weights(model: onnx.ModelProto, nodes: list[str]) -> int:
             node.input[1] = name
             folded += 1
     read = {name for n in model.graph.node for name in n.input} | {o.name for o in model.graph.output}
-    kept = [n for n in model.graph.node if not (n.op_type == "Transpose" and n.output[0] in sources and n.output[0] not in read)]
+    kept = [
+        n
+        for n in model.graph.node
+        if not (n.op_type == "Transpose" and n.output[0] in sources and n.output[0] not in read)
+    ]
     del model.graph.node[:]
     model.graph.node.extend(kept)
     return folded
@@ -215,6 +245,12 @@ def embedding_tables(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     the token embedding (and learned position tables)."""
     tables = {i.name for i in model.graph.initializer if len(i.dims) == 2 and i.data_type == onnx.TensorProto.FLOAT}
     constants = {i.name for i in model.graph.initializer}
-    return [n for n in model.graph.node if n.op_type == "Gather" and n.domain in _STANDARD_DOMAINS
-            and n.input[0] in tables and n.input[1] not in constants
-            and all(a.i == 0 for a in n.attribute if a.name == "axis")]
+    return [
+        n
+        for n in model.graph.node
+        if n.op_type == "Gather"
+        and n.domain in _STANDARD_DOMAINS
+        and n.input[0] in tables
+        and n.input[1] not in constants
+        and all(a.i == 0 for a in n.attribute if a.name == "axis")
+    ]

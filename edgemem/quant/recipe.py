@@ -68,27 +68,42 @@ class Recipe:
     def check_vocabulary(self, arch: str, vocab_size: int) -> None:
         """The recipe's tasks feed byte ids: a model with fewer tokens cannot take them."""
         if vocab_size < VOCAB:
-            raise RecipeError(f"recipe {self.name!r} feeds byte ids 0-{VOCAB - 1} (edgemem.tasks) but {arch} has a "
-                              f"vocabulary of {vocab_size}: calibration data and drift reports need a model of at least "
-                              f"{VOCAB} tokens (dynamic and int4 need no data: calibrate --no-drift)")
+            raise RecipeError(
+                f"recipe {self.name!r} feeds byte ids 0-{VOCAB - 1} (edgemem.tasks) but {arch} has a "
+                f"vocabulary of {vocab_size}: calibration data and drift reports need a model of at least "
+                f"{VOCAB} tokens (dynamic and int4 need no data: calibrate --no-drift)"
+            )
 
     def check_memory(self, state_bytes: int, *, calibration: bool, drift: bool) -> None:
         """The data the recipe rolls out fits this machine's memory: token ids and, for static calibration, a
         batch of states per position (the feeds); the drift report's streams of token ids and targets."""
         if calibration:
             length = max(self.positions) + self.prefill_tokens
-            fits_memory(self.streams * (8 * length + 3 * state_bytes * len(self.positions)),
-                        f"recipe {self.name!r}: {self.streams:,} calibration streams of {length:,} tokens", RecipeError)
+            fits_memory(
+                self.streams * (8 * length + 3 * state_bytes * len(self.positions)),
+                f"recipe {self.name!r}: {self.streams:,} calibration streams of {length:,} tokens",
+                RecipeError,
+            )
         if drift:
-            fits_memory(16 * self.drift_streams * max(self.horizons), f"recipe {self.name!r}: {self.drift_streams:,} "
-                        f"drift streams of {max(self.horizons):,} tokens", RecipeError)
+            fits_memory(
+                16 * self.drift_streams * max(self.horizons),
+                f"recipe {self.name!r}: {self.drift_streams:,} drift streams of {max(self.horizons):,} tokens",
+                RecipeError,
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """The recipe as recorded in a quantized export's manifest."""
         return {
-            "name": self.name, "source": self.source, "task": self.task, "params": self.params,
-            "streams": self.streams, "positions": self.positions, "prefill_tokens": self.prefill_tokens,
-            "seed": self.seed, "exclude": self.exclude, "horizons": self.horizons,
+            "name": self.name,
+            "source": self.source,
+            "task": self.task,
+            "params": self.params,
+            "streams": self.streams,
+            "positions": self.positions,
+            "prefill_tokens": self.prefill_tokens,
+            "seed": self.seed,
+            "exclude": self.exclude,
+            "horizons": self.horizons,
         }
 
 
@@ -99,7 +114,9 @@ def log_positions(first: int, last: int, count: int) -> list[int]:
 
 def recipes() -> list[str]:
     """Names of the shipped recipes, sorted."""
-    return sorted(f.name[: -len(".toml")] for f in resources.files("edgemem.quant.calib").iterdir() if f.name.endswith(".toml"))
+    return sorted(
+        f.name[: -len(".toml")] for f in resources.files("edgemem.quant.calib").iterdir() if f.name.endswith(".toml")
+    )
 
 
 def _read(spec: str) -> tuple[str, str, str]:
@@ -112,8 +129,9 @@ def _read(spec: str) -> tuple[str, str, str]:
     shipped = resources.files("edgemem.quant.calib") / f"{name}.toml"
     if "/" not in name and shipped.is_file():
         return name, f"edgemem/quant/calib/{name}.toml", shipped.read_text()
-    raise RecipeError(f"no calibration recipe {spec!r}: not a file, and not one of the shipped recipes "
-                      f"({', '.join(recipes())})")
+    raise RecipeError(
+        f"no calibration recipe {spec!r}: not a file, and not one of the shipped recipes ({', '.join(recipes())})"
+    )
 
 
 def _int_list(value: Any, key: str, minimum: int) -> list[int]:
@@ -124,7 +142,11 @@ def _int_list(value: Any, key: str, minimum: int) -> list[int]:
         if not 1 <= value["first"] <= value["last"] or value["count"] < 1:
             raise RecipeError(f"{key}: need 1 <= first <= last and count >= 1; got {value!r}")
         return log_positions(value["first"], value["last"], value["count"])
-    if not isinstance(value, list) or not value or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
         raise RecipeError(f"{key} must be a non-empty list of integers; got {value!r}")
     if min(value) < minimum:
         raise RecipeError(f"{key} must be at least {minimum}; got {value!r}")
@@ -140,8 +162,10 @@ def load_recipe(spec: str | None = None) -> Recipe:
             raise RecipeError(f"{source}: unknown section [{section}]; expected {', '.join(_SECTIONS)}")
         unknown = set(value) - _SECTIONS[section]
         if unknown:
-            raise RecipeError(f"{source}: unknown key(s) {', '.join(sorted(unknown))} in [{section}]; "
-                              f"expected {', '.join(sorted(_SECTIONS[section]))}")
+            raise RecipeError(
+                f"{source}: unknown key(s) {', '.join(sorted(unknown))} in [{section}]; "
+                f"expected {', '.join(sorted(_SECTIONS[section]))}"
+            )
     data, quantize, drift = raw.get("data", {}), raw.get("quantize", {}), raw.get("drift", {})
     recipe = Recipe(name=name, source=source)
     try:

@@ -124,9 +124,18 @@ class Engine:
         self.prefix_cache: PrefixCache | None = None  # `Engine.load(prefix_cache_bytes=)`: `edgemem.runtime.prefix`
 
     @staticmethod
-    def load(directory: str | Path, backend: str = "ort", target: str | None = None, threads: int | None = None, *,
-             chunk_size: int = DEFAULT_CHUNK, check_files: bool = True, engines: str | Path | None = None,
-             plugins: str | Path | None = None, prefix_cache_bytes: int | None = None) -> Engine:
+    def load(
+        directory: str | Path,
+        backend: str = "ort",
+        target: str | None = None,
+        threads: int | None = None,
+        *,
+        chunk_size: int = DEFAULT_CHUNK,
+        check_files: bool = True,
+        engines: str | Path | None = None,
+        plugins: str | Path | None = None,
+        prefix_cache_bytes: int | None = None,
+    ) -> Engine:
         """Load the export in `directory` (its `edgemem.json`; every file's sha256 is checked).
 
         backend: "ort" (CPU), "ort-cuda" (onnxruntime's CUDA execution provider) or "trt" (the TensorRT
@@ -148,8 +157,10 @@ class Engine:
         directory = as_path(directory, "directory")
         manifest = load_manifest(directory, check_files=check_files)
         if not manifest.graphs.get("step"):
-            raise BackendError(f"{directory}: {manifest.arch} has no step graph (a bidirectional model does not "
-                               "stream); the runtime needs one")
+            raise BackendError(
+                f"{directory}: {manifest.arch} has no step graph (a bidirectional model does not "
+                "stream); the runtime needs one"
+            )
         module, name = BACKENDS[backend].split(":")
         engine = getattr(import_module(module), name)
         options = {"engines_dir": engines, "plugins": plugins} if backend == "trt" else {"backend": backend}
@@ -157,9 +168,11 @@ class Engine:
         if prefix_cache_bytes is not None:
             smallest = engine.snapshot_bytes(1)
             if prefix_cache_bytes < smallest:
-                raise ConfigError(named("prefix_cache_bytes", "--prefix-cache") + f"={prefix_cache_bytes} is smaller "
-                                  f"than one snapshot of {manifest.arch}'s state ({smallest} bytes at position 1); give "
-                                  "at least that, or leave the prefix cache off")
+                raise ConfigError(
+                    named("prefix_cache_bytes", "--prefix-cache") + f"={prefix_cache_bytes} is smaller "
+                    f"than one snapshot of {manifest.arch}'s state ({smallest} bytes at position 1); give "
+                    "at least that, or leave the prefix cache off"
+                )
             engine.prefix_cache = PrefixCache(prefix_cache_bytes)
         return engine
 
@@ -191,8 +204,9 @@ class Engine:
     def new_stream(self) -> Stream:
         """A fresh stream at position 0 (Titans' memory starts from `state_init.safetensors`)."""
         if self.kind.streams == "encode":
-            raise ConfigError(f"{self.manifest.arch} is an encoder-decoder: its streams start from an input, "
-                              "engine.encode(input_ids)")
+            raise ConfigError(
+                f"{self.manifest.arch} is an encoder-decoder: its streams start from an input, engine.encode(input_ids)"
+            )
         stream = self._new(self._initial, 0, None)
         stream._fresh = True
         return stream
@@ -202,8 +216,10 @@ class Engine:
         decoder start token: its logits are those of the first output token. `global_attention_mask`: one
         0/1 per input token (1: the token attends, and is attended by, every token); None: no global token."""
         if self.kind.streams != "encode":
-            raise ConfigError(f"{self.manifest.arch} is a {self.kind.name} export: encode needs an encoder-decoder "
-                              "(an export with an encoder graph); start its streams with new_stream()")
+            raise ConfigError(
+                f"{self.manifest.arch} is a {self.kind.name} export: encode needs an encoder-decoder "
+                "(an export with an encoder graph); start its streams with new_stream()"
+            )
         ids = self._tokens(input_ids, "input")
         limit = self.manifest.encoder["max_length"]
         if ids.size > limit:
@@ -212,10 +228,16 @@ class Engine:
             mask = np.zeros_like(ids)
         else:
             mask = np.asarray(global_attention_mask)
-            if (mask.ndim != 1 or mask.size != ids.size or mask.dtype.kind not in "biu"
-                    or not np.isin(mask, (0, 1)).all()):
-                raise TokenError(f"global_attention_mask must hold one 0 or 1 per input token ({ids.size}); got "
-                                 f"{mask.dtype} of shape {list(mask.shape)}")
+            if (
+                mask.ndim != 1
+                or mask.size != ids.size
+                or mask.dtype.kind not in "biu"
+                or not np.isin(mask, (0, 1)).all()
+            ):
+                raise TokenError(
+                    f"global_attention_mask must hold one 0 or 1 per input token ({ids.size}); got "
+                    f"{mask.dtype} of shape {list(mask.shape)}"
+                )
             mask = mask.astype(np.int64)
         fills = self._encode(ids[None], mask[None])
         stream = self._new({s.input: fills.get(s.input, self._initial[s.input]) for s in self._specs}, 0, None)
@@ -235,8 +257,9 @@ class Engine:
         checkpoint = decode_checkpoint(data, self.manifest, str(path))
         return self._new(checkpoint.state, checkpoint.position, checkpoint.logits)
 
-    def stream_from_state(self, state: Mapping[str, np.ndarray], position: int = 0,
-                          logits: np.ndarray | None = None) -> Stream:
+    def stream_from_state(
+        self, state: Mapping[str, np.ndarray], position: int = 0, logits: np.ndarray | None = None
+    ) -> Stream:
         """A stream from numpy state tensors of batch 1 (names as in edgemem.json), checked like a checkpoint."""
         if isinstance(position, (bool, np.bool_)) or not isinstance(position, (int, np.integer)) or position < 0:
             raise ConfigError(f"position must be a non-negative integer; got {position!r}")
@@ -245,8 +268,9 @@ class Engine:
         if logits is not None:
             logits = np.asarray(logits)
             if logits.shape != (self.vocab_size,) or not np.isfinite(logits).all():
-                raise StateFileError(f"logits must be {self.vocab_size} finite numbers; got {logits.dtype} "
-                                     f"{list(logits.shape)}")
+                raise StateFileError(
+                    f"logits must be {self.vocab_size} finite numbers; got {logits.dtype} {list(logits.shape)}"
+                )
         return self._new(state, int(position), logits)
 
     def state_bytes(self, position: int = 0) -> int:
@@ -261,8 +285,12 @@ class Engine:
         """Bytes of one prefix-cache snapshot after `position` tokens: the state (preallocated KV caches up to
         their filled part), the next-token logits and the token ids."""
         state = filled_part(self.manifest, self._initial, position)
-        return (sum(state[s.input].nbytes for s in self._fixed) + self._growth * position
-                + self.vocab_size * np.dtype(self.logits_dtype).itemsize + 8 * position)
+        return (
+            sum(state[s.input].nbytes for s in self._fixed)
+            + self._growth * position
+            + self.vocab_size * np.dtype(self.logits_dtype).itemsize
+            + 8 * position
+        )
 
     def _room(self, position: int) -> int | None:
         """Tokens a stream at `position` can still take (None: no limit)."""
@@ -280,8 +308,10 @@ class Engine:
             for s in sorted(streams, key=id):  # one order for every batch: no deadlock between batches
                 if not s._lock.acquire(blocking=False):
                     if s._in_batch:
-                        raise BatchError(f"step_batch: {s!r} is being stepped in another batch right now; a stream "
-                                         "takes part in one batch at a time")
+                        raise BatchError(
+                            f"step_batch: {s!r} is being stepped in another batch right now; a stream "
+                            "takes part in one batch at a time"
+                        )
                     s._lock.acquire()  # a single-stream operation: wait for it
                 held.callback(s._lock.release)
             for s in streams:
@@ -353,16 +383,28 @@ class Engine:
             raise TokenError(f"the {what} is empty: give at least one token")
         bad = np.flatnonzero((ids < 0) | (ids >= self.vocab_size))
         if bad.size:
-            raise TokenError(f"token id {int(ids[bad[0]])} at index {int(bad[0])} of the {what} is outside the "
-                             f"vocabulary [0, {self.vocab_size})")
+            raise TokenError(
+                f"token id {int(ids[bad[0]])} at index {int(bad[0])} of the {what} is outside the "
+                f"vocabulary [0, {self.vocab_size})"
+            )
         return ids
 
-    def generate(self, prompt: bytes | str | Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None, *,
-                 draft: Draft = None, draft_tokens: int = 4) -> bytes | list[int]:
+    def generate(
+        self,
+        prompt: bytes | str | Sequence[int],
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        *,
+        draft: Draft = None,
+        draft_tokens: int = 4,
+    ) -> bytes | list[int]:
         """Generate from a fresh stream (see `Stream.generate`)."""
-        return self.new_stream().generate(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft=draft,
-                                          draft_tokens=draft_tokens)
+        return self.new_stream().generate(
+            prompt, max_new_tokens, temperature, top_k, top_p, seed, draft=draft, draft_tokens=draft_tokens
+        )
 
 
 class BatchSlot:
@@ -428,7 +470,9 @@ class Stream:
         self._has_logits = False
         self._lock = threading.RLock()  # one operation at a time (see the module docstring)
         self._in_batch = False  # set while a step_batch holds this stream
-        self._fresh = False  # the engine's initial state (new_stream, reset): at position 0, prefills use the prefix cache
+        self._fresh = (
+            False  # the engine's initial state (new_stream, reset): at position 0, prefills use the prefix cache
+        )
         self.generation = GenerationStats()  # of the last generate / generate_iter
 
     # ------------------------------------------------------------------ backend hooks
@@ -490,14 +534,16 @@ class Stream:
 
     def _copy_state(self) -> dict[str, np.ndarray]:
         """A copy of every state tensor, preallocated KV caches up to their filled part."""
-        state = filled_part(self._engine.manifest, {s.input: self._read(s.input) for s in self._engine._specs},
-                            self._position)
+        state = filled_part(
+            self._engine.manifest, {s.input: self._read(s.input) for s in self._engine._specs}, self._position
+        )
         return {name: np.array(a, copy=True) for name, a in state.items()}
 
     def _capture(self, tokens: np.ndarray) -> Snapshot:
         """A prefix-cache snapshot of the state after `tokens`, all the tokens it consumed."""
-        return Snapshot(tokens=np.array(tokens, dtype=np.int64), state=self._copy_state(),
-                        logits=self._logits_view[0, 0].copy())
+        return Snapshot(
+            tokens=np.array(tokens, dtype=np.int64), state=self._copy_state(), logits=self._logits_view[0, 0].copy()
+        )
 
     def _mark(self, tokens: int, one_run: bool) -> Any:
         """Remember the state before `tokens` more (fed in one graph run if `one_run`), for `_rollback`. Here:
@@ -556,8 +602,14 @@ class Stream:
             self._advance(1)
             return self._logits_view[0, 0].copy()
 
-    def prefill(self, token_ids: TokenIds, *, chunk_size: int | None = None, all_logits: bool = True,
-                progress: Callable[[int], None] | None = None) -> np.ndarray:
+    def prefill(
+        self,
+        token_ids: TokenIds,
+        *,
+        chunk_size: int | None = None,
+        all_logits: bool = True,
+        progress: Callable[[int], None] | None = None,
+    ) -> np.ndarray:
         """Consume a block of tokens; returns logits [T, V] (or only the last row [V] with `all_logits=False`).
 
         Runs the prefill graph on chunks of `chunk_size` tokens (default: the engine's), or steps
@@ -575,7 +627,9 @@ class Stream:
             from edgemem.progress import track
 
             with track(f"prefill of {ids.size:,} tokens", ids.size, terminal=False) as bar:
-                return self.prefill(ids, chunk_size=chunk, all_logits=all_logits, progress=lambda n: bar.update(advance=n))
+                return self.prefill(
+                    ids, chunk_size=chunk, all_logits=all_logits, progress=lambda n: bar.update(advance=n)
+                )
         rows: list[np.ndarray] = []
         with self._lock:
             engine._check_room(self._position, ids.size)
@@ -633,11 +687,20 @@ class Stream:
             return self._engine._token(eos_token_id)
         return self._engine.manifest.config.get("eos_token_id") if self._engine.kind.streams == "encode" else None
 
-    def generate_iter(self, prompt: bytes | str | Sequence[int] = b"", max_new_tokens: int = 64,
-                      temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                      seed: int | None = None, *, draft: Draft = None, draft_tokens: int = 4,
-                      eos_token_id: int | None = None,
-                      progress: Callable[[int], None] | None = None) -> Iterator[int]:
+    def generate_iter(
+        self,
+        prompt: bytes | str | Sequence[int] = b"",
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        *,
+        draft: Draft = None,
+        draft_tokens: int = 4,
+        eos_token_id: int | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> Iterator[int]:
         """Yield new token ids one by one. Each yielded token has already been fed to the stream, so
         stopping early leaves a stream ready to continue. An empty prompt continues from the stream's
         last logits (e.g. after `engine.load_stream`). `progress` is the prompt's prefill progress.
@@ -651,8 +714,9 @@ class Stream:
         """
         eos = self._eos(eos_token_id)
         if draft is not None and eos is not None:
-            raise ConfigError("speculative decoding runs to max_new_tokens: give no end token (eos_token_id) with a "
-                              "draft")
+            raise ConfigError(
+                "speculative decoding runs to max_new_tokens: give no end token (eos_token_id) with a draft"
+            )
         check_sampling(temperature, top_k, top_p)
         finite(temperature, "temperature")
         if seed is not None:
@@ -691,13 +755,26 @@ class Stream:
         drafter = PromptLookup(ids.tolist()) if isinstance(draft, str) else draft.new_stream()
         if not isinstance(draft, str) and ids.size:
             drafter.prefill(ids, all_logits=False)
-        yield from speculate(self, logits, drafter, draft_tokens, max_new_tokens, (temperature, top_k, top_p), rng,
-                             stats)
+        yield from speculate(
+            self, logits, drafter, draft_tokens, max_new_tokens, (temperature, top_k, top_p), rng, stats
+        )
 
-    def generate(self, prompt: bytes | str | Sequence[int] = b"", max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None, *,
-                 draft: Draft = None, draft_tokens: int = 4, num_beams: int = 1, length_penalty: float = 1.0,
-                 early_stopping: bool = True, eos_token_id: int | None = None) -> bytes | list[int]:
+    def generate(
+        self,
+        prompt: bytes | str | Sequence[int] = b"",
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        *,
+        draft: Draft = None,
+        draft_tokens: int = 4,
+        num_beams: int = 1,
+        length_penalty: float = 1.0,
+        early_stopping: bool = True,
+        eos_token_id: int | None = None,
+    ) -> bytes | list[int]:
         """The new tokens after `prompt`: bytes for a byte-level model (vocab 256), else a list of ids.
         Greedy at temperature 0; otherwise sampled with top-k / top-p, reproducibly with `seed`; `draft`
         and `draft_tokens`: speculative decoding (`generate_iter`). With `num_beams` > 1, beam search
@@ -711,14 +788,37 @@ class Stream:
                 raise ConfigError("beam search takes no draft: give num_beams 1 for speculative decoding")
             if len(prompt):
                 self.prefill(prompt, all_logits=False)
-            return self.beam_search(max_new_tokens, num_beams, length_penalty=length_penalty,
-                                    early_stopping=early_stopping, eos_token_id=eos_token_id)
-        tokens = list(self.generate_iter(prompt, max_new_tokens, temperature, top_k, top_p, seed, draft=draft,
-                                         draft_tokens=draft_tokens, eos_token_id=eos_token_id))
+            return self.beam_search(
+                max_new_tokens,
+                num_beams,
+                length_penalty=length_penalty,
+                early_stopping=early_stopping,
+                eos_token_id=eos_token_id,
+            )
+        tokens = list(
+            self.generate_iter(
+                prompt,
+                max_new_tokens,
+                temperature,
+                top_k,
+                top_p,
+                seed,
+                draft=draft,
+                draft_tokens=draft_tokens,
+                eos_token_id=eos_token_id,
+            )
+        )
         return bytes(tokens) if self._engine.vocab_size == 256 else tokens
 
-    def beam_search(self, max_new_tokens: int, num_beams: int, *, length_penalty: float = 1.0,
-                    early_stopping: bool = True, eos_token_id: int | None = None) -> list[int]:
+    def beam_search(
+        self,
+        max_new_tokens: int,
+        num_beams: int,
+        *,
+        length_penalty: float = 1.0,
+        early_stopping: bool = True,
+        eos_token_id: int | None = None,
+    ) -> list[int]:
         """The best of `num_beams` beams continuing from this stream's logits, as transformers' beam search
         defines it: each round keeps the 2·num_beams best continuations of every beam by summed log
         probability; one ending in the end token among the first num_beams of them is a finished

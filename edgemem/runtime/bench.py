@@ -81,9 +81,19 @@ def _fits(engine: Engine, position: int, batch: int) -> str:
 
 
 def run(
-    directory: str | Path, *, positions: Sequence[int], batches: Sequence[int], steps: int = 100, warmup: int = 5,
-    time_limit: float = 2.0, threads: int | None = 1, target: str | None = None, chunk_size: int = 512, seed: int = 0,
-    checkpoints: Path | None = None, progress: Progress | None = None,
+    directory: str | Path,
+    *,
+    positions: Sequence[int],
+    batches: Sequence[int],
+    steps: int = 100,
+    warmup: int = 5,
+    time_limit: float = 2.0,
+    threads: int | None = 1,
+    target: str | None = None,
+    chunk_size: int = 512,
+    seed: int = 0,
+    checkpoints: Path | None = None,
+    progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Measure; returns {"environment", "model", "rows"} (rows: one per position × batch). With `checkpoints`
     (a directory), the stream at each position p is saved as `checkpoint_path(checkpoints, p)`."""
@@ -93,9 +103,11 @@ def run(
     rss_before = rss_bytes()
     engine = Engine.load(directory, threads=threads, target=target, chunk_size=chunk_size)
     if engine.kind.streams != "fresh":
-        raise EdgememError(f"bench times streams that start empty and reach positions by prefill; {engine.manifest.arch} "
-                           f"is an {engine.kind.name} export, whose streams start from Engine.encode (time those with "
-                           "benchmarks/led_encoder.py)")
+        raise EdgememError(
+            f"bench times streams that start empty and reach positions by prefill; {engine.manifest.arch} "
+            f"is an {engine.kind.name} export, whose streams start from Engine.encode (time those with "
+            "benchmarks/led_encoder.py)"
+        )
     load_rss = rss_bytes() - rss_before
     rng = np.random.default_rng(seed)
     rows: list[dict[str, Any]] = []
@@ -126,15 +138,26 @@ def run(
                 rss_bytes=rss,
             )
     model_info: dict[str, Any] = {
-        "arch": engine.manifest.arch, "target": engine.target, "config": engine.manifest.config,
-        "state_bytes_at_0": engine.state_bytes(0), "state_bytes_per_token": engine.state_bytes_per_token,
-        "file_bytes": sum((Path(directory) / name).stat().st_size for name in engine.manifest.files
-                          if name.startswith(f"{engine.target}/")),
+        "arch": engine.manifest.arch,
+        "target": engine.target,
+        "config": engine.manifest.config,
+        "state_bytes_at_0": engine.state_bytes(0),
+        "state_bytes_per_token": engine.state_bytes_per_token,
+        "file_bytes": sum(
+            (Path(directory) / name).stat().st_size
+            for name in engine.manifest.files
+            if name.startswith(f"{engine.target}/")
+        ),
         "load_rss_bytes": load_rss,
     }
     environment = {
-        "onnxruntime": ort.__version__, "threads": threads, "cpus": os.cpu_count(), "machine": platform.machine(),
-        "python": platform.python_version(), "load_avg_before": load_before, "chunk_size": chunk_size,
+        "onnxruntime": ort.__version__,
+        "threads": threads,
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "load_avg_before": load_before,
+        "chunk_size": chunk_size,
         "load_avg_after": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "runtime_peak_rss_bytes": max((r.get("rss_bytes", 0) for r in rows), default=0),
     }
@@ -145,8 +168,9 @@ def checkpoint_path(folder: Path, position: int) -> Path:
     return folder / f"{position}.safetensors"
 
 
-def _time_runtime(engine: Engine, base: Stream, batch: int, rng: np.random.Generator, steps: int, warmup: int,
-                  time_limit: float) -> tuple[float, int, int, int]:
+def _time_runtime(
+    engine: Engine, base: Stream, batch: int, rng: np.random.Generator, steps: int, warmup: int, time_limit: float
+) -> tuple[float, int, int, int]:
     """`batch` forks of `base` stepped together: (median s per step, timed steps, state bytes, RSS while alive)."""
     streams = [base.fork() for _ in range(batch)]
     state_bytes = streams[0].state_bytes  # at the position itself, before the timed steps
@@ -174,8 +198,13 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
         left.plot(x, [r["us_per_token"] for r in sel], "o-", label=f"edgemem runtime, batch {batch}")
         if all("eager_us_per_token" in r for r in sel):
             left.plot(x, [r["eager_us_per_token"] for r in sel], "s--", label=f"PyTorch eager, batch {batch}")
-    left.set(xscale="log", yscale="log", xlabel="position (tokens)", ylabel="µs per token",
-             title=f"{result['model']['arch']}: step latency")
+    left.set(
+        xscale="log",
+        yscale="log",
+        xlabel="position (tokens)",
+        ylabel="µs per token",
+        title=f"{result['model']['arch']}: step latency",
+    )
     left.legend(fontsize=8)
     one = sorted((r for r in rows if r["batch"] == min(r["batch"] for r in rows)), key=lambda r: r["position"])
     x = [r["position"] for r in one]

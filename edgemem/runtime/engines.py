@@ -52,17 +52,24 @@ def plugin_library(plugins: str | os.PathLike | None, built: Mapping[str, str] |
     """The plugin library: `plugins`, else $EDGEMEM_TRT_PLUGINS. With `built` (engines.json's "plugins"
     record), it must be the library the engines were built with."""
     name = plugins or os.environ.get(PLUGINS_ENV)
-    origin = (f"; the engines were built with {built['file']}" if built is not None
-              else "; build it from plugins/ for this TensorRT major (plugins/README.md)")
+    origin = (
+        f"; the engines were built with {built['file']}"
+        if built is not None
+        else "; build it from plugins/ for this TensorRT major (plugins/README.md)"
+    )
     if not name:
-        raise BackendError(f"no plugin library: pass {named('plugins=PATH', '--plugins PATH')} or set "
-                           f"{PLUGINS_ENV}=PATH, PATH being libedgemem_trt_plugins.so{origin}")
+        raise BackendError(
+            f"no plugin library: pass {named('plugins=PATH', '--plugins PATH')} or set "
+            f"{PLUGINS_ENV}=PATH, PATH being libedgemem_trt_plugins.so{origin}"
+        )
     path = Path(name)
     if not path.is_file():
         raise BackendError(f"plugin library {path} does not exist{origin}")
     if built is not None and sha256(path) != built["sha256"]:
-        raise BackendError(f"plugin library {path} is not the one the engines were built with ({built['file']}, "
-                           f"sha256 {built['sha256'][:12]}); pass that library or rebuild the engines with this one")
+        raise BackendError(
+            f"plugin library {path} is not the one the engines were built with ({built['file']}, "
+            f"sha256 {built['sha256'][:12]}); pass that library or rebuild the engines with this one"
+        )
     return path
 
 
@@ -74,26 +81,48 @@ def load_plugins(trt: Any, library: Path) -> Any:
     return handle
 
 
-def entry(path: Path, profile: Mapping[str, list[list[int]]], in_place: Sequence[str],
-          plugins: Sequence[Mapping[str, str]]) -> dict[str, Any]:
+def entry(
+    path: Path, profile: Mapping[str, list[list[int]]], in_place: Sequence[str], plugins: Sequence[Mapping[str, str]]
+) -> dict[str, Any]:
     """The record of one engine file: its sha256, its optimisation profile, its in-place state inputs and
     its plugin layers ({op, namespace, version} each)."""
-    return {"file": path.name, "sha256": sha256(path), "profile": dict(profile), "in_place": list(in_place),
-            "plugins": [dict(p) for p in plugins]}
+    return {
+        "file": path.name,
+        "sha256": sha256(path),
+        "profile": dict(profile),
+        "in_place": list(in_place),
+        "plugins": [dict(p) for p in plugins],
+    }
 
 
-def write(folder: Path, manifest: Manifest, toolkit: Toolkit, library: Path, max_batch: int, max_sequence: int,
-          engines: Mapping[str, Mapping[str, Any]]) -> Path:
+def write(
+    folder: Path,
+    manifest: Manifest,
+    toolkit: Toolkit,
+    library: Path,
+    max_batch: int,
+    max_sequence: int,
+    engines: Mapping[str, Mapping[str, Any]],
+) -> Path:
     """Write FOLDER/engines.json atomically, after the engines (`entry` per engine file)."""
     if toolkit.module not in LIBRARIES:
         raise ValueError(f"library {toolkit.module!r} is none of {', '.join(LIBRARIES)}")
     info = {
         "format": FORMAT,
-        "library": {"module": toolkit.module, "version": toolkit.version,
-                    "compute_capabilities": list(toolkit.compute_capabilities)},
+        "library": {
+            "module": toolkit.module,
+            "version": toolkit.version,
+            "compute_capabilities": list(toolkit.compute_capabilities),
+        },
         "plugins": {"file": str(library.resolve()), "sha256": sha256(library)},
-        "export": {"arch": manifest.arch, "identity": manifest.identity(), "dtype": manifest.config.get("dtype", "fp32")},
-        "max_batch": max_batch, "max_sequence": max_sequence, "engines": dict(engines),
+        "export": {
+            "arch": manifest.arch,
+            "identity": manifest.identity(),
+            "dtype": manifest.config.get("dtype", "fp32"),
+        },
+        "max_batch": max_batch,
+        "max_sequence": max_sequence,
+        "engines": dict(engines),
     }
     path = folder / ENGINES_JSON
     write_atomic(path, (json.dumps(info, indent=2) + "\n").encode())
@@ -139,7 +168,7 @@ def read(directory: Path, manifest: Manifest, engines: str | os.PathLike | None 
     if source.get("identity") != manifest.identity():
         raise BackendError(
             f"{folder} holds engines built from another export (arch {source.get('arch')}, identity "
-            f"{str(source.get('identity'))[:12]}); {directory} is {manifest.arch}, identity {manifest.identity()[:12]}: "
+            f"{str(source.get('identity'))[:12]}); {directory} is {manifest.arch}, identity {manifest.identity()[:12]}: "  # noqa: E501
             f"rebuild with {build}"
         )
     if "step" not in info["engines"]:
@@ -147,11 +176,15 @@ def read(directory: Path, manifest: Manifest, engines: str | os.PathLike | None 
     for kind, record in info["engines"].items():
         file = folder / record["file"]
         if not file.is_file():
-            raise BackendError(f"{folder}: the {kind} engine {record['file']} listed in {ENGINES_JSON} is missing; "
-                               f"rebuild with {build}")
+            raise BackendError(
+                f"{folder}: the {kind} engine {record['file']} listed in {ENGINES_JSON} is missing; "
+                f"rebuild with {build}"
+            )
         if sha256(file) != record["sha256"]:
-            raise BackendError(f"{file} does not match its sha256 in {ENGINES_JSON} (modified, or a build that did "
-                               f"not finish); rebuild with {build}")
+            raise BackendError(
+                f"{file} does not match its sha256 in {ENGINES_JSON} (modified, or a build that did "
+                f"not finish); rebuild with {build}"
+            )
     return folder, info
 
 
@@ -166,8 +199,10 @@ def check_library_version(info: Mapping[str, Any], version: str) -> None:
     if built["version"] != version:
         name = LIBRARIES[built["module"]]
         command = "edgemem build --rtx" if built["module"] == "tensorrt_rtx" else "edgemem build"
-        raise BackendError(f"the engines were built by {name} {built['version']}, this is {name} {version}; rebuild "
-                           f"them with `{command}` here (engines are not portable across versions)")
+        raise BackendError(
+            f"the engines were built by {name} {built['version']}, this is {name} {version}; rebuild "
+            f"them with `{command}` here (engines are not portable across versions)"
+        )
 
 
 def in_place(info: Mapping[str, Any], kinds: Collection[str]) -> frozenset[str]:

@@ -56,7 +56,6 @@ from typing import Any, NamedTuple
 import numpy as np
 import onnxruntime as ort
 
-from edgemem.config import positive_int
 from edgemem.config import threads as check_threads
 from edgemem.errors import EdgememError, named
 from edgemem.manifest import PREFILL_LAST, Manifest, StateSpec, check_io
@@ -65,8 +64,11 @@ from edgemem.runtime.errors import BackendError, BatchError
 from edgemem.runtime.state import concrete_shape, variable_dim
 
 ORT_TYPES = {
-    "tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
-    "tensor(int64)": np.int64, "tensor(int32)": np.int32,
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
 }
 Sides = list[dict[str, ort.OrtValue]]  # state input name → buffer, for side A and side B
 
@@ -94,8 +96,9 @@ class _Memory:
     def alloc(self, shape: Sequence[int], dtype: Any) -> ort.OrtValue:
         return ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.device, 0)
 
-    def sides(self, specs: Sequence[StateSpec], rows: int, shared: frozenset[str] = frozenset()
-              ) -> tuple[Sides, list[dict[str, np.ndarray]] | None]:
+    def sides(
+        self, specs: Sequence[StateSpec], rows: int, shared: frozenset[str] = frozenset()
+    ) -> tuple[Sides, list[dict[str, np.ndarray]] | None]:
         """Side A and side B buffers of `rows` rows for each state in `specs` (one buffer for both sides of
         the `shared` ones, updated in place), and their host views (None on a device)."""
         a = {s.input: self.alloc(concrete_shape(s, rows), s.dtype) for s in specs}
@@ -165,8 +168,10 @@ class _Weights:
                 if key not in shared:
                     count = int(np.prod(shape, dtype=np.int64))
                     if offset + count * np.dtype(dtype).itemsize > len(mapped):
-                        raise BackendError(f"{path} is shorter than edgemem.json says ({len(mapped)} bytes; {name} "
-                                           "ends past it): the file is truncated; copy or export it again")
+                        raise BackendError(
+                            f"{path} is shorter than edgemem.json says ({len(mapped)} bytes; {name} "
+                            "ends past it): the file is truncated; copy or export it again"
+                        )
                     array = np.frombuffer(mapped, dtype=dtype, count=count, offset=offset).reshape(shape)
                     self._arrays.append(array)
                     shared[key] = ort.OrtValue.ortvalue_from_numpy(array)
@@ -196,8 +201,9 @@ class _Weights:
 class OrtEngine(Engine):
     """An export's graphs in onnxruntime sessions. Use `Engine.load(directory)` (backend "ort" or "ort-cuda")."""
 
-    def __init__(self, directory: Path, manifest: Manifest, backend: str, target: str, threads: int | None,
-                 chunk_size: int):
+    def __init__(
+        self, directory: Path, manifest: Manifest, backend: str, target: str, threads: int | None, chunk_size: int
+    ):
         super().__init__(directory, manifest, chunk_size, has_prefill=bool(manifest.graphs.get("prefill")))
         self.backend, self.target, self.threads = backend, target, threads
         self._tokens_name, self._logits_name = manifest.inputs["tokens"], manifest.outputs["logits"]
@@ -220,8 +226,9 @@ class OrtEngine(Engine):
             if manifest.graphs.get(kind):
                 self._open_session(kind)
         self._step_session = self._sessions["step"]
-        self._encoder = self._session("encoder", self._options("encoder", arena=True)) if manifest.graphs.get("encoder") \
-            else None
+        self._encoder = (
+            self._session("encoder", self._options("encoder", arena=True)) if manifest.graphs.get("encoder") else None
+        )
         if self._weights is not None:
             self._weights.release()
         logits = next(o for o in self._step_session.get_outputs() if o.name == self._logits_name)
@@ -238,25 +245,36 @@ class OrtEngine(Engine):
         return self._open_session(self._last if last_only else "prefill")
 
     @classmethod
-    def _open(cls, directory: Path, manifest: Manifest, target: str | None, threads: int | None, chunk_size: int, *,
-              backend: str) -> OrtEngine:
+    def _open(
+        cls,
+        directory: Path,
+        manifest: Manifest,
+        target: str | None,
+        threads: int | None,
+        chunk_size: int,
+        *,
+        backend: str,
+    ) -> OrtEngine:
         if threads is not None:
             check_threads(threads, named("threads", "--threads"))
         if target is None:
             target = next((t for t in ("ort", "generic", "onnx27") if t in manifest.targets), None)
             if target is None:
-                raise BackendError(f"{directory} has no target onnxruntime can run (it has {', '.join(manifest.targets)}); "
-                                   "export with --target ort or generic")
+                raise BackendError(
+                    f"{directory} has no target onnxruntime can run (it has {', '.join(manifest.targets)}); "
+                    "export with --target ort or generic"
+                )
         elif target not in manifest.targets:
             raise BackendError(f"{directory} has no {target!r} target (it has {', '.join(manifest.targets)})")
         if target == "trt":
-            raise BackendError("the trt target is for TensorRT with edgemem's plugins, not onnxruntime; "
-                               "load the ort or generic target")
+            raise BackendError(
+                "the trt target is for TensorRT with edgemem's plugins, not onnxruntime; load the ort or generic target"
+            )
         if backend == "ort-cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
             raise BackendError(
                 f"backend 'ort-cuda' needs onnxruntime's CUDAExecutionProvider, which this onnxruntime "
                 f"{ort.__version__} does not have (it has {', '.join(ort.get_available_providers())}): install "
-                "onnxruntime-gpu (`pip install 'edgemem-toolkit[gpu]'`, then uninstall onnxruntime) with the CUDA and cuDNN "
+                "onnxruntime-gpu (`pip install 'edgemem-toolkit[gpu]'`, then uninstall onnxruntime) with the CUDA and cuDNN "  # noqa: E501
                 "libraries it needs, or use backend 'ort'"
             )
         return cls(directory, manifest, backend, target, threads, chunk_size)
@@ -290,8 +308,10 @@ class OrtEngine(Engine):
         except Exception as e:  # noqa: BLE001 — onnxruntime raises its own, varied exception types
             raise BackendError(f"onnxruntime cannot load {path}: {_summary(e)}") from None
         if self.backend == "ort-cuda" and "CUDAExecutionProvider" not in session.get_providers():
-            raise BackendError("onnxruntime's CUDAExecutionProvider failed to initialise (CUDA or cuDNN libraries "
-                               "missing or no GPU visible); use backend 'ort'")
+            raise BackendError(
+                "onnxruntime's CUDAExecutionProvider failed to initialise (CUDA or cuDNN libraries "
+                "missing or no GPU visible); use backend 'ort'"
+            )
         inputs = {i.name for i in session.get_inputs()}
         outputs = {o.name for o in session.get_outputs()}
         if kind == "encoder":
@@ -302,16 +322,31 @@ class OrtEngine(Engine):
             want_in = {self._tokens_name, *(s.input for s in self._specs)}
             want_out = {self._logits_name, *(s.output for s in self._specs if s.output)}
         if inputs != want_in or not want_out <= outputs:
-            raise BackendError(f"{path} does not match edgemem.json: inputs {sorted(inputs ^ want_in)} or outputs "
-                               f"{sorted(want_out - outputs)} differ")
-        check_io(self.manifest, path, *({v.name: (v.type.removeprefix("tensor(").rstrip(")"), v.shape) for v in values}
-                                        for values in (session.get_inputs(), session.get_outputs())), graph=kind)
+            raise BackendError(
+                f"{path} does not match edgemem.json: inputs {sorted(inputs ^ want_in)} or outputs "
+                f"{sorted(want_out - outputs)} differ"
+            )
+        check_io(
+            self.manifest,
+            path,
+            *(
+                {v.name: (v.type.removeprefix("tensor(").rstrip(")"), v.shape) for v in values}
+                for values in (session.get_inputs(), session.get_outputs())
+            ),
+            graph=kind,
+        )
         return session
 
     # ------------------------------------------------------------------ bindings and runs
-    def _bind(self, session: ort.InferenceSession, ids: ort.OrtValue, logits: ort.OrtValue | None,
-              reads: Mapping[str, ort.OrtValue], writes: Mapping[str, ort.OrtValue],
-              caches: Mapping[str, ort.OrtValue | _Row] | None = None) -> ort.IOBinding:
+    def _bind(
+        self,
+        session: ort.InferenceSession,
+        ids: ort.OrtValue,
+        logits: ort.OrtValue | None,
+        reads: Mapping[str, ort.OrtValue],
+        writes: Mapping[str, ort.OrtValue],
+        caches: Mapping[str, ort.OrtValue | _Row] | None = None,
+    ) -> ort.IOBinding:
         """A binding of `session`'s graph: token ids `ids`; fixed-size state read from `reads` and written to
         `writes`; logits into `logits` (None: onnxruntime allocates them on the host); KV caches read from
         `caches` (a tensor, or a batch's row by address) and written where onnxruntime allocates them."""
@@ -327,8 +362,9 @@ class OrtEngine(Engine):
         for spec in self._growing:
             value = caches[spec.input]
             if isinstance(value, _Row):
-                binding.bind_input(spec.input, self._memory.device, 0, np.dtype(spec.dtype), value.shape(),
-                                   value.address())
+                binding.bind_input(
+                    spec.input, self._memory.device, 0, np.dtype(spec.dtype), value.shape(), value.address()
+                )
             else:
                 binding.bind_ortvalue_input(spec.input, value)
             if spec.output:  # a read-only state (an encoder-decoder's cross keys/values) is an input only
@@ -339,9 +375,13 @@ class OrtEngine(Engine):
         fills = self.manifest.encoder["fills"]
         outputs = list(fills.values())
         try:
-            values = self._encoder.run(outputs, {"input_ids": input_ids, "global_attention_mask": global_attention_mask})
+            values = self._encoder.run(
+                outputs, {"input_ids": input_ids, "global_attention_mask": global_attention_mask}
+            )
         except Exception as e:  # noqa: BLE001 — onnxruntime raises its own, varied exception types
-            raise EdgememError(f"onnxruntime failed running the encoder graph of {self.manifest.arch}: {_summary(e)}") from None
+            raise EdgememError(
+                f"onnxruntime failed running the encoder graph of {self.manifest.arch}: {_summary(e)}"
+            ) from None
         return dict(zip(fills, values))
 
     def _caches(self, binding: ort.IOBinding) -> list[ort.OrtValue]:
@@ -352,7 +392,9 @@ class OrtEngine(Engine):
         try:
             self._sessions[kind].run_with_iobinding(binding)
         except Exception as e:  # noqa: BLE001 — onnxruntime raises its own, varied exception types
-            raise EdgememError(f"onnxruntime failed running the {kind} graph of {self.manifest.arch}: {_summary(e)}") from None
+            raise EdgememError(
+                f"onnxruntime failed running the {kind} graph of {self.manifest.arch}: {_summary(e)}"
+            ) from None
 
     # ------------------------------------------------------------------ streams and batches
     def _new(self, state: Mapping[str, np.ndarray], position: int, logits: np.ndarray | None) -> OrtStream:
@@ -367,10 +409,10 @@ class OrtEngine(Engine):
             lengths = sorted({s._past_length() for s in streams})
             if len(lengths) > 1:
                 raise BatchError(
-                    f"{self.manifest.arch}'s state grows (KV cache): a batch needs streams with caches of equal length, "
-                    f"got lengths {', '.join(map(str, lengths[:6]))}{'…' if len(lengths) > 6 else ''}; batch streams at "
+                    f"{self.manifest.arch}'s state grows (KV cache): a batch needs streams with caches of equal length, "  # noqa: E501
+                    f"got lengths {', '.join(map(str, lengths[:6]))}{'…' if len(lengths) > 6 else ''}; batch streams at "  # noqa: E501
                     "the same position, step them one by one, or re-export with "
-                    f"{named('set_kv_cache(model, max_length=N)', '`edgemem export --max-length N`')} (a preallocated cache: "
+                    f"{named('set_kv_cache(model, max_length=N)', '`edgemem export --max-length N`')} (a preallocated cache: "  # noqa: E501
                     "streams at any positions batch together)"
                 )
         return streams, tokens
@@ -381,11 +423,14 @@ class OrtEngine(Engine):
             self._run("step", slot.bindings[slot.side])
             return slot.logits_view[:, 0].copy()
         caches = {spec.input: self._gather_cache(spec, streams) for spec in self._growing}
-        binding = self._bind(self._step_session, slot.ids, slot.logits, slot.bufs[slot.side], slot.bufs[1 - slot.side],
-                             caches)  # fresh: see the module docstring
+        binding = self._bind(
+            self._step_session, slot.ids, slot.logits, slot.bufs[slot.side], slot.bufs[1 - slot.side], caches
+        )  # fresh: see the module docstring
         self._run("step", binding)
         for spec in self._growing:
-            if not spec.output:  # read only: the streams view their rows of the gathered input, the next batch reuses it
+            if (
+                not spec.output
+            ):  # read only: the streams view their rows of the gathered input, the next batch reuses it
                 for i, s in enumerate(streams):
                     s._grown[spec.input] = _Row(caches[spec.input], i, len(streams))
         for spec, value in zip(self._written, self._caches(binding)):  # each stream views its row of the new cache
@@ -398,8 +443,10 @@ class OrtEngine(Engine):
         order (the usual serving loop), else their caches copied into a new tensor."""
         rows = [s._grown[spec.input] for s in streams]
         first = rows[0]
-        if isinstance(first, _Row) and first.rows == len(rows) and all(
-            isinstance(r, _Row) and r.value is first.value and r.index == i for i, r in enumerate(rows)
+        if (
+            isinstance(first, _Row)
+            and first.rows == len(rows)
+            and all(isinstance(r, _Row) and r.value is first.value and r.index == i for i, r in enumerate(rows))
         ):
             return first.value
         memory = self._memory
@@ -412,8 +459,10 @@ class OrtEngine(Engine):
         return value
 
     def __repr__(self) -> str:
-        return (f"OrtEngine({self.manifest.arch}, {self.directory}, backend={self.backend}, target={self.target}, "
-                f"threads={self.threads or 'auto'})")
+        return (
+            f"OrtEngine({self.manifest.arch}, {self.directory}, backend={self.backend}, target={self.target}, "
+            f"threads={self.threads or 'auto'})"
+        )
 
 
 class _OrtSlot(BatchSlot):
@@ -424,10 +473,14 @@ class _OrtSlot(BatchSlot):
         self.bufs, self.views = engine._memory.sides(engine._fixed, n, engine._in_place)
         self.ids, self.ids_view = _host([n, 1], np.int64)
         self.logits, self.logits_view = _host([n, 1, engine.vocab_size], engine.logits_dtype)
-        self.bindings = [] if engine.grows else [  # with a KV cache, each batch binds afresh
-            engine._bind(engine._step_session, self.ids, self.logits, self.bufs[side], self.bufs[1 - side])
-            for side in (0, 1)
-        ]
+        self.bindings = (
+            []
+            if engine.grows
+            else [  # with a KV cache, each batch binds afresh
+                engine._bind(engine._step_session, self.ids, self.logits, self.bufs[side], self.bufs[1 - side])
+                for side in (0, 1)
+            ]
+        )
 
     def row(self, name: str, index: int) -> np.ndarray:
         if self.views is not None:
@@ -441,8 +494,9 @@ class _OrtSlot(BatchSlot):
                 for i, s in enumerate(streams):
                     rows[i] = s._own(spec.input)[0]
             else:
-                self.engine._memory.write(self.bufs[self.side][spec.input],
-                                          np.concatenate([s._own(spec.input) for s in streams]))
+                self.engine._memory.write(
+                    self.bufs[self.side][spec.input], np.concatenate([s._own(spec.input) for s in streams])
+                )
 
 
 class OrtStream(Stream):
@@ -454,10 +508,14 @@ class OrtStream(Stream):
         self._grown: dict[str, ort.OrtValue | _Row] = {}  # KV caches: replaced every step
         self._ids, self._ids_view = _host([1, 1], np.int64)
         self._logits, self._logits_view = _host([1, 1, engine.vocab_size], engine.logits_dtype)
-        self._bindings = [] if engine.grows else [  # with a KV cache, each step binds afresh
-            engine._bind(engine._step_session, self._ids, self._logits, self._bufs[side], self._bufs[1 - side])
-            for side in (0, 1)
-        ]
+        self._bindings = (
+            []
+            if engine.grows
+            else [  # with a KV cache, each step binds afresh
+                engine._bind(engine._step_session, self._ids, self._logits, self._bufs[side], self._bufs[1 - side])
+                for side in (0, 1)
+            ]
+        )
         self._assign(state, position, logits)
 
     # ------------------------------------------------------------------ state
@@ -520,8 +578,14 @@ class OrtStream(Stream):
         if not engine.grows:
             engine._run("step", self._bindings[self._side])
             return
-        binding = engine._bind(engine._step_session, self._ids, self._logits, self._bufs[self._side],
-                               self._bufs[1 - self._side], self._grown)
+        binding = engine._bind(
+            engine._step_session,
+            self._ids,
+            self._logits,
+            self._bufs[self._side],
+            self._bufs[1 - self._side],
+            self._grown,
+        )
         engine._run("step", binding)
         self._grown.update(zip((s.input for s in engine._written), engine._caches(binding)))
 
@@ -530,10 +594,13 @@ class OrtStream(Stream):
         tokens, view = _host([1, ids.size], np.int64)
         view[0] = ids
         kind = engine._prefill_kind(last_only)
-        binding = engine._bind(engine._sessions[kind], tokens, None, self._bufs[self._side],
-                               self._bufs[1 - self._side], self._grown)
+        binding = engine._bind(
+            engine._sessions[kind], tokens, None, self._bufs[self._side], self._bufs[1 - self._side], self._grown
+        )
         engine._run(kind, binding)
-        logits = binding.get_outputs()[0].numpy()[0]  # [T, V] ([1, V] from prefill_last), a view on onnxruntime's output
+        logits = binding.get_outputs()[0].numpy()[
+            0
+        ]  # [T, V] ([1, V] from prefill_last), a view on onnxruntime's output
         logits = np.array(logits[-1:] if last_only else logits, copy=True)
         self._grown.update(zip((s.input for s in engine._written), engine._caches(binding)))
         return logits

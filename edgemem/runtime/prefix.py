@@ -59,7 +59,7 @@ class PrefixCache:
         return len(self._entries)
 
     def longest(self, tokens: np.ndarray) -> Snapshot | None:
-        """The snapshot of the longest cached prefix of `tokens` (the whole of it included), counted as a hit or a miss."""
+        """The snapshot of the longest cached prefix of `tokens` (the whole of it included), counted as a hit or a miss."""  # noqa: E501
         with self._lock:
             for length in sorted((n for n in self._lengths if n <= tokens.size), reverse=True):
                 key = _key(tokens[:length])
@@ -103,5 +103,7 @@ class PrefixCache:
             self.bytes = 0
 
     def __repr__(self) -> str:
-        return (f"PrefixCache({len(self)} snapshots, {self.bytes} of {self.capacity} bytes, hits={self.hits}, "
-                f"misses={self.misses}, tokens_reused={self.tokens_reused})")
+        return (
+            f"PrefixCache({len(self)} snapshots, {self.bytes} of {self.capacity} bytes, hits={self.hits}, "
+            f"misses={self.misses}, tokens_reused={self.tokens_reused})"
+        )

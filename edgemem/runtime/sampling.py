@@ -16,8 +16,9 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -
         raise ConfigError(f"top_p must be in (0, 1]; got {top_p}")
 
 
-def distribution(logits: np.ndarray, temperature: float, top_k: int | None = None,
-                 top_p: float | None = None) -> np.ndarray:
+def distribution(
+    logits: np.ndarray, temperature: float, top_k: int | None = None, top_p: float | None = None
+) -> np.ndarray:
     """The probabilities [V] (float64) that `sample` draws from at `temperature` > 0 with top-k / top-p."""
     x = np.asarray(logits, dtype=np.float64) / temperature
     if top_k is not None and top_k < x.size:
@@ -35,8 +36,13 @@ def distribution(logits: np.ndarray, temperature: float, top_k: int | None = Non
     return p
 
 
-def sample(logits: np.ndarray, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-           rng: np.random.Generator | None = None) -> int:
+def sample(
+    logits: np.ndarray,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    rng: np.random.Generator | None = None,
+) -> int:
     """One token id from `logits` [V]. Temperature 0 is greedy (argmax; top-k/top-p then do nothing)."""
     if temperature == 0:
         return int(np.argmax(logits))

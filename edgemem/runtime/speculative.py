@@ -20,7 +20,7 @@ onnxruntime backend keeps S in its other side of buffers, so this is free; other
 copy) and feeds t, d_1..d_m again: one or two tokens step by step, more in one prefill-graph run
 (benchmarks/README.md measures the choices). A draft model's stream follows the same tokens: it rolls back the same way when fewer
 than k - 1 drafts were accepted.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -69,16 +69,26 @@ def check_draft(draft: Any, draft_tokens: Any, engine: Engine, engine_type: type
         return
     if isinstance(draft, str):
         if draft != "prompt-lookup":
-            raise ConfigError(named(f'draft must be None, "prompt-lookup" or an Engine; got {draft!r}',
-                                    f"--draft must be prompt-lookup or an export directory; got {draft!r}"))
+            raise ConfigError(
+                named(
+                    f'draft must be None, "prompt-lookup" or an Engine; got {draft!r}',
+                    f"--draft must be prompt-lookup or an export directory; got {draft!r}",
+                )
+            )
     elif not isinstance(draft, engine_type):
         raise ConfigError(f'draft must be None, "prompt-lookup" or an Engine; got {type(draft).__name__}')
     elif draft.vocab_size != engine.vocab_size:
-        raise ConfigError(f"the draft model's vocabulary ({draft.manifest.arch}, {draft.vocab_size} tokens) is not the "
-                          f"target's ({engine.manifest.arch}, {engine.vocab_size}): a draft must share the vocabulary")
+        raise ConfigError(
+            f"the draft model's vocabulary ({draft.manifest.arch}, {draft.vocab_size} tokens) is not the "
+            f"target's ({engine.manifest.arch}, {engine.vocab_size}): a draft must share the vocabulary"
+        )
     if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, (int, np.integer)) or draft_tokens < 1:
-        raise ConfigError(named(f"draft_tokens must be a positive integer (tokens proposed per round); got {draft_tokens!r}",
-                                f"--draft-tokens must be at least 1; got {draft_tokens!r}"))
+        raise ConfigError(
+            named(
+                f"draft_tokens must be a positive integer (tokens proposed per round); got {draft_tokens!r}",
+                f"--draft-tokens must be at least 1; got {draft_tokens!r}",
+            )
+        )
 
 
 class PromptLookup:
@@ -109,8 +119,9 @@ class PromptLookup:
         return []
 
 
-def _accept(drafts: list[int], q: list[np.ndarray] | None, rows: np.ndarray, sampling: tuple, rng: np.random.Generator
-            ) -> tuple[int, int]:
+def _accept(
+    drafts: list[int], q: list[np.ndarray] | None, rows: np.ndarray, sampling: tuple, rng: np.random.Generator
+) -> tuple[int, int]:
     """(accepted drafts m, the target's next token after them) for target logits `rows` [k + 1, V]."""
     temperature = sampling[0]
     for i, d in enumerate(drafts):
@@ -134,13 +145,22 @@ def _accept(drafts: list[int], q: list[np.ndarray] | None, rows: np.ndarray, sam
     return len(drafts), sample(rows[len(drafts)], *sampling, rng)
 
 
-def speculate(stream: Stream, logits: np.ndarray, drafter: PromptLookup | Stream, k: int, max_new_tokens: int,
-              sampling: tuple, rng: np.random.Generator, stats: GenerationStats) -> Iterator[int]:
+def speculate(
+    stream: Stream,
+    logits: np.ndarray,
+    drafter: PromptLookup | Stream,
+    k: int,
+    max_new_tokens: int,
+    sampling: tuple,
+    rng: np.random.Generator,
+    stats: GenerationStats,
+) -> Iterator[int]:
     """`generate_iter`'s loop with a drafter (see the module docstring); `logits`: the target's next-token logits."""
     engine = stream._engine
     model = None if isinstance(drafter, PromptLookup) else drafter
-    limit = min(k, engine.chunk_size - 1 if engine.has_prefill else k,
-                (engine._max_tokens or k + 1) - 1)  # t and the drafts in one prefill run
+    limit = min(
+        k, engine.chunk_size - 1 if engine.has_prefill else k, (engine._max_tokens or k + 1) - 1
+    )  # t and the drafts in one prefill run
     start = time.perf_counter()
     token = sample(logits, *sampling, rng)
     done = 0
@@ -184,8 +204,9 @@ def speculate(stream: Stream, logits: np.ndarray, drafter: PromptLookup | Stream
         token = after
 
 
-def _draft(model: Stream, token: int, n: int, sampling: tuple, rng: np.random.Generator
-           ) -> tuple[list[int], list[np.ndarray] | None, Any]:
+def _draft(
+    model: Stream, token: int, n: int, sampling: tuple, rng: np.random.Generator
+) -> tuple[list[int], list[np.ndarray] | None, Any]:
     """n tokens from the draft model after `token`, the distributions they were drawn from (None: greedy)
     and the draft stream's mark before `token`."""
     mark = model._mark(n, one_run=False)

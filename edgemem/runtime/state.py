@@ -80,7 +80,9 @@ def initial_state(manifest: Manifest, directory: str | Path, batch: int = 1) -> 
         if spec.init == "file":
             value = stored.get(spec.input)
             if value is None or list(value.shape[1:]) != shape[1:] or value.dtype != np.dtype(spec.dtype):
-                raise ManifestError(f"{directory / STATE_INIT}: {spec.input} is missing or not {spec.dtype} {spec.shape}")
+                raise ManifestError(
+                    f"{directory / STATE_INIT}: {spec.input} is missing or not {spec.dtype} {spec.shape}"
+                )
             if value.dtype.kind == "f" and not np.isfinite(value).all():
                 raise ManifestError(f"{directory / STATE_INIT}: {spec.input} holds NaN or infinite values")
             state[spec.input] = np.ascontiguousarray(np.broadcast_to(value, shape))
@@ -111,8 +113,9 @@ def _caches(manifest: Manifest, position: int) -> tuple[list[str], int]:
     return (list(kv["states"]), min(position, kv["max_length"])) if kv else ([], 0)
 
 
-def check_position(manifest: Manifest, position: object, name: str = "position",
-                   error: type[Exception] = StateFileError) -> int:
+def check_position(
+    manifest: Manifest, position: object, name: str = "position", error: type[Exception] = StateFileError
+) -> int:
     """`position` if it is a place a stream of this export can be at: an integer in [0, MAX_POSITION), and no
     later than the end of a preallocated KV cache without a window."""
     integer = isinstance(position, (int, np.integer)) and not isinstance(position, (bool, np.bool_))
@@ -141,18 +144,25 @@ def padded(manifest: Manifest, state: Mapping[str, np.ndarray], position: int) -
     return full
 
 
-def encode_checkpoint(manifest: Manifest, state: Mapping[str, np.ndarray], position: int,
-                      logits: np.ndarray | None) -> bytes:
+def encode_checkpoint(
+    manifest: Manifest, state: Mapping[str, np.ndarray], position: int, logits: np.ndarray | None
+) -> bytes:
     tensors = {name: np.ascontiguousarray(a) for name, a in filled_part(manifest, state, position).items()}
     if logits is not None:
         tensors[LOGITS] = np.ascontiguousarray(logits, dtype=np.float32)
-    metadata = {"format": FORMAT, "arch": manifest.arch, "identity": manifest.identity(), "position": str(int(position))}
+    metadata = {
+        "format": FORMAT,
+        "arch": manifest.arch,
+        "identity": manifest.identity(),
+        "position": str(int(position)),
+    }
     metadata["sha256"] = _checksum(metadata, tensors)
     return save_safetensors(tensors, metadata=metadata)
 
 
-def save_checkpoint(path: str | Path, manifest: Manifest, state: Mapping[str, np.ndarray], position: int,
-                    logits: np.ndarray | None) -> None:
+def save_checkpoint(
+    path: str | Path, manifest: Manifest, state: Mapping[str, np.ndarray], position: int, logits: np.ndarray | None
+) -> None:
     """Write atomically: a crash leaves either the old file or the new one, never half of one."""
     path = Path(path)
     if path.is_dir():
@@ -169,8 +179,10 @@ def _header(data: bytes, where: str) -> dict:
         raise StateFileError(f"{where} is not a valid edgemem state file (truncated: {len(data)} bytes)")
     size = int.from_bytes(data[:8], "little")
     if size > len(data) - 8:
-        raise StateFileError(f"{where} is not a valid edgemem state file (truncated, or not safetensors at all: "
-                             f"its header claims {size} bytes, the file has {len(data)})")
+        raise StateFileError(
+            f"{where} is not a valid edgemem state file (truncated, or not safetensors at all: "
+            f"its header claims {size} bytes, the file has {len(data)})"
+        )
     try:
         header = json.loads(data[8 : 8 + size])
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -185,8 +197,10 @@ def decode_checkpoint(data: bytes, manifest: Manifest, where: str = "state file"
     metadata = _header(data, where).get("__metadata__")
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
         found = metadata.get("format") if isinstance(metadata, dict) else None
-        raise StateFileError(f"{where} is not an edgemem state checkpoint, or its header is corrupt "
-                             f"(metadata format {found!r}, expected {FORMAT!r})")
+        raise StateFileError(
+            f"{where} is not an edgemem state checkpoint, or its header is corrupt "
+            f"(metadata format {found!r}, expected {FORMAT!r})"
+        )
     try:
         tensors = load_safetensors(data)
     except SafetensorError as e:
@@ -196,7 +210,7 @@ def decode_checkpoint(data: bytes, manifest: Manifest, where: str = "state file"
     if metadata.get("identity") != manifest.identity():
         raise StateFileError(
             f"{where} was saved from another model (arch {metadata.get('arch')}, identity "
-            f"{str(metadata.get('identity'))[:12]}) — this export is {manifest.arch}, identity {manifest.identity()[:12]}"
+            f"{str(metadata.get('identity'))[:12]}) — this export is {manifest.arch}, identity {manifest.identity()[:12]}"  # noqa: E501
         )
     try:
         position = int(metadata["position"])
@@ -212,14 +226,18 @@ def decode_checkpoint(data: bytes, manifest: Manifest, where: str = "state file"
         if spec.input in caches and array is not None:
             want = concrete_shape(spec, 1)
             if array.ndim != 4 or list(array.shape) != [*want[:2], filled, want[3]]:
-                raise StateFileError(f"{where}: {spec.input} has shape {list(array.shape)}, expected its filled part "
-                                     f"{[*want[:2], filled, want[3]]} at position {position}")
+                raise StateFileError(
+                    f"{where}: {spec.input} has shape {list(array.shape)}, expected its filled part "
+                    f"{[*want[:2], filled, want[3]]} at position {position}"
+                )
             full = np.zeros(want, dtype=array.dtype)
             full[:, :, :filled] = array
             tensors[spec.input] = full
     check_state(manifest, tensors, where)
     if logits is not None and (logits.shape != (manifest.vocab_size,) or logits.dtype != np.float32):
-        raise StateFileError(f"{where}: logits are {logits.dtype} {list(logits.shape)}, expected float32 [{manifest.vocab_size}]")
+        raise StateFileError(
+            f"{where}: logits are {logits.dtype} {list(logits.shape)}, expected float32 [{manifest.vocab_size}]"
+        )
     if logits is not None and not np.isfinite(logits).all():
         raise StateFileError(f"{where}: the logits hold NaN or infinite values")
     return Checkpoint(state=tensors, position=position, logits=logits)
@@ -230,7 +248,10 @@ def check_state(manifest: Manifest, state: Mapping[str, np.ndarray], where: str 
     expected = [s.input for s in manifest.state]
     missing, unexpected = [n for n in expected if n not in state], sorted(set(state) - set(expected))
     if missing or unexpected:
-        parts = [f"missing {', '.join(missing)}" if missing else "", f"unexpected {', '.join(unexpected)}" if unexpected else ""]
+        parts = [
+            f"missing {', '.join(missing)}" if missing else "",
+            f"unexpected {', '.join(unexpected)}" if unexpected else "",
+        ]
         raise StateFileError(f"{where} does not hold this model's state tensors: {'; '.join(p for p in parts if p)}")
     lengths: dict[str, int] = {}
     for spec in manifest.state:
@@ -243,11 +264,14 @@ def check_state(manifest: Manifest, state: Mapping[str, np.ndarray], where: str 
             symbol = spec.shape[variable_dim(spec)]
             length = array.shape[variable_dim(spec)]
             if lengths.setdefault(symbol, length) != length:
-                raise StateFileError(f"{where}: states of different {symbol} lengths ({lengths[symbol]} and {length} "
-                                     f"at {spec.input})")
+                raise StateFileError(
+                    f"{where}: states of different {symbol} lengths ({lengths[symbol]} and {length} at {spec.input})"
+                )
         want = concrete_shape(spec, 1, lengths.get(GROWING, 0), lengths.get(ENCODED, 0))
         if list(array.shape) != want:
-            raise StateFileError(f"{where}: {spec.input} has shape {list(array.shape)}, expected {want} "
-                                 f"(manifest: {spec.shape}, batch 1)")
+            raise StateFileError(
+                f"{where}: {spec.input} has shape {list(array.shape)}, expected {want} "
+                f"(manifest: {spec.shape}, batch 1)"
+            )
         if array.dtype.kind == "f" and not np.isfinite(array).all():
             raise StateFileError(f"{where}: {spec.input} holds NaN or infinite values")

@@ -50,7 +50,9 @@ class TokenizerCodec(TextCodec):
         try:
             from tokenizers import Tokenizer
         except ImportError:
-            raise EdgememError(f"{path.parent.parent} carries a tokenizer: pip install 'edgemem-toolkit[text]' to encode text") from None
+            raise EdgememError(
+                f"{path.parent.parent} carries a tokenizer: pip install 'edgemem-toolkit[text]' to encode text"
+            ) from None
         try:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as e:  # the tokenizers package raises a bare Exception for a malformed file
@@ -72,6 +74,8 @@ def load_codec(directory: str | Path, manifest: Manifest, *, required: bool = Tr
     if manifest.vocab_size != 256:
         if not required:
             return None
-        raise EdgememError(f"{manifest.arch} has a vocabulary of {manifest.vocab_size} and its export carries no "
-                           "tokenizer: pass token ids from Python (edgemem.runtime) instead of text")
+        raise EdgememError(
+            f"{manifest.arch} has a vocabulary of {manifest.vocab_size} and its export carries no "
+            "tokenizer: pass token ids from Python (edgemem.runtime) instead of text"
+        )
     return ByteCodec()

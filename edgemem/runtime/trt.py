@@ -47,20 +47,26 @@ from edgemem.runtime.base import BatchSlot, Engine, Stream
 from edgemem.runtime.errors import BackendError
 from edgemem.runtime.state import concrete_shape, is_growing
 
-INSTALL = ("pip install 'edgemem-toolkit[gpu]' (TensorRT and cuda-python; on Jetson, JetPack's python3-libnvinfer and "
-           "`pip install cuda-python`; for TensorRT for RTX engines, 'edgemem-toolkit[rtx]' and cuda-python)")
+INSTALL = (
+    "pip install 'edgemem-toolkit[gpu]' (TensorRT and cuda-python; on Jetson, JetPack's python3-libnvinfer and "
+    "`pip install cuda-python`; for TensorRT for RTX engines, 'edgemem-toolkit[rtx]' and cuda-python)"
+)
 
 
 # ---------------------------------------------------------------------- checks (no TensorRT needed)
 def check_model(manifest: Manifest, directory: Path) -> None:
     """The export can run on this backend: a trt target, fixed-size state."""
     if "trt" not in manifest.targets:
-        raise BackendError(f"{directory} has no trt target (it has {', '.join(manifest.targets)}); export with "
-                           "`edgemem export --target trt`, then `edgemem build`")
+        raise BackendError(
+            f"{directory} has no trt target (it has {', '.join(manifest.targets)}); export with "
+            "`edgemem export --target trt`, then `edgemem build`"
+        )
     growing = [s.input for s in manifest.state if is_growing(s)]
     if growing:
-        raise BackendError(f"{manifest.arch}'s state grows ({', '.join(growing[:2])}: a KV cache); backend 'trt' "
-                           "runs fixed-size state only: use backend 'ort' or 'ort-cuda'")
+        raise BackendError(
+            f"{manifest.arch}'s state grows ({', '.join(growing[:2])}: a KV cache); backend 'trt' "
+            "runs fixed-size state only: use backend 'ort' or 'ort-cuda'"
+        )
 
 
 # ---------------------------------------------------------------------- the binding plan (pure)
@@ -86,7 +92,10 @@ def binding_plan(specs: Sequence[StateSpec], shared: Collection[str], side: int)
 
 def io_shapes(manifest: Manifest, batch: int, tokens: int) -> dict[str, list[int]]:
     """The shape of every input and output of a run over `batch` streams and `tokens` tokens each."""
-    shapes = {manifest.inputs["tokens"]: [batch, tokens], manifest.outputs["logits"]: [batch, tokens, manifest.vocab_size]}
+    shapes = {
+        manifest.inputs["tokens"]: [batch, tokens],
+        manifest.outputs["logits"]: [batch, tokens, manifest.vocab_size],
+    }
     for spec in manifest.state:
         shapes[spec.input] = shapes[spec.output] = concrete_shape(spec, batch)
     return shapes
@@ -164,8 +173,10 @@ class _TrtGraph:
         self.kind = kind
         self.engine = runtime.deserialize_cuda_engine(path.read_bytes())
         if self.engine is None:
-            raise BackendError(f"TensorRT could not deserialize {path} (see its log: another GPU, or a plugin the "
-                               "library lacks?); rebuild with `edgemem build`")
+            raise BackendError(
+                f"TensorRT could not deserialize {path} (see its log: another GPU, or a plugin the "
+                "library lacks?); rebuild with `edgemem build`"
+            )
         self.context = self.engine.create_execution_context()
         if self.context is None:
             raise BackendError(f"TensorRT could not create an execution context for {path} (out of GPU memory?)")
@@ -202,8 +213,15 @@ class TrtEngine(Engine):
     target = "trt"
     threads = None
 
-    def __init__(self, directory: Path, manifest: Manifest, info: Mapping[str, Any], graphs: Mapping[str, EngineContext],
-                 device: Device, chunk_size: int):
+    def __init__(
+        self,
+        directory: Path,
+        manifest: Manifest,
+        info: Mapping[str, Any],
+        graphs: Mapping[str, EngineContext],
+        device: Device,
+        chunk_size: int,
+    ):
         super().__init__(directory, manifest, chunk_size, has_prefill="prefill" in graphs)
         self.info = info
         self._graphs, self._device = dict(graphs), device
@@ -211,11 +229,15 @@ class TrtEngine(Engine):
         want = {self._tokens_name, self._logits_name, *(s.input for s in self._specs), *(s.output for s in self._specs)}
         for kind, graph in graphs.items():
             if set(graph.inputs) | set(graph.outputs) != want:
-                raise BackendError(f"the {kind} engine does not match edgemem.json: tensors "
-                                   f"{sorted(want ^ (set(graph.inputs) | set(graph.outputs)))} differ; rebuild it")
+                raise BackendError(
+                    f"the {kind} engine does not match edgemem.json: tensors "
+                    f"{sorted(want ^ (set(graph.inputs) | set(graph.outputs)))} differ; rebuild it"
+                )
             wrong = [s.input for s in self._specs if graph.dtypes[s.input] != np.dtype(s.dtype)]
             if wrong:
-                raise BackendError(f"the {kind} engine's state {', '.join(wrong)} has not edgemem.json's dtype; rebuild it")
+                raise BackendError(
+                    f"the {kind} engine's state {', '.join(wrong)} has not edgemem.json's dtype; rebuild it"
+                )
         step = graphs["step"]
         self.logits_dtype = step.dtypes[self._logits_name]
         self._token_dtype = step.dtypes[self._tokens_name]
@@ -227,14 +249,27 @@ class TrtEngine(Engine):
         self._keep: tuple = ()  # what the graphs must not outlive (TensorRT's runtime, logger, plugin library)
 
     @classmethod
-    def _open(cls, directory: Path, manifest: Manifest, target: str | None, threads: int | None, chunk_size: int, *,
-              engines_dir: str | Path | None, plugins: str | Path | None) -> TrtEngine:
+    def _open(
+        cls,
+        directory: Path,
+        manifest: Manifest,
+        target: str | None,
+        threads: int | None,
+        chunk_size: int,
+        *,
+        engines_dir: str | Path | None,
+        plugins: str | Path | None,
+    ) -> TrtEngine:
         """DIR's engines (DIR/engines, or `engines_dir`) with the plugin library (`plugins` or $EDGEMEM_TRT_PLUGINS)."""
         if target not in (None, "trt"):
             raise BackendError(f"backend 'trt' runs the engines built from the trt target, not {target!r}")
         if threads is not None:
-            raise ConfigError(named("threads is an onnxruntime setting; backend 'trt' runs on the GPU",
-                                      "--threads is an onnxruntime setting; --backend trt runs on the GPU"))
+            raise ConfigError(
+                named(
+                    "threads is an onnxruntime setting; backend 'trt' runs on the GPU",
+                    "--threads is an onnxruntime setting; --backend trt runs on the GPU",
+                )
+            )
         check_model(manifest, directory)
         folder, info = engines.read(directory, manifest, engines_dir)
         library = engines.plugin_library(plugins, info["plugins"])
@@ -277,7 +312,7 @@ class TrtEngine(Engine):
         return logits[:, 0]
 
     def __repr__(self) -> str:
-        return f"TrtEngine({self.manifest.arch}, {self.directory}, in place: {len(self._shared)}/{len(self._specs)} states)"
+        return f"TrtEngine({self.manifest.arch}, {self.directory}, in place: {len(self._shared)}/{len(self._specs)} states)"  # noqa: E501
 
 
 class _Buffers:
@@ -302,8 +337,11 @@ class _Buffers:
         self.state = {s.input: [next(it) for _ in range(c)] for s, c in zip(specs, counts)}
         self.ids, self.logits = next(it), next(it)
         self.addresses = [
-            {**{t: self.state[name][i] for t, (name, i) in plan.items()},
-             engine._tokens_name: self.ids, engine._logits_name: self.logits}
+            {
+                **{t: self.state[name][i] for t, (name, i) in plan.items()},
+                engine._tokens_name: self.ids,
+                engine._logits_name: self.logits,
+            }
             for plan in engine._plans
         ]
 
@@ -328,12 +366,15 @@ class _TrtSlot(BatchSlot):
     def _gather(self, streams: list[TrtStream]) -> None:
         for name, size in self.buffers.row_bytes.items():
             for i, s in enumerate(streams):
-                self.engine._device.copy(self.buffers.pointer(name, self.side, i), s._buffers.pointer(name, s._side), size)
+                self.engine._device.copy(
+                    self.buffers.pointer(name, self.side, i), s._buffers.pointer(name, s._side), size
+                )
 
     def _restore(self, stream: TrtStream, index: int) -> None:
         for name, size in self.buffers.row_bytes.items():
-            self.engine._device.copy(stream._buffers.pointer(name, stream._side),
-                                     self.buffers.pointer(name, self.side, index), size)
+            self.engine._device.copy(
+                stream._buffers.pointer(name, stream._side), self.buffers.pointer(name, self.side, index), size
+            )
 
 
 class TrtStream(Stream):
@@ -374,8 +415,11 @@ class TrtStream(Stream):
             pointers.append(device.alloc(tokens.nbytes))
             pointers.append(device.alloc(nbytes))
             device.upload(pointers[0], tokens)
-            addresses = {**self._buffers.addresses[self._side], engine._tokens_name: pointers[0],
-                         engine._logits_name: pointers[1]}
+            addresses = {
+                **self._buffers.addresses[self._side],
+                engine._tokens_name: pointers[0],
+                engine._logits_name: pointers[1],
+            }
             engine._run("prefill", io_shapes(engine.manifest, 1, ids.size), addresses)
             device.download(logits, pointers[1] + nbytes - logits.nbytes)  # the last rows
         finally:

@@ -13,7 +13,7 @@ sequence_end=)` sends them. The response: `LOGITS` (float32 [vocab], the next-to
 last token) and `POSITION` (int64 [1], tokens the sequence has consumed). A request that cannot be
 served (unknown sequence, bad token ids) gets an error response; the model keeps serving. Idle
 sequences are checkpointed after each batch of requests; all live ones when Triton unloads the model.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -39,10 +39,17 @@ class TritonPythonModel:
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         model_dir = Path(args["model_repository"])
         cache = params.get("prefix_cache_bytes")
-        engine = Engine.load(model_dir / params["export"], threads=int(params.get("threads", "1")),
-                             prefix_cache_bytes=int(cache) if cache else None)
-        self.sequences = Sequences(engine, model_dir / params["checkpoints"], max_live=int(params["max_live"]),
-                                   idle_seconds=float(params["idle_seconds"]))
+        engine = Engine.load(
+            model_dir / params["export"],
+            threads=int(params.get("threads", "1")),
+            prefix_cache_bytes=int(cache) if cache else None,
+        )
+        self.sequences = Sequences(
+            engine,
+            model_dir / params["checkpoints"],
+            max_live=int(params["max_live"]),
+            idle_seconds=float(params["idle_seconds"]),
+        )
 
     def execute(self, requests: list[Any]) -> list[Any]:
         import triton_python_backend_utils as pb_utils
@@ -55,12 +62,17 @@ class TritonPythonModel:
                 if sequence_id in (0, ""):
                     raise EdgememError("the request has no sequence id: pass sequence_id (Triton's correlation id)")
                 flags = request.flags()
-                logits, position = self.sequences.run(sequence_id, tokens.reshape(-1), start=bool(flags & START),
-                                                      end=bool(flags & END))
-                responses.append(pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor("LOGITS", np.ascontiguousarray(logits, dtype=np.float32)),
-                    pb_utils.Tensor("POSITION", np.array([position], dtype=np.int64)),
-                ]))
+                logits, position = self.sequences.run(
+                    sequence_id, tokens.reshape(-1), start=bool(flags & START), end=bool(flags & END)
+                )
+                responses.append(
+                    pb_utils.InferenceResponse(
+                        output_tensors=[
+                            pb_utils.Tensor("LOGITS", np.ascontiguousarray(logits, dtype=np.float32)),
+                            pb_utils.Tensor("POSITION", np.array([position], dtype=np.int64)),
+                        ]
+                    )
+                )
             except EdgememError as e:
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))))
         self.sequences.evict_idle()

@@ -39,10 +39,19 @@ from edgemem.files import check_output_dir, export_files, one_name, staged_direc
 from edgemem.manifest import MANIFEST, STATE_INIT, Manifest, StateSpec, load
 from edgemem.runtime import Engine
 
-TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "float64": "TYPE_FP64", "int64": "TYPE_INT64",
-                "int32": "TYPE_INT32"}
-CONTROLS = (("START", "CONTROL_SEQUENCE_START"), ("END", "CONTROL_SEQUENCE_END"),
-            ("READY", "CONTROL_SEQUENCE_READY"), ("CORRID", "CONTROL_SEQUENCE_CORRID"))
+TRITON_TYPES = {
+    "float32": "TYPE_FP32",
+    "float16": "TYPE_FP16",
+    "float64": "TYPE_FP64",
+    "int64": "TYPE_INT64",
+    "int32": "TYPE_INT32",
+}
+CONTROLS = (
+    ("START", "CONTROL_SEQUENCE_START"),
+    ("END", "CONTROL_SEQUENCE_END"),
+    ("READY", "CONTROL_SEQUENCE_READY"),
+    ("CORRID", "CONTROL_SEQUENCE_CORRID"),
+)
 MODEL_PY = '''"""Triton Python-backend model written by `edgemem triton`: streams of edgemem.runtime keyed by sequence id."""
 
 import os
@@ -55,7 +64,7 @@ for path in reversed([p for p in os.environ.get("EDGEMEM_PYTHONPATH", "").split(
     site.addsitedir(path)  # .pth files: editable installs
 
 from edgemem.serve.python_model import TritonPythonModel  # noqa: E402, F401
-'''
+'''  # noqa: E501
 
 
 class RepositoryError(EdgememError):
@@ -93,16 +102,30 @@ CANDIDATES = 16  # sequences the onnxruntime model's batcher holds per batch slo
 def _check_runnable(manifest: Manifest, export_dir: Path) -> None:
     """The Python model streams through edgemem.runtime on onnxruntime: a step graph and a target it runs."""
     if not manifest.graphs.get("step"):
-        raise RepositoryError(f"{export_dir}: {manifest.arch} has no step graph (a bidirectional encoder does not "
-                              "stream), and the Triton models serve streams")
+        raise RepositoryError(
+            f"{export_dir}: {manifest.arch} has no step graph (a bidirectional encoder does not "
+            "stream), and the Triton models serve streams"
+        )
     if not set(manifest.targets) & {"ort", "generic", "onnx27"}:
-        raise RepositoryError(f"{export_dir} has only the {', '.join(manifest.targets)} target, which onnxruntime "
-                              "does not run; export with --target ort (or generic) for Triton")
+        raise RepositoryError(
+            f"{export_dir} has only the {', '.join(manifest.targets)} target, which onnxruntime "
+            "does not run; export with --target ort (or generic) for Triton"
+        )
 
 
-def write_repository(export_dir: str | Path, out: str | Path, *, name: str | None = None, max_live: int = 64,
-                     idle_seconds: float = 600.0, checkpoints: str = "checkpoints", threads: int = 1,
-                     max_batch_size: int = 8, force: bool = False, prefix_cache_bytes: int | None = None) -> Repository:
+def write_repository(
+    export_dir: str | Path,
+    out: str | Path,
+    *,
+    name: str | None = None,
+    max_live: int = 64,
+    idle_seconds: float = 600.0,
+    checkpoints: str = "checkpoints",
+    threads: int = 1,
+    max_batch_size: int = 8,
+    force: bool = False,
+    prefix_cache_bytes: int | None = None,
+) -> Repository:
     """Write the model repository `out` for the export in `export_dir` (see the module docstring);
     `prefix_cache_bytes`: the Python model's prefix state cache, shared by its sequences (off by default)."""
     export_dir, out = Path(export_dir), Path(out)
@@ -117,14 +140,23 @@ def write_repository(export_dir: str | Path, out: str | Path, *, name: str | Non
     check_threads(threads, named("threads", "--threads"), limit=MAX_THREADS, error=RepositoryError)
     _check_runnable(manifest, export_dir)
     per_stream = manifest.state_bytes()
-    fits_memory(max_live * per_stream, f"{named('max_live', '--max-live')} {max_live:,} streams of "
-                f"{size_text(per_stream)} state", error=RepositoryError)
+    fits_memory(
+        max_live * per_stream,
+        f"{named('max_live', '--max-live')} {max_live:,} streams of {size_text(per_stream)} state",
+        error=RepositoryError,
+    )
     if max_batch_size * CANDIDATES > 2**31 - 1:
-        raise RepositoryError(f"{named('max_batch_size', '--max-batch-size')} {max_batch_size:,} is past Triton's limit "
-                              f"({(2**31 - 1) // CANDIDATES:,}: the sequence batcher keeps {CANDIDATES} candidates per slot)")
-    fits_memory(max_batch_size * CANDIDATES * per_stream, f"{named('max_batch_size', '--max-batch-size')} "
-                f"{max_batch_size:,} ({max_batch_size * CANDIDATES:,} candidate sequences of {size_text(per_stream)} "
-                "implicit state)", error=RepositoryError)
+        raise RepositoryError(
+            f"{named('max_batch_size', '--max-batch-size')} {max_batch_size:,} is past Triton's limit "
+            f"({(2**31 - 1) // CANDIDATES:,}: the sequence batcher keeps {CANDIDATES} candidates per slot)"
+        )
+    fits_memory(
+        max_batch_size * CANDIDATES * per_stream,
+        f"{named('max_batch_size', '--max-batch-size')} "
+        f"{max_batch_size:,} ({max_batch_size * CANDIDATES:,} candidate sequences of {size_text(per_stream)} "
+        "implicit state)",
+        error=RepositoryError,
+    )
     if prefix_cache_bytes is not None:  # refused now (too small for one snapshot), not when Triton loads the model
         Engine.load(export_dir, check_files=False, prefix_cache_bytes=prefix_cache_bytes)
     out = check_output_dir(out, force=force, inputs=[export_dir], what=named("out", "--out"), own=repository_files)
@@ -137,8 +169,13 @@ def write_repository(export_dir: str | Path, out: str | Path, *, name: str | Non
             (model / "export" / file).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(export_dir / file, model / "export" / file)
         write_atomic(model / "1" / "model.py", MODEL_PY.encode())
-        params = {"export": "export", "checkpoints": checkpoints, "max_live": str(max_live),
-                  "idle_seconds": repr(float(idle_seconds)), "threads": str(threads)}
+        params = {
+            "export": "export",
+            "checkpoints": checkpoints,
+            "max_live": str(max_live),
+            "idle_seconds": repr(float(idle_seconds)),
+            "threads": str(threads),
+        }
         if prefix_cache_bytes is not None:
             params["prefix_cache_bytes"] = str(prefix_cache_bytes)
         write_atomic(model / "config.pbtxt", python_config(name, manifest, params).encode())
@@ -156,13 +193,18 @@ def repository_files(repo: Path) -> set[str] | None:
         if exported is None:
             continue
         own |= {f"{model.name}/{f}" for f in ("config.pbtxt", "1/model.py", *(f"export/{e}" for e in exported))}
-        found = re.search(r'key: "checkpoints" value \{ string_value: ("(?:[^"\\]|\\.)*")', _text(model / "config.pbtxt"))
+        found = re.search(
+            r'key: "checkpoints" value \{ string_value: ("(?:[^"\\]|\\.)*")', _text(model / "config.pbtxt")
+        )
         checkpoints = (model / json.loads(found.group(1))).resolve() if found else None
         if checkpoints is not None and checkpoints.is_dir() and model.resolve() in checkpoints.parents:
             inside = checkpoints.relative_to(model.resolve()).as_posix()
             own.add(f"{model.name}/{inside}")
-            own |= {f"{model.name}/{inside}/{Path(root, f).relative_to(checkpoints).as_posix()}"
-                    for root, dirs, files in os.walk(checkpoints) for f in [*dirs, *files]}
+            own |= {
+                f"{model.name}/{inside}/{Path(root, f).relative_to(checkpoints).as_posix()}"
+                for root, dirs, files in os.walk(checkpoints)
+                for f in [*dirs, *files]
+            }
         onnx_model = model.with_name(f"{model.name}-onnx")
         if (onnx_model / "config.pbtxt").is_file():
             own |= {f"{onnx_model.name}/config.pbtxt", f"{onnx_model.name}/1/model.onnx"}
@@ -178,14 +220,16 @@ def _text(path: Path) -> str:
 
 
 def python_config(name: str, manifest: Manifest, params: dict[str, str]) -> str:
-    parameters = "".join(f'parameters {{ key: "{k}" value {{ string_value: {json.dumps(v)} }} }}\n' for k, v in params.items())
+    parameters = "".join(
+        f'parameters {{ key: "{k}" value {{ string_value: {json.dumps(v)} }} }}\n' for k, v in params.items()
+    )
     return (
         f'name: "{name}"\nbackend: "python"\nmax_batch_size: 0\n'
         'input [ { name: "TOKENS" data_type: TYPE_INT64 dims: [ -1 ] } ]\n'
         f'output [ {{ name: "LOGITS" data_type: TYPE_FP32 dims: [ {manifest.vocab_size} ] }},\n'
         '         { name: "POSITION" data_type: TYPE_INT64 dims: [ 1 ] } ]\n'
-        '# one instance: a sequence lives in the memory of that instance or in its checkpoint, never in two places\n'
-        'instance_group [ { count: 1 kind: KIND_CPU } ]\n' + parameters
+        "# one instance: a sequence lives in the memory of that instance or in its checkpoint, never in two places\n"
+        "instance_group [ { count: 1 kind: KIND_CPU } ]\n" + parameters
     )
 
 
@@ -198,13 +242,20 @@ def _dims(values: list[int]) -> str:
     return "[ " + ", ".join(str(v) for v in values) + " ]"
 
 
-def onnx_config(name: str, manifest: Manifest, max_batch_size: int, idle_seconds: float,
-                data_files: dict[str, str], logits_dtype: str = "float32") -> str:
+def onnx_config(
+    name: str,
+    manifest: Manifest,
+    max_batch_size: int,
+    idle_seconds: float,
+    data_files: dict[str, str],
+    logits_dtype: str = "float32",
+) -> str:
     """config.pbtxt of the onnxruntime-backend model; `data_files`: state input → initial_state file name."""
     sequence = "-1" if manifest.graphs.get("prefill") else "1"
     controls = ",\n".join(
         f'    {{ name: "{n}" control [ {{ kind: {kind} '
-        + ('data_type: TYPE_UINT64' if n == "CORRID" else "int32_false_true: [ 0, 1 ]") + " } ] }"
+        + ("data_type: TYPE_UINT64" if n == "CORRID" else "int32_false_true: [ 0, 1 ]")
+        + " } ] }"
         for n, kind in CONTROLS
     )
     states = ",\n".join(_state_entry(s, data_files.get(s.input)) for s in manifest.state)
@@ -212,8 +263,8 @@ def onnx_config(name: str, manifest: Manifest, max_batch_size: int, idle_seconds
         f'name: "{name}"\nbackend: "onnxruntime"\nmax_batch_size: {max_batch_size}\n'
         f'input [ {{ name: "{manifest.inputs["tokens"]}" data_type: TYPE_INT64 dims: [ {sequence} ] }} ]\n'
         f'output [ {{ name: "{manifest.outputs["logits"]}" data_type: {TRITON_TYPES[logits_dtype]} dims: [ {sequence}, '
-        f'{manifest.vocab_size} ] }} ]\n'
-        'instance_group [ { count: 1 kind: KIND_CPU } ]\n'
+        f"{manifest.vocab_size} ] }} ]\n"
+        "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
         "sequence_batching {\n"
         f"  max_sequence_idle_microseconds: {int(idle_seconds * 1e6)}\n"
         f"  oldest {{ max_candidate_sequences: {max_batch_size * CANDIDATES} max_queue_delay_microseconds: 100 }}\n"
@@ -226,12 +277,15 @@ def onnx_config(name: str, manifest: Manifest, max_batch_size: int, idle_seconds
 def _state_entry(spec: StateSpec, data_file: str | None) -> str:
     dims, dtype = _dims([int(d) for d in spec.shape[1:]]), TRITON_TYPES[spec.dtype]
     init = f'data_file: "{data_file}"' if data_file else "zero_data: true"
-    return (f'    {{ input_name: "{spec.input}" output_name: "{spec.output}" data_type: {dtype} dims: {dims}\n'
-            f'      initial_state {{ name: "{spec.input}" data_type: {dtype} dims: {dims} {init} }} }}')
+    return (
+        f'    {{ input_name: "{spec.input}" output_name: "{spec.output}" data_type: {dtype} dims: {dims}\n'
+        f'      initial_state {{ name: "{spec.input}" data_type: {dtype} dims: {dims} {init} }} }}'
+    )
 
 
-def _write_onnx_model(model: Path, name: str, manifest: Manifest, export_dir: Path, max_batch_size: int,
-                      idle_seconds: float) -> None:
+def _write_onnx_model(
+    model: Path, name: str, manifest: Manifest, export_dir: Path, max_batch_size: int, idle_seconds: float
+) -> None:
     (model / "1").mkdir(parents=True)
     graph = onnx.load(str(export_dir / _graph(manifest)))
     batch = graph.graph.input[0].type.tensor_type.shape.dim[0]
@@ -254,5 +308,12 @@ def _write_onnx_model(model: Path, name: str, manifest: Manifest, export_dir: Pa
     write_atomic(model / "config.pbtxt", config.encode())
 
 
-__all__ = ["Repository", "RepositoryError", "onnx_config", "onnx_reasons", "python_config", "repository_files",
-           "write_repository"]
+__all__ = [
+    "Repository",
+    "RepositoryError",
+    "onnx_config",
+    "onnx_reasons",
+    "python_config",
+    "repository_files",
+    "write_repository",
+]

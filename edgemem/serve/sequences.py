@@ -44,8 +44,15 @@ class SequenceError(EdgememError, ValueError):
 class Sequences:
     """Streams of one engine keyed by sequence id (see the module docstring)."""
 
-    def __init__(self, engine: Engine, checkpoints: str | Path, *, max_live: int = 64, idle_seconds: float = 600.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        engine: Engine,
+        checkpoints: str | Path,
+        *,
+        max_live: int = 64,
+        idle_seconds: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if max_live < 1:
             raise EdgememError(f"max_live must be at least 1; got {max_live}")
         if idle_seconds <= 0:
@@ -63,8 +70,9 @@ class Sequences:
     def path(self, sequence_id: int | str) -> Path:
         return self.checkpoints / f"{_key(sequence_id)}.safetensors"
 
-    def run(self, sequence_id: int | str, tokens: Sequence[int] | np.ndarray, *, start: bool = False,
-            end: bool = False) -> tuple[np.ndarray, int]:
+    def run(
+        self, sequence_id: int | str, tokens: Sequence[int] | np.ndarray, *, start: bool = False, end: bool = False
+    ) -> tuple[np.ndarray, int]:
         """Feed `tokens` to the sequence; returns the next-token logits [V] and the stream's position."""
         key = _key(sequence_id)
         stream = self._stream(key, start)
@@ -119,8 +127,10 @@ class Sequences:
             stream = self.engine.load_stream(self.path(key))
             log.info("sequence %s restored at position %d", key, stream.position)
         else:
-            raise SequenceError(f"sequence {key} is not live and has no checkpoint: start it with the START flag "
-                                "(it may have ended already)")
+            raise SequenceError(
+                f"sequence {key} is not live and has no checkpoint: start it with the START flag "
+                "(it may have ended already)"
+            )
         while len(self._live) >= self.max_live:
             self.evict(next(iter(self._live)))
         return stream

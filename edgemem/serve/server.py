@@ -72,8 +72,10 @@ def _check_port(port: int, option: str) -> None:
         try:
             s.bind((HOST, port))
         except OSError as e:
-            raise ServerError(f"port {port} on {HOST} is not free ({e.strerror}): give another {option}, "
-                              "or leave it out for a free one") from None
+            raise ServerError(
+                f"port {port} on {HOST} is not free ({e.strerror}): give another {option}, "
+                "or leave it out for a free one"
+            ) from None
 
 
 _LOAD_FAILED = re.compile(r"failed to load '([^']+)'[^:]*:\s*(.*)")
@@ -104,8 +106,14 @@ def _free_port() -> int:
 class TritonServer:
     """One tritonserver process serving `repository` (see the module docstring)."""
 
-    def __init__(self, repository: str | Path, *, http_port: int | None = None, grpc_port: int | None = None,
-                 log_file: str | Path | None = None):
+    def __init__(
+        self,
+        repository: str | Path,
+        *,
+        http_port: int | None = None,
+        grpc_port: int | None = None,
+        log_file: str | Path | None = None,
+    ):
         self.repository = Path(repository).resolve()
         if not self.repository.is_dir():
             raise ServerError(f"{self.repository} is not a model repository (write one with `edgemem triton`)")
@@ -114,8 +122,10 @@ class TritonServer:
         self.models = sorted(name for name, backend in backends.items() if backend in BACKENDS)
         self.skipped = sorted(set(configs) - set(self.models))  # e.g. onnxruntime: not in the wheel's server
         if not self.models:
-            raise ServerError(f"{self.repository} holds no model for the {', '.join(BACKENDS)} backend "
-                              "(write the repository with `edgemem triton`)")
+            raise ServerError(
+                f"{self.repository} holds no model for the {', '.join(BACKENDS)} backend "
+                "(write the repository with `edgemem triton`)"
+            )
         self.http_port, self.grpc_port = http_port or _free_port(), grpc_port or _free_port()
         self.log_file = Path(log_file) if log_file else None
         self._process: subprocess.Popen | None = None
@@ -133,11 +143,18 @@ class TritonServer:
     def command(self, backends: Path) -> list[str]:
         return [
             str(_pytriton() / "tritonserver" / "bin" / "tritonserver"),
-            f"--model-repository={self.repository}", f"--backend-directory={backends}",
-            f"--http-address={HOST}", f"--http-port={self.http_port}",
-            f"--grpc-address={HOST}", f"--grpc-port={self.grpc_port}",
-            "--allow-metrics=false", "--allow-sagemaker=false", "--allow-vertex-ai=false",
-            "--exit-timeout-secs=30", "--strict-readiness=true", "--model-control-mode=explicit",
+            f"--model-repository={self.repository}",
+            f"--backend-directory={backends}",
+            f"--http-address={HOST}",
+            f"--http-port={self.http_port}",
+            f"--grpc-address={HOST}",
+            f"--grpc-port={self.grpc_port}",
+            "--allow-metrics=false",
+            "--allow-sagemaker=false",
+            "--allow-vertex-ai=false",
+            "--exit-timeout-secs=30",
+            "--strict-readiness=true",
+            "--model-control-mode=explicit",
             *(f"--load-model={m}" for m in self.models),
         ]
 
@@ -146,7 +163,11 @@ class TritonServer:
         env = dict(os.environ)
         libs = [sysconfig.get_config_var("LIBDIR") or "", str(root.parent / "nvidia_pytriton.libs")]
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in [*libs, env.get("LD_LIBRARY_PATH", "")] if p)
-        paths = [str(Path(edgemem.__file__).parents[1]), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+        paths = [
+            str(Path(edgemem.__file__).parents[1]),
+            sysconfig.get_paths()["purelib"],
+            sysconfig.get_paths()["platlib"],
+        ]
         env["EDGEMEM_PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))  # this edgemem first, then its environment
         return env
 
@@ -175,8 +196,13 @@ class TritonServer:
         self._log_start = self._log.stat().st_size if self._log.is_file() else 0
         out = open(self._log, "ab")
         try:
-            self._process = subprocess.Popen(self.command(self._backends(self._workdir)), env=self.environment(),
-                                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self._process = subprocess.Popen(
+                self.command(self._backends(self._workdir)),
+                env=self.environment(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         finally:
             out.close()
         try:
@@ -196,17 +222,23 @@ class TritonServer:
             while time.monotonic() < deadline:
                 if self._process.poll() is not None:
                     code = self._process.returncode
-                    raise ServerError(f"tritonserver exited with code {code} while starting: {self._failure()}"
-                                      + (f" (its log: {self.log_file})" if self.log_file else ""))
+                    raise ServerError(
+                        f"tritonserver exited with code {code} while starting: {self._failure()}"
+                        + (f" (its log: {self.log_file})" if self.log_file else "")
+                    )
                 if any(map(_LOAD_FAILED.search, self._log_text().splitlines())):
-                    raise ServerError(f"tritonserver could not start: {self._failure()}"
-                                      + (f" (its log: {self.log_file})" if self.log_file else ""))
+                    raise ServerError(
+                        f"tritonserver could not start: {self._failure()}"
+                        + (f" (its log: {self.log_file})" if self.log_file else "")
+                    )
                 if self._ready("/v2/health/ready") and all(self._ready(f"/v2/models/{m}/ready") for m in self.models):
                     log.info("tritonserver ready: grpc %s, http %s", self.grpc_url, self.http_url)
                     return
                 time.sleep(0.2)
-        raise ServerError(f"tritonserver was not ready within {timeout:.0f} s: {self._failure()}"
-                          + (f" (its log: {self.log_file})" if self.log_file else ""))
+        raise ServerError(
+            f"tritonserver was not ready within {timeout:.0f} s: {self._failure()}"
+            + (f" (its log: {self.log_file})" if self.log_file else "")
+        )
 
     def _log_text(self) -> str:
         """What this start wrote to the log so far ("" when it cannot be read)."""

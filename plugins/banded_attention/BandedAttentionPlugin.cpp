@@ -65,10 +65,7 @@ void BandedAttentionPlugin::writeAttributes(Attributes& out) const
     out.setFloat("scale", mScale);
 }
 
-void BandedAttentionPlugin::outputTypes(DataType* out, DataType const* in) const
-{
-    out[0] = in[kQuery];
-}
+void BandedAttentionPlugin::outputTypes(DataType* out, DataType const* in) const { out[0] = in[kQuery]; }
 
 std::string BandedAttentionPlugin::outputShapes(DimsExprs const* in, DimsExprs* out, IExprBuilder&) const
 {

@@ -17,8 +17,8 @@ constexpr int kBaWarps = 4;
 constexpr int kBaThreads = kBaWarps * kWarp;
 
 template <typename T, typename P>
-__global__ void __launch_bounds__(kBaThreads) bandedAttentionKernel(
-    attn::BandedParams const p, Dilation const dilation, BandedAttentionIO const io)
+__global__ void __launch_bounds__(kBaThreads)
+    bandedAttentionKernel(attn::BandedParams const p, Dilation const dilation, BandedAttentionIO const io)
 {
     int const lane = threadIdx.x & (kWarp - 1);
     int const i = blockIdx.x * kBaWarps + threadIdx.x / kWarp;
@@ -32,7 +32,8 @@ __global__ void __launch_bounds__(kBaThreads) bandedAttentionKernel(
     int64_t const q_row = attn::rowOffset(p.seq, p.heads, p.d, b, i, h);
     WarpAttention a{};
     a.init<T>(io.query, q_row, lane, p.d, p.dv, p.scale);
-    auto key = [&](int j) {
+    auto key = [&](int j)
+    {
         a.add<T>(io.key, attn::rowOffset(p.seq, p.heads, p.d, b, j, h), io.value,
             attn::rowOffset(p.seq, p.heads, p.dv, b, j, h));
     };
@@ -78,7 +79,8 @@ __global__ void __launch_bounds__(kBaThreads) bandedAttentionKernel(
 }
 
 template <typename T>
-int launchBanded(attn::BandedParams const& p, Dilation const& dil, BandedAttentionIO const& io, DType pd, cudaStream_t stream)
+int launchBanded(
+    attn::BandedParams const& p, Dilation const& dil, BandedAttentionIO const& io, DType pd, cudaStream_t stream)
 {
     dim3 const grid(unsigned((p.seq + kBaWarps - 1) / kBaWarps), unsigned(p.heads), unsigned(p.batch));
     if (pd == kFloat32)
@@ -98,7 +100,8 @@ int bandedAttention(attn::BandedParams const& p, int32_t const* dilation, Banded
         return st;
     if (int const st = attn::checkDilation(dilation, p.heads, &mx))
         return st;
-    if (p.heads > kMaxHeads || p.heads > 65535 || p.batch > 65535 || !validDType(dtype) || !validDType(persistent_dtype))
+    if (p.heads > kMaxHeads || p.heads > 65535 || p.batch > 65535 || !validDType(dtype)
+        || !validDType(persistent_dtype))
         return kUnsupported;
     if (p.batch == 0 || p.seq == 0)
         return kOk;
@@ -109,7 +112,6 @@ int bandedAttention(attn::BandedParams const& p, int32_t const* dilation, Banded
                              : launchBanded<__half>(p, dil, io, persistent_dtype, stream);
 }
 
-
 } // namespace cuda
 } // namespace edgemem
 
@@ -117,6 +119,6 @@ EM_CUDA_API int em_cuda_banded_attention(edgemem::attn::BandedParams const* p, i
     edgemem::BandedAttentionIO const* io, int dtype, int persistent_dtype, int, void* stream)
 {
     using edgemem::DType;
-    return edgemem::cuda::bandedAttention(*p, dilation, *io, DType(dtype), DType(persistent_dtype),
-        static_cast<cudaStream_t>(stream));
+    return edgemem::cuda::bandedAttention(
+        *p, dilation, *io, DType(dtype), DType(persistent_dtype), static_cast<cudaStream_t>(stream));
 }

@@ -11,7 +11,8 @@ using namespace edgemem;
 using ref::F;
 using ref::Row;
 
-EM_REF_API int em_ref_banded_attention(attn::BandedParams const* params, int32_t const* dilation, BandedAttentionIO const* io)
+EM_REF_API int em_ref_banded_attention(
+    attn::BandedParams const* params, int32_t const* dilation, BandedAttentionIO const* io)
 {
     attn::BandedParams const& p = *params;
     int mx = 0;

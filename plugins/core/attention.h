@@ -43,7 +43,7 @@ struct WindowParams
     int32_t d;
     int32_t dv;
     int32_t window;
-    int32_t ring; // L
+    int32_t ring;       // L
     int32_t persistent; // P
     float scale;
 };

@@ -28,9 +28,9 @@ constexpr int kWarp = 32;
 enum Status : int
 {
     kOk = 0,
-    kBadArgument = 1,  // a size or attribute outside the contract
-    kUnsupported = 2,  // a valid combination this build does not implement (e.g. head dim > 256)
-    kCudaError = 3,    // a CUDA launch or copy failed
+    kBadArgument = 1, // a size or attribute outside the contract
+    kUnsupported = 2, // a valid combination this build does not implement (e.g. head dim > 256)
+    kCudaError = 3,   // a CUDA launch or copy failed
 };
 
 EM_HD float em_exp(float x) { return ::expf(x); }
@@ -60,7 +60,7 @@ EM_HD SoftmaxState softmax_empty() { return SoftmaxState{-INFINITY, 0.0f}; }
 EM_HD float softmax_add(SoftmaxState& st, float score, float& rescale)
 {
     float const m = em_max(st.m, score);
-    rescale = em_exp(st.m - m);  // exp(-inf) = 0 for the first score
+    rescale = em_exp(st.m - m); // exp(-inf) = 0 for the first score
     float const p = em_exp(score - m);
     st.l = st.l * rescale + p;
     st.m = m;

@@ -63,10 +63,7 @@ struct Dilation
     int32_t v[kMaxHeads];
 };
 
-inline int launchStatus()
-{
-    return cudaGetLastError() == cudaSuccess ? kOk : kCudaError;
-}
+inline int launchStatus() { return cudaGetLastError() == cudaSuccess ? kOk : kCudaError; }
 
 } // namespace cuda
 } // namespace edgemem

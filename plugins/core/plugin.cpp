@@ -31,8 +31,8 @@ void log(ILogger::Severity severity, char const* op, char const* layer, std::str
 {
     try
     {
-        std::string const text = std::string(kNamespace) + "::" + op + (layer && *layer ? std::string(" [") + layer + "]" : "")
-            + ": " + message;
+        std::string const text = std::string(kNamespace) + "::" + op
+            + (layer && *layer ? std::string(" [") + layer + "]" : "") + ": " + message;
         ILogger* logger = nullptr;
         {
             std::lock_guard<std::mutex> lock(gLoggerMutex);
@@ -143,8 +143,8 @@ char const* kindName(FieldKind k)
 }
 } // namespace
 
-bool Attributes::parse(PluginFieldCollection const* fc, std::vector<FieldSpec> const& specs, char const* op,
-    char const* layer) noexcept
+bool Attributes::parse(
+    PluginFieldCollection const* fc, std::vector<FieldSpec> const& specs, char const* op, char const* layer) noexcept
 {
     try
     {
@@ -315,7 +315,8 @@ int32_t PluginBase::configurePlugin(
     return 0;
 }
 
-int32_t PluginBase::onShapeChange(PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const*, int32_t nbOutputs) noexcept
+int32_t PluginBase::onShapeChange(
+    PluginTensorDesc const* in, int32_t nbInputs, PluginTensorDesc const*, int32_t nbOutputs) noexcept
 {
     try
     {

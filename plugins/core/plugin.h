@@ -154,7 +154,6 @@ protected:
     std::string mMetadata;
 };
 
-
 // Shared helpers for the build-phase methods.
 bool isLinear(nvinfer1::PluginTensorDesc const& d);
 bool isFloatType(nvinfer1::DataType t); // kFLOAT or kHALF

@@ -1,6 +1,6 @@
 // The reference library's own C functions; each op's are in its <op>/reference.cpp.
-#include "core/abi.h"
 #include "core/reference.h"
+#include "core/abi.h"
 
 namespace
 {
@@ -11,7 +11,8 @@ EM_REF_API int em_ref_abi_version() { return kAbiVersion; }
 
 EM_REF_API char const* em_ref_abi_layout()
 {
-    static std::string const text = [] {
+    static std::string const text = []
+    {
         edgemem::ref::Layout out;
 #define EM_OP(Name, op) edgemem::ref::layout_##op(out);
 #include "ops.def"

@@ -18,7 +18,4 @@ EM_PLUGIN_API nvinfer1::IPluginCreatorInterface* const* getCreators(int32_t& nbC
     return creators;
 }
 
-EM_PLUGIN_API void setLoggerFinder(nvinfer1::ILoggerFinder* finder)
-{
-    edgemem::trt::setLoggerFinder(finder);
-}
+EM_PLUGIN_API void setLoggerFinder(nvinfer1::ILoggerFinder* finder) { edgemem::trt::setLoggerFinder(finder); }

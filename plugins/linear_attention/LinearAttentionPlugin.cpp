@@ -100,7 +100,7 @@ bool LinearAttentionPlugin::supports(int32_t pos, DynamicPluginTensorDesc const*
     case kQuery: return isFloatType(d.type);
     case kPastState:
     case kInputs + 1: return d.type == DataType::kFLOAT; // past/present state are float32
-    default: return d.type == inOut[kQuery].desc.type;  // key, value, decay, beta, output
+    default: return d.type == inOut[kQuery].desc.type;   // key, value, decay, beta, output
     }
 }
 
@@ -152,8 +152,8 @@ la::Params LinearAttentionPlugin::params(Dims const& q, Dims const& v, Dims cons
 
 // The chunked prefill's workspace: its fixed budget when some call of the profile takes that form
 // (the longest sequence at the smallest batch; a longer sequence runs in segments), else none.
-size_t LinearAttentionPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* in, int32_t nbInputs,
-    DynamicPluginTensorDesc const*, int32_t) const noexcept
+size_t LinearAttentionPlugin::getWorkspaceSize(
+    DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const*, int32_t) const noexcept
 {
     if (nbInputs != kInputs)
         return 0;
@@ -162,11 +162,11 @@ size_t LinearAttentionPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* in
     return cuda::linearAttentionWorkspace(p) > 0 ? size_t(la::kChunkBudget) : 0;
 }
 
-int32_t LinearAttentionPlugin::launch(
-    PluginTensorDesc const* inputDesc, void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream)
+int32_t LinearAttentionPlugin::launch(PluginTensorDesc const* inputDesc, void const* const* inputs,
+    void* const* outputs, void* workspace, cudaStream_t stream)
 {
-    la::Params const p = params(inputDesc[kQuery].dims, inputDesc[kValue].dims, inputDesc[kDecay].dims,
-        inputDesc[kBeta].dims);
+    la::Params const p
+        = params(inputDesc[kQuery].dims, inputDesc[kValue].dims, inputDesc[kDecay].dims, inputDesc[kBeta].dims);
     LinearAttentionIO io{};
     io.query = inputs[kQuery];
     io.key = inputs[kKey];
@@ -176,8 +176,8 @@ int32_t LinearAttentionPlugin::launch(
     io.beta = inputs[kBeta];
     io.output = outputs[0];
     io.present_state = static_cast<float*>(outputs[1]);
-    return status(cuda::linearAttention(p, io, DType(dtypeOf(inputDesc[kQuery].type)), workspace,
-        workspace ? size_t(la::kChunkBudget) : 0, stream));
+    return status(cuda::linearAttention(
+        p, io, DType(dtypeOf(inputDesc[kQuery].type)), workspace, workspace ? size_t(la::kChunkBudget) : 0, stream));
 }
 
 nvinfer1::IPluginCreatorInterface* LinearAttentionCreator()

@@ -76,8 +76,8 @@ struct Stage
 };
 
 template <typename T>
-__device__ __forceinline__ void stageTokens(
-    la::Params const& p, LinearAttentionIO const& io, Stage const& st, int b, int h, int t0, int n, int block0, float* out)
+__device__ __forceinline__ void stageTokens(la::Params const& p, LinearAttentionIO const& io, Stage const& st, int b,
+    int h, int t0, int n, int block0, float* out)
 {
     int const group = p.q_heads / p.kv_heads;
     int const wn = p.decay_per_key ? p.dk : 1;
@@ -104,12 +104,14 @@ __device__ __forceinline__ void stageTokens(
     for (int i = threadIdx.x; i < n * columns; i += blockDim.x)
     {
         int const tt = i / columns, j = block0 + i % columns;
-        out[tt * st.stride + st.value + i % columns] = j < p.dv ? load<T>(io.value, la::valueOffset(p, b, t0 + tt, h, j)) : 0.0f;
+        out[tt * st.stride + st.value + i % columns]
+            = j < p.dv ? load<T>(io.value, la::valueOffset(p, b, t0 + tt, h, j)) : 0.0f;
     }
 }
 
 template <typename T, int R, int C, int LR>
-__global__ void __launch_bounds__(kLaThreads, kLaMinBlocks) linearAttentionKernel(la::Params const p, LinearAttentionIO const io)
+__global__ void __launch_bounds__(kLaThreads, kLaMinBlocks)
+    linearAttentionKernel(la::Params const p, LinearAttentionIO const io)
 {
     extern __shared__ float staged[];
     constexpr int LC = kWarp / LR;
@@ -244,7 +246,8 @@ int linearAttention(la::Params const& p, LinearAttentionIO const& io, DType dtyp
         if (io.present_state != io.past_state)
         {
             size_t const bytes = size_t(p.batch) * p.kv_heads * p.dk * p.dv * sizeof(float);
-            if (cudaMemcpyAsync(io.present_state, io.past_state, bytes, cudaMemcpyDeviceToDevice, stream) != cudaSuccess)
+            if (cudaMemcpyAsync(io.present_state, io.past_state, bytes, cudaMemcpyDeviceToDevice, stream)
+                != cudaSuccess)
                 return kCudaError;
         }
         return kOk;
@@ -272,8 +275,8 @@ EM_CUDA_API int em_cuda_linear_attention(edgemem::la::Params const* p, edgemem::
     using namespace edgemem;
     if (path < int(cuda::LaPath::kAuto) || path > int(cuda::LaPath::kChunked))
         return kBadArgument;
-    return cuda::linearAttention(*p, *io, DType(dtype), workspace, workspace_bytes, static_cast<cudaStream_t>(stream),
-        cuda::LaPath(path));
+    return cuda::linearAttention(
+        *p, *io, DType(dtype), workspace, workspace_bytes, static_cast<cudaStream_t>(stream), cuda::LaPath(path));
 }
 
 EM_CUDA_API size_t em_cuda_linear_attention_workspace(edgemem::la::Params const* p, int path)

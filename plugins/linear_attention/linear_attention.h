@@ -96,12 +96,12 @@ EM_HD int64_t betaOffset(Params const& p, int b, int t, int h)
 // k, w: the key and the decay factors exp(g) of those rows; v: the column's value;
 // beta: the token's beta (read by the delta rules only).
 template <int N, class AllSum>
-EM_HD void columnUpdate(float (&s)[N], float const (&k)[N], float const (&w)[N], float v, float beta, int rule,
-    AllSum const& allsum)
+EM_HD void columnUpdate(
+    float (&s)[N], float const (&k)[N], float const (&w)[N], float v, float beta, int rule, AllSum const& allsum)
 {
     if (isGated(rule))
     {
-EM_UNROLL
+        EM_UNROLL
         for (int r = 0; r < N; ++r)
             s[r] *= w[r];
     }
@@ -109,13 +109,13 @@ EM_UNROLL
     if (isDelta(rule))
     {
         float retrieved = 0.0f; // (S^T k)[j]
-EM_UNROLL
+        EM_UNROLL
         for (int r = 0; r < N; ++r)
             retrieved += s[r] * k[r];
         retrieved = allsum(retrieved);
         u = beta * (v - retrieved);
     }
-EM_UNROLL
+    EM_UNROLL
     for (int r = 0; r < N; ++r)
         s[r] += k[r] * u;
 }
@@ -125,7 +125,7 @@ template <int N, class AllSum>
 EM_HD float columnRead(float const (&s)[N], float const (&q)[N], float scale, AllSum const& allsum)
 {
     float o = 0.0f;
-EM_UNROLL
+    EM_UNROLL
     for (int r = 0; r < N; ++r)
         o += q[r] * s[r];
     return scale * allsum(o);

@@ -135,7 +135,8 @@ __device__ __forceinline__ void unitLowerInverse(float const* a, int lda, float*
     if (tid < C)
     {
         int const blk = tid / 16;
-        la::unitLowerInverseColumn(a + blk * 16 * lda + blk * 16, lda, t + blk * 16 * ldt + blk * 16, ldt, tid % 16, 16);
+        la::unitLowerInverseColumn(
+            a + blk * 16 * lda + blk * 16, lda, t + blk * 16 * ldt + blk * 16, ldt, tid % 16, 16);
     }
     for (int i = tid; i < C * C; i += kThreads)
     {
@@ -152,8 +153,8 @@ __device__ __forceinline__ void unitLowerInverse(float const* a, int lda, float*
             Acc x[1];
             zero(x);
             // sum over M = bj .. bi-1 of A_{bi,M} T_{M,bj}: k runs over rows 16 bj .. 16 bi of T
-            rowTiles<P, C, 1, RowA, RowB>(x, a + bi * 16 * lda + bj * 16, lda, 8, t + bj * 16 * ldt + bj * 16, ldt,
-                8 * ldt, 0, (bi - bj) * 16);
+            rowTiles<P, C, 1, RowA, RowB>(
+                x, a + bi * 16 * lda + bj * 16, lda, 8, t + bj * 16 * ldt + bj * 16, ldt, 8 * ldt, 0, (bi - bj) * 16);
             float* tij = t + bi * 16 * ldt + bj * 16;
             wm::store_matrix_sync(tij, x[0], ldt, wm::mem_row_major);
             __syncwarp();
@@ -194,13 +195,13 @@ __global__ void __launch_bounds__(kThreads, 2) chunkPrepare(
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     constexpr int LK = DK + 4, LC = C + 4, BV = 64, LV = BV + 4;
     extern __shared__ __align__(128) float sm[];
-    float* sK = sm;                        // [C][LK]
-    float* sA = sK + lines(C * LK);        // [C][LC]
-    float* sT = sA + lines(C * LC);        // [C][LC]
-    float* sV = sT + lines(C * LC);        // [C][LV]
-    float* sG = sV + lines(C * LV);        // [C]
-    float* sBeta = sG + C;                 // [C]
-    float* sE = sBeta + C;                 // [C] beta exp(G)
+    float* sK = sm;                 // [C][LK]
+    float* sA = sK + lines(C * LK); // [C][LC]
+    float* sT = sA + lines(C * LC); // [C][LC]
+    float* sV = sT + lines(C * LC); // [C][LV]
+    float* sG = sV + lines(C * LV); // [C]
+    float* sBeta = sG + C;          // [C]
+    float* sE = sBeta + C;          // [C] beta exp(G)
     int const tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
     int const mi = warp / 2, half = warp % 2;
     int const c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -317,8 +318,8 @@ __host__ __device__ constexpr int stateFloats()
 }
 
 template <int DK, int BV, int P, int STAGES>
-__global__ void __launch_bounds__(kThreads, 1) chunkState(
-    la::Params const p, LinearAttentionIO const io, la::ChunkLayout const l, int const len, float const* past, float* ws)
+__global__ void __launch_bounds__(kThreads, 1) chunkState(la::Params const p, LinearAttentionIO const io,
+    la::ChunkLayout const l, int const len, float const* past, float* ws)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     constexpr int LK = DK + 4, LS = BV + 4;
@@ -330,8 +331,8 @@ __global__ void __launch_bounds__(kThreads, 1) chunkState(
     constexpr int utiles = C / 16 * (BV / 16), KS = kWarps / utiles;
     static_assert(NS <= BV / 16 && (KS == 1 || KS == 2), "tile split");
     extern __shared__ __align__(128) float sm[];
-    float* sS = sm;                      // [DK][LS]
-    float* sStage = sS + lines(DK * LS); // STAGES x {W [C][LK], K~ [C][LK], U [C][LS], G tail [4]}
+    float* sS = sm;                                         // [DK][LS]
+    float* sStage = sS + lines(DK * LS);                    // STAGES x {W [C][LK], K~ [C][LK], U [C][LS], G tail [4]}
     float* sPart = sStage + STAGES * stageFloats<DK, BV>(); // KS = 2: [C][LS]
     int const tid = threadIdx.x, warp = tid / kWarp;
     int const v0 = blockIdx.x * BV, h = blockIdx.y, b = blockIdx.z;
@@ -355,7 +356,8 @@ __global__ void __launch_bounds__(kThreads, 1) chunkState(
             wm::load_matrix_sync(s[f], sS + ri * 16 * LS + (ci + f) * 16, LS, wm::mem_row_major);
     }
 
-    auto fetch = [&](int c, float* st) {
+    auto fetch = [&](int c, float* st)
+    {
         int64_t const row0 = l.row(p, b, h, c * C);
         for (int i = tid; i < C * DK / 4; i += kThreads)
         {
@@ -436,8 +438,8 @@ __global__ void __launch_bounds__(kThreads, 1) chunkState(
             if (kp == 0)
             {
                 wm::store_matrix_sync(sU + mi * 16 * LS + ni * 16, u[0], LS, wm::mem_row_major);
-                wm::store_matrix_sync(ws + l.u + (l.row(p, b, h, c * C) + mi * 16) * l.dv + v0 + ni * 16, u[0], l.dv,
-                    wm::mem_row_major);
+                wm::store_matrix_sync(
+                    ws + l.u + (l.row(p, b, h, c * C) + mi * 16) * l.dv + v0 + ni * 16, u[0], l.dv, wm::mem_row_major);
             }
             __syncthreads();
         }
@@ -447,8 +449,8 @@ __global__ void __launch_bounds__(kThreads, 1) chunkState(
             EM_UNROLL
             for (int f = 0; f < NS; ++f)
                 EM_UNROLL
-                for (int i = 0; i < s[f].num_elements; ++i)
-                    s[f].x[i] *= decay;
+            for (int i = 0; i < s[f].num_elements; ++i)
+                s[f].x[i] *= decay;
             // S <- exp(G_last) S + K~^T U
             rowTiles<P, C, NS, ColA, RowB>(s, sKt + ri * 16, LK, 8 * LK, sU + ci * 16, LS, 8 * LS, 16);
         }
@@ -469,23 +471,23 @@ __global__ void __launch_bounds__(kThreads, 1) chunkState(
 template <int DK, int BV>
 __host__ __device__ constexpr int outputFloats()
 {
-    return lines(C * (DK + 4)) + lines(C * (DK + 4) > DK * (BV + 4) ? C * (DK + 4) : DK * (BV + 4))
-        + lines(C * (C + 4)) + lines(C * (BV + 4)) + 2 * C;
+    return lines(C * (DK + 4)) + lines(C * (DK + 4) > DK * (BV + 4) ? C * (DK + 4) : DK * (BV + 4)) + lines(C * (C + 4))
+        + lines(C * (BV + 4)) + 2 * C;
 }
 
 template <typename T, int DK, int P, int BV>
-__global__ void __launch_bounds__(kThreads, 2) chunkOutput(
-    la::Params const p, LinearAttentionIO const io, la::ChunkLayout const l, int const s0, int const len, float const* ws)
+__global__ void __launch_bounds__(kThreads, 2) chunkOutput(la::Params const p, LinearAttentionIO const io,
+    la::ChunkLayout const l, int const s0, int const len, float const* ws)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     constexpr int LK = DK + 4, LC = C + 4, LV = BV + 4, NO = BV / 32;
     extern __shared__ __align__(128) float sm[];
-    float* sQ = sm;                                                        // [C][LK]
-    float* sKS = sQ + lines(C * LK);                                       // K [C][LK], then S [DK][LV]
-    float* sA = sKS + lines(C * LK > DK * LV ? C * LK : DK * LV);          // [C][LC]
-    float* sU = sA + lines(C * LC);                                        // [C][LV], then the output
-    float* sG = sU + lines(C * LV);                                        // [C]
-    float* sE = sG + C;                                                    // [C] exp(G)
+    float* sQ = sm;                                               // [C][LK]
+    float* sKS = sQ + lines(C * LK);                              // K [C][LK], then S [DK][LV]
+    float* sA = sKS + lines(C * LK > DK * LV ? C * LK : DK * LV); // [C][LC]
+    float* sU = sA + lines(C * LC);                               // [C][LV], then the output
+    float* sG = sU + lines(C * LV);                               // [C]
+    float* sE = sG + C;                                           // [C] exp(G)
     int const tid = threadIdx.x, warp = tid / kWarp;
     int const mi = warp / 2, half = warp % 2;
     int const c = blockIdx.x, hq = blockIdx.y;
@@ -548,8 +550,8 @@ __global__ void __launch_bounds__(kThreads, 2) chunkOutput(
     EM_UNROLL
     for (int f = 0; f < NO; ++f)
         EM_UNROLL
-        for (int i = 0; i < o[f].num_elements; ++i)
-            o[f].x[i] *= p.scale;
+    for (int i = 0; i < o[f].num_elements; ++i)
+        o[f].x[i] *= p.scale;
     storeTiles(sU + mi * 16 * LV + half * BV / 2, LV, 16, o);
     __syncthreads();
     for (int i = tid; i < C * BV; i += kThreads)
@@ -597,7 +599,8 @@ int runChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout
     // 32 value columns a state block unless that leaves SMs idle
     bool const narrow = int64_t(l.dv / 32) * p.kv_heads * p.batch < dev.sms;
     int const bv = narrow ? 16 : 32;
-    auto stateBytes = [&](int stages) {
+    auto stateBytes = [&](int stages)
+    {
         return size_t(narrow ? (stages == 2 ? stateFloats<DK, 16, 2>() : stateFloats<DK, 16, 1>())
                              : (stages == 2 ? stateFloats<DK, 32, 2>() : stateFloats<DK, 32, 1>()))
             * sizeof(float);
@@ -620,7 +623,8 @@ int runChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout
         int const len = p.seq - s0 < l.tokens ? p.seq - s0 : l.tokens;
         unsigned const chunks = unsigned((len + C - 1) / C);
         float const* past = s0 == 0 ? io.past_state : io.present_state;
-        prepare<<<dim3(chunks, unsigned(p.kv_heads), unsigned(p.batch)), kThreads, prep, stream>>>(p, io, l, s0, len, ws);
+        prepare<<<dim3(chunks, unsigned(p.kv_heads), unsigned(p.batch)), kThreads, prep, stream>>>(
+            p, io, l, s0, len, ws);
         walk<<<dim3(unsigned(l.dv / bv), unsigned(p.kv_heads), unsigned(p.batch)), kThreads, state, stream>>>(
             p, io, l, len, past, ws);
         output<<<dim3(chunks, unsigned(p.q_heads), unsigned(p.batch) * unsigned(l.dv / ov)), kThreads, out, stream>>>(

@@ -73,8 +73,13 @@ struct Chunked
     bool gated, delta;
 
     Chunked(la::Params const& p_, LinearAttentionIO const& io_, int64_t budget)
-        : p(p_), io(io_), l(la::chunkLayout(p_, budget)), ws(size_t(l.floats)), group(p_.q_heads / p_.kv_heads),
-          gated(la::isGated(p_.rule)), delta(la::isDelta(p_.rule))
+        : p(p_)
+        , io(io_)
+        , l(la::chunkLayout(p_, budget))
+        , ws(size_t(l.floats))
+        , group(p_.q_heads / p_.kv_heads)
+        , gated(la::isGated(p_.rule))
+        , delta(la::isDelta(p_.rule))
     {
     }
 
@@ -182,12 +187,14 @@ struct Chunked
     void run()
     {
         int const C = la::kChunk;
-        std::vector<std::vector<float>> states(size_t(p.batch) * p.kv_heads, std::vector<float>(size_t(l.dk) * l.dv, 0.0f));
+        std::vector<std::vector<float>> states(
+            size_t(p.batch) * p.kv_heads, std::vector<float>(size_t(l.dk) * l.dv, 0.0f));
         for (int b = 0; b < p.batch; ++b)
             for (int h = 0; h < p.kv_heads; ++h)
                 for (int i = 0; i < p.dk; ++i)
                     for (int j = 0; j < p.dv; ++j)
-                        states[size_t(b) * p.kv_heads + h][size_t(i) * l.dv + j] = io.past_state[la::stateOffset(p, b, h, i, j)];
+                        states[size_t(b) * p.kv_heads + h][size_t(i) * l.dv + j]
+                            = io.past_state[la::stateOffset(p, b, h, i, j)];
         for (int s0 = 0; s0 < p.seq; s0 += l.tokens)
         {
             int const len = std::min(l.tokens, p.seq - s0);
@@ -208,7 +215,8 @@ struct Chunked
             for (int h = 0; h < p.kv_heads; ++h)
                 for (int i = 0; i < p.dk; ++i)
                     for (int j = 0; j < p.dv; ++j)
-                        io.present_state[la::stateOffset(p, b, h, i, j)] = states[size_t(b) * p.kv_heads + h][size_t(i) * l.dv + j];
+                        io.present_state[la::stateOffset(p, b, h, i, j)]
+                            = states[size_t(b) * p.kv_heads + h][size_t(i) * l.dv + j];
     }
 };
 

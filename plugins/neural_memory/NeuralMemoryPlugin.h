@@ -28,8 +28,8 @@ private:
     void outputTypes(nvinfer1::DataType* out, nvinfer1::DataType const* in) const;
     std::string outputShapes(nvinfer1::DimsExprs const* in, nvinfer1::DimsExprs* out, nvinfer1::IExprBuilder& eb) const;
     bool supports(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut) const;
-    int32_t launch(nvinfer1::PluginTensorDesc const* in, void const* const* inputs, void* const* outputs,
-        void*, cudaStream_t stream);
+    int32_t launch(nvinfer1::PluginTensorDesc const* in, void const* const* inputs, void* const* outputs, void*,
+        cudaStream_t stream);
 
     int32_t mHeads;
     int32_t mChunk;

@@ -14,16 +14,16 @@ namespace edgemem
 
 struct NeuralMemoryIO
 {
-    void const* query;         // T
-    void const* key;           // T
-    void const* value;         // T
-    void const* theta;         // T
-    void const* eta;           // T
-    void const* alpha;         // T
-    int64_t const* position;   // [B] or [1]
-    float const* norm_weight;  // [H, D]
-    float const* norm_bias;    // [H, D]
-    float const* weights[2];   // layer 1, layer 2 (unused for depth 1)
+    void const* query;        // T
+    void const* key;          // T
+    void const* value;        // T
+    void const* theta;        // T
+    void const* eta;          // T
+    void const* alpha;        // T
+    int64_t const* position;  // [B] or [1]
+    float const* norm_weight; // [H, D]
+    float const* norm_bias;   // [H, D]
+    float const* weights[2];  // layer 1, layer 2 (unused for depth 1)
     float const* momentum[2];
     float const* chunk_weights[2];
     void* output;              // T

@@ -79,8 +79,8 @@ struct Layer
 };
 
 // One state element's update; returns the new weight.
-__device__ __forceinline__ float updateElement(Layer const& L, int64_t idx, float grad, float eta, float theta,
-    float alpha, bool first, bool start)
+__device__ __forceinline__ float updateElement(
+    Layer const& L, int64_t idx, float grad, float eta, float theta, float alpha, bool first, bool start)
 {
     float w = first ? L.w_in[idx] : L.w_out[idx];
     float s = first ? L.s_in[idx] : L.s_out[idx];
@@ -202,18 +202,19 @@ __global__ void __launch_bounds__(kNmThreads, 1) neuralMemoryKernel(nm::Params c
 
         // updates fused with the read-out at the new weights
         float const* g1 = deep ? dh : dz;
-        columnSums(D, E, hq, scratch, [&](int r, int c) {
-            return q[r] * updateElement(L[0], int64_t(r) * E + c, k[r] * g1[c], eta, theta, alpha, first, start);
-        });
+        columnSums(D, E, hq, scratch, [&](int r, int c)
+            { return q[r] * updateElement(L[0], int64_t(r) * E + c, k[r] * g1[c], eta, theta, alpha, first, start); });
         float const* zread = hq;
         if (deep)
         {
             for (int e = tid; e < E; e += blockDim.x)
                 hq[e] = nm::activate(hq[e], p.activation);
             __syncthreads();
-            columnSums(E, D, zq, scratch, [&](int r, int c) {
-                return hq[r] * updateElement(L[1], int64_t(r) * D + c, act[r] * dz[c], eta, theta, alpha, first, start);
-            });
+            columnSums(E, D, zq, scratch,
+                [&](int r, int c) {
+                    return hq[r]
+                        * updateElement(L[1], int64_t(r) * D + c, act[r] * dz[c], eta, theta, alpha, first, start);
+                });
             zread = zq;
         }
 
@@ -247,10 +248,7 @@ __global__ void advancePositionKernel(int64_t const* position, int64_t* present_
         present_position[i] = position[i] + seq;
 }
 
-size_t sharedBytes(nm::Params const& p)
-{
-    return (6 * size_t(p.d) + 4 * size_t(p.e) + kNmThreads) * sizeof(float);
-}
+size_t sharedBytes(nm::Params const& p) { return (6 * size_t(p.d) + 4 * size_t(p.e) + kNmThreads) * sizeof(float); }
 
 template <typename T>
 int launch(nm::Params const& p, NeuralMemoryIO const& io, cudaStream_t stream)

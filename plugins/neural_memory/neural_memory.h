@@ -111,12 +111,12 @@ template <int N, class AllSum>
 EM_HD float layerNormStats(float const (&z)[N], float const (&mask)[N], int d, AllSum const& allsum, float& sigma)
 {
     float sum = 0.0f;
-EM_UNROLL
+    EM_UNROLL
     for (int r = 0; r < N; ++r)
         sum += z[r] * mask[r];
     float const mean = allsum(sum) / float(d);
     float sq = 0.0f;
-EM_UNROLL
+    EM_UNROLL
     for (int r = 0; r < N; ++r)
     {
         float const c = (z[r] - mean) * mask[r];
@@ -133,7 +133,7 @@ EM_HD void outputDelta(float const (&z)[N], float const (&k)[N], float const (&v
 {
     if (!norm)
     {
-EM_UNROLL
+        EM_UNROLL
         for (int r = 0; r < N; ++r)
             dz[r] = (z[r] - v[r]) * mask[r];
         return;
@@ -144,7 +144,7 @@ EM_UNROLL
     float g[N];
     float gsum = 0.0f;
     float gzsum = 0.0f;
-EM_UNROLL
+    EM_UNROLL
     for (int r = 0; r < N; ++r)
     {
         zhat[r] = (z[r] - mean) / sigma * mask[r];
@@ -154,7 +154,7 @@ EM_UNROLL
     }
     float const gmean = allsum(gsum) / float(d);
     float const gzmean = allsum(gzsum) / float(d);
-EM_UNROLL
+    EM_UNROLL
     for (int r = 0; r < N; ++r)
         dz[r] = (g[r] - gmean - zhat[r] * gzmean) / sigma * mask[r];
 }
@@ -166,14 +166,14 @@ EM_HD void readOut(float const (&z)[N], float const (&x)[N], float const (&gamma
 {
     if (!norm)
     {
-EM_UNROLL
+        EM_UNROLL
         for (int r = 0; r < N; ++r)
             y[r] = z[r];
         return;
     }
     float sigma;
     float const mean = layerNormStats<N>(z, mask, d, allsum, sigma);
-EM_UNROLL
+    EM_UNROLL
     for (int r = 0; r < N; ++r)
         y[r] = x[r] + gamma[r] * ((z[r] - mean) / sigma) + beta[r];
 }

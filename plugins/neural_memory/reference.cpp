@@ -1,7 +1,7 @@
 // NeuralMemory on the CPU: per (batch, head) the memory MLP's forward, loss gradient, momentum and
 // forgetting update and read-out, token by token (neural_memory.h).
-#include "core/attention.h"
 #include "core/reference.h"
+#include "core/attention.h"
 #include "launch.h"
 
 #include <algorithm>
@@ -89,8 +89,8 @@ EM_REF_API int em_ref_neural_memory(nm::Params const* params, NeuralMemoryIO con
                     nm::outputDelta<N>(z, kr, vr, gamma, beta, mask, D, norm, sum, dz);
                     for (int d = 0; d < D; ++d)
                         for (int e = 0; e < E; ++e)
-                            nm::momentumUpdate(W[0][size_t(d) * E + e], S[0][size_t(d) * E + e], kr[d] * dz[e], eta,
-                                theta, alpha);
+                            nm::momentumUpdate(
+                                W[0][size_t(d) * E + e], S[0][size_t(d) * E + e], kr[d] * dz[e], eta, theta, alpha);
                     for (int e = 0; e < E; ++e)
                     {
                         float a = 0.0f;
@@ -126,12 +126,12 @@ EM_REF_API int em_ref_neural_memory(nm::Params const* params, NeuralMemoryIO con
                     }
                     for (int d = 0; d < D; ++d)
                         for (int e = 0; e < E; ++e)
-                            nm::momentumUpdate(W[0][size_t(d) * E + e], S[0][size_t(d) * E + e], kr[d] * dh[e], eta,
-                                theta, alpha);
+                            nm::momentumUpdate(
+                                W[0][size_t(d) * E + e], S[0][size_t(d) * E + e], kr[d] * dh[e], eta, theta, alpha);
                     for (int e = 0; e < E; ++e)
                         for (int d = 0; d < D; ++d)
-                            nm::momentumUpdate(W[1][size_t(e) * D + d], S[1][size_t(e) * D + d], act[e] * dz[d], eta,
-                                theta, alpha);
+                            nm::momentumUpdate(
+                                W[1][size_t(e) * D + d], S[1][size_t(e) * D + d], act[e] * dz[d], eta, theta, alpha);
                     // read-out at the new weights
                     for (int e = 0; e < E; ++e)
                     {

@@ -30,26 +30,80 @@ def _struct(name, c_name, fields):
     return type(name, (ctypes.Structure,), {"_fields_": fields, "c_name": c_name})
 
 
-LAParams = _struct("LAParams", "la::Params", [(n, c_int32) for n in ("batch", "seq", "q_heads", "kv_heads", "dk", "dv", "rule")]
-                   + [("scale", c_float), ("decay_per_key", c_int32), ("beta_per_head", c_int32)])
-LAIO = _struct("LAIO", "LinearAttentionIO", [(n, c_void_p) for n in (
-    "query", "key", "value", "past_state", "decay", "beta", "output", "present_state")])
-WindowParams = _struct("WindowParams", "attn::WindowParams", [(n, c_int32) for n in (
-    "batch", "seq", "heads", "d", "dv", "window", "ring", "persistent")] + [("scale", c_float)])
-WindowIO = _struct("WindowIO", "WindowAttentionIO", [(n, c_void_p) for n in (
-    "query", "key", "value", "past_key", "past_value", "position", "persistent_key", "persistent_value",
-    "output", "present_key", "present_value")])
-BandedParams = _struct("BandedParams", "attn::BandedParams", [(n, c_int32) for n in (
-    "batch", "seq", "heads", "d", "dv", "window", "causal", "persistent")] + [("scale", c_float)])
-BandedIO = _struct("BandedIO", "BandedAttentionIO", [(n, c_void_p) for n in (
-    "query", "key", "value", "global_mask", "persistent_key", "persistent_value", "output")])
-NMParams = _struct("NMParams", "nm::Params", [(n, c_int32) for n in (
-    "batch", "seq", "heads", "d", "e", "depth", "chunk", "activation", "residual_norm", "position_per_batch")])
-NMIO = _struct("NMIO", "NeuralMemoryIO", [(n, c_void_p) for n in (
-    "query", "key", "value", "theta", "eta", "alpha", "position", "norm_weight", "norm_bias")]
+LAParams = _struct(
+    "LAParams",
+    "la::Params",
+    [(n, c_int32) for n in ("batch", "seq", "q_heads", "kv_heads", "dk", "dv", "rule")]
+    + [("scale", c_float), ("decay_per_key", c_int32), ("beta_per_head", c_int32)],
+)
+LAIO = _struct(
+    "LAIO",
+    "LinearAttentionIO",
+    [(n, c_void_p) for n in ("query", "key", "value", "past_state", "decay", "beta", "output", "present_state")],
+)
+WindowParams = _struct(
+    "WindowParams",
+    "attn::WindowParams",
+    [(n, c_int32) for n in ("batch", "seq", "heads", "d", "dv", "window", "ring", "persistent")] + [("scale", c_float)],
+)
+WindowIO = _struct(
+    "WindowIO",
+    "WindowAttentionIO",
+    [
+        (n, c_void_p)
+        for n in (
+            "query",
+            "key",
+            "value",
+            "past_key",
+            "past_value",
+            "position",
+            "persistent_key",
+            "persistent_value",
+            "output",
+            "present_key",
+            "present_value",
+        )
+    ],
+)
+BandedParams = _struct(
+    "BandedParams",
+    "attn::BandedParams",
+    [(n, c_int32) for n in ("batch", "seq", "heads", "d", "dv", "window", "causal", "persistent")]
+    + [("scale", c_float)],
+)
+BandedIO = _struct(
+    "BandedIO",
+    "BandedAttentionIO",
+    [(n, c_void_p) for n in ("query", "key", "value", "global_mask", "persistent_key", "persistent_value", "output")],
+)
+NMParams = _struct(
+    "NMParams",
+    "nm::Params",
+    [
+        (n, c_int32)
+        for n in (
+            "batch",
+            "seq",
+            "heads",
+            "d",
+            "e",
+            "depth",
+            "chunk",
+            "activation",
+            "residual_norm",
+            "position_per_batch",
+        )
+    ],
+)
+NMIO = _struct(
+    "NMIO",
+    "NeuralMemoryIO",
+    [(n, c_void_p) for n in ("query", "key", "value", "theta", "eta", "alpha", "position", "norm_weight", "norm_bias")]
     + [(n, c_void_p * 2) for n in ("weights", "momentum", "chunk_weights")]
     + [(n, c_void_p) for n in ("output", "present_position")]
-    + [(n, c_void_p * 2) for n in ("present_weights", "present_momentum", "present_chunk_weights")])
+    + [(n, c_void_p * 2) for n in ("present_weights", "present_momentum", "present_chunk_weights")],
+)
 
 
 STRUCTS = (LAParams, LAIO, WindowParams, WindowIO, BandedParams, BandedIO, NMParams, NMIO)
@@ -103,8 +157,9 @@ class Native:
             self.lib.em_ref_abi_layout.restype = ctypes.c_char_p
             wrong = layout_mismatches(self.lib.em_ref_abi_layout().decode())
             if wrong:
-                raise NativeError(f"{path}: the ctypes structs of edgemem_native.py do not match the C ABI: "
-                                  + "; ".join(wrong))
+                raise NativeError(
+                    f"{path}: the ctypes structs of edgemem_native.py do not match the C ABI: " + "; ".join(wrong)
+                )
         p = POINTER
         sigs = {
             "linear_attention": [p(LAParams), p(LAIO)],
@@ -117,12 +172,28 @@ class Native:
             fn.argtypes = args + ([c_int32, c_int32, c_int32, c_void_p] if self.cuda else [])
             fn.restype = c_int32
         if self.cuda:
-            self.lib.em_cuda_linear_attention.argtypes = [p(LAParams), p(LAIO), c_int32, c_int32, c_void_p, c_size_t,
-                                                          c_void_p]
+            self.lib.em_cuda_linear_attention.argtypes = [
+                p(LAParams),
+                p(LAIO),
+                c_int32,
+                c_int32,
+                c_void_p,
+                c_size_t,
+                c_void_p,
+            ]
             self.lib.em_cuda_linear_attention_workspace.argtypes = [p(LAParams), c_int32]
             self.lib.em_cuda_linear_attention_workspace.restype = c_size_t
-            self.lib.em_cuda_window_attention.argtypes = [p(WindowParams), p(c_int32), p(WindowIO), c_int32, c_int32,
-                                                          c_int32, c_void_p, c_size_t, c_void_p]
+            self.lib.em_cuda_window_attention.argtypes = [
+                p(WindowParams),
+                p(c_int32),
+                p(WindowIO),
+                c_int32,
+                c_int32,
+                c_int32,
+                c_void_p,
+                c_size_t,
+                c_void_p,
+            ]
             self.lib.em_cuda_window_attention_workspace.argtypes = [p(WindowParams)]
             self.lib.em_cuda_window_attention_workspace.restype = c_size_t
         else:
@@ -145,8 +216,24 @@ class Native:
         return DTYPES[x.dtype]
 
     # -----------------------------------------------------------------------------------------
-    def linear_attention(self, query, key, value, past_state, decay, beta, *, update_rule, scale,
-                         q_num_heads, kv_num_heads, output=None, present_state=None, path="auto", workspace=None):
+    def linear_attention(
+        self,
+        query,
+        key,
+        value,
+        past_state,
+        decay,
+        beta,
+        *,
+        update_rule,
+        scale,
+        q_num_heads,
+        kv_num_heads,
+        output=None,
+        present_state=None,
+        path="auto",
+        workspace=None,
+    ):
         """The `edgemem::LinearAttention` node: all six inputs present, packed layouts.
 
         CUDA: `path` picks the form (auto, sequential, chunked); `workspace` is a uint8 device tensor for
@@ -165,8 +252,15 @@ class Native:
                 nbytes = self.lib.em_cuda_linear_attention_workspace(ctypes.byref(params), LA_PATHS[path])
                 workspace = torch.empty(nbytes, dtype=torch.uint8, device=query.device) if nbytes else None
             ws, nbytes = (_ptr(workspace), workspace.numel()) if workspace is not None else (None, 0)
-            status = self.lib.em_cuda_linear_attention(ctypes.byref(params), ctypes.byref(io), dtype, LA_PATHS[path],
-                                                       ws, nbytes, c_void_p(torch.cuda.current_stream().cuda_stream))
+            status = self.lib.em_cuda_linear_attention(
+                ctypes.byref(params),
+                ctypes.byref(io),
+                dtype,
+                LA_PATHS[path],
+                ws,
+                nbytes,
+                c_void_p(torch.cuda.current_stream().cuda_stream),
+            )
             if status:
                 raise NativeError(f"em_cuda_linear_attention: {STATUS.get(status, status)}")
         elif path == "chunked":
@@ -177,8 +271,9 @@ class Native:
             self._call("linear_attention", ctypes.byref(params), ctypes.byref(io))
         return output, present_state
 
-    def linear_attention_workspace(self, query, value, decay, beta, *, update_rule, scale, q_num_heads,
-                                   kv_num_heads, path="auto") -> int:
+    def linear_attention_workspace(
+        self, query, value, decay, beta, *, update_rule, scale, q_num_heads, kv_num_heads, path="auto"
+    ) -> int:
         """Bytes of workspace a call on `path` uses for these shapes (0: none); the CPU reference's chunked form
         lays out the same bytes (on the CPU, pass them as `workspace`, an int)."""
         params, _ = self._la_params(query, value, decay, beta, update_rule, scale, q_num_heads, kv_num_heads)
@@ -191,14 +286,40 @@ class Native:
         b, t, _ = query.shape
         dk = query.shape[2] // q_num_heads
         dv = value.shape[2] // kv_num_heads
-        params = LAParams(b, t, q_num_heads, kv_num_heads, dk, dv, UPDATE_RULES[update_rule], scale,
-                          int(decay.shape[2] == kv_num_heads * dk and dk > 1),
-                          int(beta.shape[2] == kv_num_heads))
+        params = LAParams(
+            b,
+            t,
+            q_num_heads,
+            kv_num_heads,
+            dk,
+            dv,
+            UPDATE_RULES[update_rule],
+            scale,
+            int(decay.shape[2] == kv_num_heads * dk and dk > 1),
+            int(beta.shape[2] == kv_num_heads),
+        )
         return params, (b, t, dv)
 
-    def window_attention(self, query, key, value, past_key, past_value, position, persistent_key,
-                         persistent_value, *, num_heads, window, dilation, scale, output=None,
-                         present_key=None, present_value=None, workspace=None):
+    def window_attention(
+        self,
+        query,
+        key,
+        value,
+        past_key,
+        past_value,
+        position,
+        persistent_key,
+        persistent_value,
+        *,
+        num_heads,
+        window,
+        dilation,
+        scale,
+        output=None,
+        present_key=None,
+        present_value=None,
+        workspace=None,
+    ):
         """The `edgemem::WindowAttention` node: position int64 [B], persistent [B, H, P, D].
 
         CUDA: `workspace` (a uint8 device tensor) lets a one-token call split its keys over blocks; default:
@@ -210,19 +331,45 @@ class Native:
         output = query.new_empty(b, t, num_heads * dv) if output is None else output
         present_key = torch.empty_like(past_key) if present_key is None else present_key
         present_value = torch.empty_like(past_value) if present_value is None else present_value
-        io = WindowIO(*(_ptr(x) for x in (query, key, value, past_key, past_value, position, persistent_key,
-                                          persistent_value, output, present_key, present_value)))
+        io = WindowIO(
+            *(
+                _ptr(x)
+                for x in (
+                    query,
+                    key,
+                    value,
+                    past_key,
+                    past_value,
+                    position,
+                    persistent_key,
+                    persistent_value,
+                    output,
+                    present_key,
+                    present_value,
+                )
+            )
+        )
         dtypes = (self._check_dtype(query), self._check_dtype(past_key), self._check_dtype(persistent_key))
         if not self.cuda:
             self._call("window_attention", ctypes.byref(params), dil, ctypes.byref(io), dtypes=dtypes)
             return output, present_key, present_value
         if workspace is None:
-            workspace = torch.empty(self.window_attention_workspace(query, value, past_key, persistent_key,
-                                                                    num_heads=num_heads, window=window),
-                                    dtype=torch.uint8, device=query.device)
+            workspace = torch.empty(
+                self.window_attention_workspace(
+                    query, value, past_key, persistent_key, num_heads=num_heads, window=window
+                ),
+                dtype=torch.uint8,
+                device=query.device,
+            )
         status = self.lib.em_cuda_window_attention(
-            ctypes.byref(params), dil, ctypes.byref(io), *dtypes, _ptr(workspace) if workspace.numel() else None,
-            workspace.numel(), c_void_p(torch.cuda.current_stream().cuda_stream))
+            ctypes.byref(params),
+            dil,
+            ctypes.byref(io),
+            *dtypes,
+            _ptr(workspace) if workspace.numel() else None,
+            workspace.numel(),
+            c_void_p(torch.cuda.current_stream().cuda_stream),
+        )
         if status:
             raise NativeError(f"em_cuda_window_attention: {STATUS.get(status, status)}")
         return output, present_key, present_value
@@ -235,11 +382,34 @@ class Native:
     @staticmethod
     def _window_params(query, value, past_key, persistent_key, num_heads, window, scale):
         b, t, _ = query.shape
-        return WindowParams(b, t, num_heads, query.shape[2] // num_heads, value.shape[2] // num_heads, window,
-                            past_key.shape[2], persistent_key.shape[2], scale)
+        return WindowParams(
+            b,
+            t,
+            num_heads,
+            query.shape[2] // num_heads,
+            value.shape[2] // num_heads,
+            window,
+            past_key.shape[2],
+            persistent_key.shape[2],
+            scale,
+        )
 
-    def banded_attention(self, query, key, value, global_mask, persistent_key, persistent_value, *,
-                         num_heads, window, dilation, causal, scale, output=None):
+    def banded_attention(
+        self,
+        query,
+        key,
+        value,
+        global_mask,
+        persistent_key,
+        persistent_value,
+        *,
+        num_heads,
+        window,
+        dilation,
+        causal,
+        scale,
+        output=None,
+    ):
         """The `edgemem::BandedAttention` node: global_mask bool [B, T], persistent [B, H, P, D]."""
         b, t, _ = query.shape
         d, dv = query.shape[2] // num_heads, value.shape[2] // num_heads
@@ -251,9 +421,28 @@ class Native:
         self._call("banded_attention", ctypes.byref(params), dil, ctypes.byref(io), dtypes=dtypes)
         return output
 
-    def neural_memory(self, query, key, value, theta, eta, alpha, position, norm_weight, norm_bias,
-                      weights, momentum, chunk_weights, *, num_heads, chunk_size, activation,
-                      residual_norm, output=None, present=None):
+    def neural_memory(
+        self,
+        query,
+        key,
+        value,
+        theta,
+        eta,
+        alpha,
+        position,
+        norm_weight,
+        norm_bias,
+        weights,
+        momentum,
+        chunk_weights,
+        *,
+        num_heads,
+        chunk_size,
+        activation,
+        residual_norm,
+        output=None,
+        present=None,
+    ):
         """The `edgemem::NeuralMemory` node. weights/momentum/chunk_weights: one tensor per layer.
 
         Returns (output, present_position, present_weights, present_momentum, present_chunk_weights);
@@ -262,16 +451,38 @@ class Native:
         depth = len(weights)
         d = query.shape[2] // num_heads
         e = weights[0].shape[-1]
-        params = NMParams(b, t, num_heads, d, e, depth, chunk_size, ACTIVATIONS[activation], int(residual_norm),
-                          int(position.numel() == b))
+        params = NMParams(
+            b,
+            t,
+            num_heads,
+            d,
+            e,
+            depth,
+            chunk_size,
+            ACTIVATIONS[activation],
+            int(residual_norm),
+            int(position.numel() == b),
+        )
         output = query.new_empty(query.shape) if output is None else output
         if present is None:
-            present = (torch.empty_like(position), [torch.empty_like(w) for w in weights],
-                       [torch.empty_like(w) for w in momentum], [torch.empty_like(w) for w in chunk_weights])
+            present = (
+                torch.empty_like(position),
+                [torch.empty_like(w) for w in weights],
+                [torch.empty_like(w) for w in momentum],
+                [torch.empty_like(w) for w in chunk_weights],
+            )
         pos_out, w_out, s_out, c_out = present
         pair = lambda xs: (c_void_p * 2)(*[_ptr(x) for x in xs] + [None] * (2 - len(xs)))  # noqa: E731
-        io = NMIO(*(_ptr(x) for x in (query, key, value, theta, eta, alpha, position, norm_weight, norm_bias)),
-                  pair(weights), pair(momentum), pair(chunk_weights), _ptr(output), _ptr(pos_out),
-                  pair(w_out), pair(s_out), pair(c_out))
+        io = NMIO(
+            *(_ptr(x) for x in (query, key, value, theta, eta, alpha, position, norm_weight, norm_bias)),
+            pair(weights),
+            pair(momentum),
+            pair(chunk_weights),
+            _ptr(output),
+            _ptr(pos_out),
+            pair(w_out),
+            pair(s_out),
+            pair(c_out),
+        )
         self._call("neural_memory", ctypes.byref(params), ctypes.byref(io), dtypes=(self._check_dtype(query), 0, 0))
         return output, pos_out, tuple(w_out), tuple(s_out), tuple(c_out)

@@ -168,11 +168,23 @@ def check_linear_attention(h: Harness, quick: bool) -> None:
                 if not delta:
                     beta = torch.ones(b, t, hkv, dtype=F64)
                 seen = [_seen(x, dtype) for x in (q, k, v, decay, beta)]
-                want = linear_attention(seen[0], seen[1], seen[2], s0.float().double(), seen[3] if gated else None,
-                                        seen[4] if delta else None, update_rule=rule, q_num_heads=hq, kv_num_heads=hkv)
+                want = linear_attention(
+                    seen[0],
+                    seen[1],
+                    seen[2],
+                    s0.float().double(),
+                    seen[3] if gated else None,
+                    seen[4] if delta else None,
+                    update_rule=rule,
+                    q_num_heads=hq,
+                    kv_num_heads=hkv,
+                )
                 kw = dict(update_rule=rule, scale=1 / math.sqrt(dk), q_num_heads=hq, kv_num_heads=hkv)
-                args = [h.put(x, dtype) for x in (q, k, v)] + [h.put(s0, torch.float32)] + [
-                    h.put(x, dtype) for x in (decay, beta)]
+                args = (
+                    [h.put(x, dtype) for x in (q, k, v)]
+                    + [h.put(s0, torch.float32)]
+                    + [h.put(x, dtype) for x in (decay, beta)]
+                )
                 ref = None
                 if dtype == torch.float32:
                     ref = h.ref.linear_attention(*[_cpu(x) for x in args], **kw)
@@ -185,8 +197,11 @@ def check_linear_attention(h: Harness, quick: bool) -> None:
                     if t > 64:
                         first = [x[:, :64].contiguous() for x in (args[0], args[2], args[4], args[5])]
                         budget = h.dev.linear_attention_workspace(*first, path="chunked", **kw)  # one chunk's worth
-                        ws = budget if h.device.type == "cpu" else torch.empty(budget, dtype=torch.uint8,
-                                                                                device=h.device)
+                        ws = (
+                            budget
+                            if h.device.type == "cpu"
+                            else torch.empty(budget, dtype=torch.uint8, device=h.device)
+                        )
                         got = h.dev.linear_attention(*args, path="chunked", workspace=ws, **kw)
                         h.record("LinearAttention", f"{name} {rule}", dtype, "segments", got, want, ref)
                 if t > 64:
@@ -197,9 +212,16 @@ def check_linear_attention(h: Harness, quick: bool) -> None:
                 h.record("LinearAttention", f"{name} {rule}", dtype, "in-place", got, want)
                 # steps: T single-token calls on one state
                 state = args[3].clone()
-                outs = [h.dev.linear_attention(*[x[:, i:i + 1].contiguous() for x in args[:3]], state,
-                                               *[x[:, i:i + 1].contiguous() for x in args[4:]],
-                                               present_state=state, **kw)[0] for i in range(t)]
+                outs = [
+                    h.dev.linear_attention(
+                        *[x[:, i : i + 1].contiguous() for x in args[:3]],
+                        state,
+                        *[x[:, i : i + 1].contiguous() for x in args[4:]],
+                        present_state=state,
+                        **kw,
+                    )[0]
+                    for i in range(t)
+                ]
                 h.record("LinearAttention", f"{name} {rule}", dtype, "steps", (torch.cat(outs, 1), state), want)
 
 
@@ -234,21 +256,34 @@ def check_window_attention(h: Harness, quick: bool) -> None:
                 pos = torch.tensor(positions, dtype=torch.int64).expand(b).contiguous()
                 kw = dict(num_heads=heads, window=window, dilation=list(dil), scale=d**-0.5)
                 want = window_attention_prefill(
-                    _seen(q, dtype), _seen(k, dtype), _seen(v, dtype), _seen(rk, rdtype), _seen(rv, rdtype), pos,
+                    _seen(q, dtype),
+                    _seen(k, dtype),
+                    _seen(v, dtype),
+                    _seen(rk, rdtype),
+                    _seen(rv, rdtype),
+                    pos,
                     persistent_key=_seen(pk, dtype) if persistent else None,
-                    persistent_value=_seen(pv, dtype) if persistent else None, **kw)
-                args = [h.put(x, dtype) for x in (q, k, v)] + [h.put(x, rdtype) for x in (rk, rv)] + [
-                    h.put(pos)] + [h.put(x, dtype) for x in (pk, pv)]
+                    persistent_value=_seen(pv, dtype) if persistent else None,
+                    **kw,
+                )
+                args = (
+                    [h.put(x, dtype) for x in (q, k, v)]
+                    + [h.put(x, rdtype) for x in (rk, rv)]
+                    + [h.put(pos)]
+                    + [h.put(x, dtype) for x in (pk, pv)]
+                )
                 ref = None
                 if dtype == torch.float32 and rdtype == torch.float32:
                     ref = h.ref.window_attention(*[_cpu(x) if x.is_floating_point() else x.cpu() for x in args], **kw)
                 case = f"{name} ring {_dt(rdtype)}"
                 got = h.dev.window_attention(*args, **kw)
                 h.record("WindowAttention", case, dtype, "prefill", got, want, ref, storage=rdtype)
-                if t == 1 and h.dev.window_attention_workspace(*args[:1], args[2], args[3], args[6], num_heads=heads,
-                                                               window=window):
-                    got = h.dev.window_attention(*args, **kw, workspace=torch.empty(0, dtype=torch.uint8,
-                                                                                    device=args[0].device))
+                if t == 1 and h.dev.window_attention_workspace(
+                    *args[:1], args[2], args[3], args[6], num_heads=heads, window=window
+                ):
+                    got = h.dev.window_attention(
+                        *args, **kw, workspace=torch.empty(0, dtype=torch.uint8, device=args[0].device)
+                    )
                     h.record("WindowAttention", case, dtype, "one block per head", got, want, storage=rdtype)
                 rk2, rv2 = args[3].clone(), args[4].clone()
                 got = h.dev.window_attention(*args[:3], rk2, rv2, *args[5:], present_key=rk2, present_value=rv2, **kw)
@@ -256,9 +291,12 @@ def check_window_attention(h: Harness, quick: bool) -> None:
                 rk2, rv2 = args[3].clone(), args[4].clone()
                 outs = []
                 for i in range(t):
-                    tok = [x[:, i:i + 1].contiguous() for x in args[:3]]
-                    outs.append(h.dev.window_attention(*tok, rk2, rv2, args[5] + i, *args[6:], present_key=rk2,
-                                                       present_value=rv2, **kw)[0])
+                    tok = [x[:, i : i + 1].contiguous() for x in args[:3]]
+                    outs.append(
+                        h.dev.window_attention(
+                            *tok, rk2, rv2, args[5] + i, *args[6:], present_key=rk2, present_value=rv2, **kw
+                        )[0]
+                    )
                 h.record("WindowAttention", case, dtype, "steps", (torch.cat(outs, 1), rk2, rv2), want, storage=rdtype)
 
 
@@ -286,16 +324,23 @@ def check_banded_attention(h: Harness, quick: bool) -> None:
                 pk, pv = rand(b, heads, persistent, d), rand(b, heads, persistent, dv)
                 mask = torch.rand(b, t, generator=g) < frac
                 kw = dict(num_heads=heads, window=window, dilation=list(dil), causal=causal, scale=d**-0.5)
-                want = banded_attention(_seen(q, dtype), _seen(k, dtype), _seen(v, dtype), global_mask=mask,
-                                        persistent_key=_seen(pk, dtype) if persistent else None,
-                                        persistent_value=_seen(pv, dtype) if persistent else None, **kw)
+                want = banded_attention(
+                    _seen(q, dtype),
+                    _seen(k, dtype),
+                    _seen(v, dtype),
+                    global_mask=mask,
+                    persistent_key=_seen(pk, dtype) if persistent else None,
+                    persistent_value=_seen(pv, dtype) if persistent else None,
+                    **kw,
+                )
                 args = [h.put(x, dtype) for x in (q, k, v)] + [h.put(mask)] + [h.put(x, dtype) for x in (pk, pv)]
                 ref = None
                 if dtype == torch.float32:
                     ref = [h.ref.banded_attention(*[_cpu(x) if x.is_floating_point() else x.cpu() for x in args], **kw)]
                 got = h.dev.banded_attention(*args, **kw)
-                h.record("BandedAttention", f"{name} {'causal' if causal else 'bidir'}", dtype, "prefill", [got],
-                         [want], ref)
+                h.record(
+                    "BandedAttention", f"{name} {'causal' if causal else 'bidir'}", dtype, "prefill", [got], [want], ref
+                )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,19 +377,33 @@ def check_neural_memory(h: Harness, quick: bool) -> None:
             nb = rand(heads, d) * 0.1 if norm else torch.zeros(heads, d, dtype=F64)
             pos = torch.tensor(positions, dtype=torch.int64)
             f32 = lambda xs: [x.float().double() for x in xs]  # noqa: E731  (state is float32)
-            want = neural_memory_step(*[_seen(x, dtype) for x in (q, k, v, theta, eta, alpha)], f32(w), f32(s), f32(c),
-                                      pos, num_heads=heads, chunk_size=chunk, activation=act,
-                                      norm_weight=nw.float().double() if norm else None,
-                                      norm_bias=nb.float().double() if norm else None)
+            want = neural_memory_step(
+                *[_seen(x, dtype) for x in (q, k, v, theta, eta, alpha)],
+                f32(w),
+                f32(s),
+                f32(c),
+                pos,
+                num_heads=heads,
+                chunk_size=chunk,
+                activation=act,
+                norm_weight=nw.float().double() if norm else None,
+                norm_bias=nb.float().double() if norm else None,
+            )
             want_flat = [want[0], *want[1], *want[2], *want[3]]
             kw = dict(num_heads=heads, chunk_size=chunk, activation=act, residual_norm=norm)
-            args = [h.put(x, dtype) for x in (q, k, v, theta, eta, alpha)] + [h.put(pos)] + [
-                h.put(x, torch.float32) for x in (nw, nb)]
+            args = (
+                [h.put(x, dtype) for x in (q, k, v, theta, eta, alpha)]
+                + [h.put(pos)]
+                + [h.put(x, torch.float32) for x in (nw, nb)]
+            )
             state = [[h.put(x, torch.float32) for x in xs] for xs in (w, s, c)]
             ref = None
             if dtype == torch.float32:
-                r = h.ref.neural_memory(*[_cpu(x) if x.is_floating_point() else x.cpu() for x in args],
-                                        *[[_cpu(x) for x in xs] for xs in state], **kw)
+                r = h.ref.neural_memory(
+                    *[_cpu(x) if x.is_floating_point() else x.cpu() for x in args],
+                    *[[_cpu(x) for x in xs] for xs in state],
+                    **kw,
+                )
                 ref = [r[0], *r[2], *r[3], *r[4]]
             got = h.dev.neural_memory(*args, *state, **kw)
             pos_ok = torch.equal(got[1].cpu(), want[4])
@@ -360,7 +419,7 @@ def check_neural_memory(h: Harness, quick: bool) -> None:
             p2 = args[6].clone()
             ys = []
             for i in range(t):
-                tok = [x[:, i:i + 1].contiguous() for x in args[:6]]
+                tok = [x[:, i : i + 1].contiguous() for x in args[:6]]
                 ys.append(h.dev.neural_memory(*tok, p2, *args[7:], *st, present=(p2, *st), **kw)[0])
             h.record("NeuralMemory", name, dtype, "steps", [torch.cat(ys, 1), *st[0], *st[1], *st[2]], want_flat)
 
@@ -452,14 +511,23 @@ def time_decode(h: Harness, peak: float) -> list[Timing]:
         if fla is not None and hq == hkv:
             fq, fk, fv = (x.view(b, 1, hkv, -1) for x in (q, k, v))
             s0 = torch.zeros(b, hkv, dk, dv, device=dev)
-            fla_step = lambda: fla(fq, fk, fv, g, beta, scale=dk**-0.5, initial_state=s0,  # noqa: E731
-                                   output_final_state=True)
+            fla_step = lambda: fla(  # noqa: E731
+                fq,
+                fk,
+                fv,
+                g,
+                beta,
+                scale=dk**-0.5,
+                initial_state=s0,  # noqa: E731
+                output_final_state=True,
+            )
             try:
                 fla_t = (_time_us(fla_step), _graph_us(fla_step))
             except Exception as e:
                 h.notes.append(f"flash-linear-attention failed on {case} {_dt(dtype)}: {type(e).__name__}: {e}")
-        out.append(Timing("LinearAttention", case, _dt(dtype), us, 2 * state + io, 2 * state, peak, copy, graph_us,
-                          fla_t))
+        out.append(
+            Timing("LinearAttention", case, _dt(dtype), us, 2 * state + io, 2 * state, peak, copy, graph_us, fla_t)
+        )
 
     def wa(case, b, heads, d, window, persistent, dtype):
         e = torch.tensor([], dtype=dtype).element_size()
@@ -468,8 +536,15 @@ def time_decode(h: Harness, peak: float) -> list[Timing]:
         pk, pv = (torch.randn(b, heads, persistent, d, device=dev, dtype=dtype) for _ in range(2))
         pos = torch.full((b,), 10 * window, dtype=torch.int64, device=dev)
         o = torch.empty_like(q)
-        kw = dict(num_heads=heads, window=window, dilation=[1] * heads, scale=d**-0.5, output=o, present_key=rk,
-                  present_value=rv)
+        kw = dict(
+            num_heads=heads,
+            window=window,
+            dilation=[1] * heads,
+            scale=d**-0.5,
+            output=o,
+            present_key=rk,
+            present_value=rv,
+        )
         ring = 2 * rk.numel() * e  # every slot is read once (window keys) and one slot written
         io = (4 * q.numel() + 2 * pk.numel()) * e
         forms = [("one block per head", torch.empty(0, dtype=torch.uint8, device=dev))]
@@ -478,8 +553,9 @@ def time_decode(h: Harness, peak: float) -> list[Timing]:
         for form, ws in forms:
             step = lambda: h.dev.window_attention(q, k, v, rk, rv, pos, pk, pv, **kw, workspace=ws)  # noqa: E731,B023
             us, graph_us = _time_us(step), _graph_us(step)
-            out.append(Timing("WindowAttention", f"{case}, {form}", _dt(dtype), us, ring + io, ring, peak, copy,
-                              graph_us))
+            out.append(
+                Timing("WindowAttention", f"{case}, {form}", _dt(dtype), us, ring + io, ring, peak, copy, graph_us)
+            )
 
     def nm(case, b, heads, d, e_, depth, dtype):
         el = torch.tensor([], dtype=dtype).element_size()
@@ -490,14 +566,16 @@ def time_decode(h: Harness, peak: float) -> list[Timing]:
         shapes = [(b, heads, d, d)] if depth == 1 else [(b, heads, d, e_), (b, heads, e_, d)]
         st = [[torch.randn(*s, device=dev) * 0.01 for s in shapes] for _ in range(3)]
         o = torch.empty_like(x[0])
-        kw = dict(num_heads=heads, chunk_size=1 << 30, activation="silu", residual_norm=False, output=o,
-                  present=(pos, *st))
+        kw = dict(
+            num_heads=heads, chunk_size=1 << 30, activation="silu", residual_norm=False, output=o, present=(pos, *st)
+        )
         step = lambda: h.dev.neural_memory(*x, *gates, pos, nw, nb, *st, **kw)  # noqa: E731
         us, graph_us = _time_us(step), _graph_us(step)
         state = sum(t.numel() for xs in st for t in xs) * 4
         moved = state // 3 * 5  # read C, W, S; write W, S (no chunk start)
-        out.append(Timing("NeuralMemory", case, _dt(dtype), us, moved + 4 * o.numel() * el, 2 * state, peak, copy,
-                          graph_us))
+        out.append(
+            Timing("NeuralMemory", case, _dt(dtype), us, moved + 4 * o.numel() * el, 2 * state, peak, copy, graph_us)
+        )
 
     for dtype in (torch.float32, fp16):
         la("4 heads 64x64 (design figure)", 1, 4, 4, 64, 64, dtype)
@@ -521,8 +599,13 @@ def time_prefill(h: Harness) -> list[tuple[str, str, float | None, float | None,
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
     except Exception:
         fla_chunk = None
-    shapes = [(1, 16, 128, t) for t in (16, 32, 64, 128)] + [(1, 4, 64, 64), (1, 16, 128, 512), (1, 16, 128, 4096),
-                                                              (8, 16, 128, 512), (1, 32, 64, 4096)]
+    shapes = [(1, 16, 128, t) for t in (16, 32, 64, 128)] + [
+        (1, 4, 64, 64),
+        (1, 16, 128, 512),
+        (1, 16, 128, 4096),
+        (8, 16, 128, 512),
+        (1, 32, 64, 4096),
+    ]
     for b, heads, d, t in shapes:
         for dtype in (torch.float32, torch.float16):
             q = torch.randn(b, t, heads * d, device=dev, dtype=dtype)
@@ -532,11 +615,24 @@ def time_prefill(h: Harness) -> list[tuple[str, str, float | None, float | None,
             beta = torch.full((b, t, heads), 0.5, device=dev, dtype=dtype)
             s0, s1 = torch.zeros(b, heads, d, d, device=dev), torch.zeros(b, heads, d, d, device=dev)
             o = torch.empty_like(v)
-            kw = dict(update_rule="gated_delta", scale=d**-0.5, q_num_heads=heads, kv_num_heads=heads, output=o,
-                      present_state=s1)
-            nbytes = h.dev.linear_attention_workspace(q, v, g, beta, path="chunked", **{k_: kw[k_] for k_ in (
-                "update_rule", "scale", "q_num_heads", "kv_num_heads")})
+            kw = dict(
+                update_rule="gated_delta",
+                scale=d**-0.5,
+                q_num_heads=heads,
+                kv_num_heads=heads,
+                output=o,
+                present_state=s1,
+            )
+            nbytes = h.dev.linear_attention_workspace(
+                q,
+                v,
+                g,
+                beta,
+                path="chunked",
+                **{k_: kw[k_] for k_ in ("update_rule", "scale", "q_num_heads", "kv_num_heads")},
+            )
             ws = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+
             def timed(fn):
                 return _graph_us(fn, iters=5, replays=4) or _time_us(fn, iters=10, warmup=3)
 
@@ -546,8 +642,16 @@ def time_prefill(h: Harness) -> list[tuple[str, str, float | None, float | None,
             if fla_chunk is not None:
                 fq, fk, fv = (x.view(b, t, heads, d) for x in (q, k, v))
                 try:
-                    fn = lambda: fla_chunk(fq, fk, fv, g, beta, scale=d**-0.5, initial_state=s0,  # noqa: E731
-                                           output_final_state=True)
+                    fn = lambda: fla_chunk(  # noqa: E731
+                        fq,
+                        fk,
+                        fv,
+                        g,
+                        beta,
+                        scale=d**-0.5,
+                        initial_state=s0,  # noqa: E731
+                        output_final_state=True,
+                    )
                     theirs = timed(fn)
                 except Exception as e:
                     h.notes.append(f"fla chunk_gated_delta_rule failed at T={t}: {type(e).__name__}: {e}")
@@ -561,13 +665,17 @@ def time_prefill(h: Harness) -> list[tuple[str, str, float | None, float | None,
 def report(h: Harness, timings: list[Timing], prefill: list, device_name: str, elapsed: float) -> str:
     lines = [f"# edgemem kernel check — {device_name}", ""]
     failed = [r for r in h.rows if not r.ok]
-    lines.append(f"{len(h.rows) - len(failed)} of {len(h.rows)} numerical checks passed "
-                 f"({elapsed:.0f} s); tolerances: fp32 {TOL[torch.float32]:.0e}, fp16 {TOL[torch.float16]:.0e} "
-                 f"relative to truth, fp32 {REF_TOL:.0e} to the CPU reference.")
+    lines.append(
+        f"{len(h.rows) - len(failed)} of {len(h.rows)} numerical checks passed "
+        f"({elapsed:.0f} s); tolerances: fp32 {TOL[torch.float32]:.0e}, fp16 {TOL[torch.float16]:.0e} "
+        f"relative to truth, fp32 {REF_TOL:.0e} to the CPU reference."
+    )
     lines += ["", "| op | case | dtype | mode | err vs truth | err vs CPU ref | ok |", "|---|---|---|---|---|---|---|"]
     for r in h.rows:
         ref = f"{r.err_ref:.1e}" if r.err_ref is not None else "-"
-        lines.append(f"| {r.op} | {r.case} | {r.dtype} | {r.mode} | {r.err_truth:.1e} | {ref} | {'ok' if r.ok else 'FAIL'} |")
+        lines.append(
+            f"| {r.op} | {r.case} | {r.dtype} | {r.mode} | {r.err_truth:.1e} | {ref} | {'ok' if r.ok else 'FAIL'} |"
+        )
     worst = {}
     for r in h.rows:
         key = (r.op, r.dtype)
@@ -578,28 +686,40 @@ def report(h: Harness, timings: list[Timing], prefill: list, device_name: str, e
         lines.append(f"- ERROR: {e}")
     if timings:
         t0 = timings[0]
-        lines += ["", f"## Decode timing (T = 1, state in place); peak {t0.peak_gbs:.0f} GB/s, "
-                      f"measured copy {t0.copy_gbs:.0f} GB/s", "",
-                  "µs/step: device time from a CUDA graph of back-to-back steps; launched: one host launch "
-                  "per step (Python + ctypes overhead included). fla: flash-linear-attention's "
-                  "fused_recurrent_gated_delta_rule on the same step (graph / launched).", "",
-                  "| op | case | dtype | µs/step | launched µs | bytes moved | achieved GB/s | % of copy | "
-                  "floor µs (2×state / copy) | step / floor | fla µs (graph / launched) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"## Decode timing (T = 1, state in place); peak {t0.peak_gbs:.0f} GB/s, "
+            f"measured copy {t0.copy_gbs:.0f} GB/s",
+            "",
+            "µs/step: device time from a CUDA graph of back-to-back steps; launched: one host launch "
+            "per step (Python + ctypes overhead included). fla: flash-linear-attention's "
+            "fused_recurrent_gated_delta_rule on the same step (graph / launched).",
+            "",
+            "| op | case | dtype | µs/step | launched µs | bytes moved | achieved GB/s | % of copy | "
+            "floor µs (2×state / copy) | step / floor | fla µs (graph / launched) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         us = lambda x: f"{x:.2f}" if x is not None else "-"  # noqa: E731
         for t in timings:
             floor_us = t.floor_bytes / (t.copy_gbs * 1e9) * 1e6
             fla = f"{us(t.fla[1])} / {us(t.fla[0])}" if t.fla else "-"
-            lines.append(f"| {t.op} | {t.case} | {t.dtype} | {us(t.graph_us)} | {t.us:.2f} | {t.bytes:,} | "
-                         f"{t.achieved:.0f} | {100 * t.achieved / t.copy_gbs:.0f}% | {floor_us:.2f} | "
-                         f"{t.device_us / floor_us:.1f}× | {fla} |")
+            lines.append(
+                f"| {t.op} | {t.case} | {t.dtype} | {us(t.graph_us)} | {t.us:.2f} | {t.bytes:,} | "
+                f"{t.achieved:.0f} | {100 * t.achieved / t.copy_gbs:.0f}% | {floor_us:.2f} | "
+                f"{t.device_us / floor_us:.1f}× | {fla} |"
+            )
     if prefill:
-        lines += ["", "## LinearAttention prefill (one call of T tokens, gated delta rule, CUDA-graph device time)", "",
-                  "sequential: the tokens in order with the state in registers; chunked: the tensor-core form "
-                  "(auto takes it from 128 tokens at batch x kv heads <= 64); fla: chunk_gated_delta_rule on the same inputs; "
-                  "speed vs fla = fla µs / chunked µs.", "",
-                  "| case | dtype | sequential µs | chunked µs | chunked µs/token | fla µs | speed vs fla |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## LinearAttention prefill (one call of T tokens, gated delta rule, CUDA-graph device time)",
+            "",
+            "sequential: the tokens in order with the state in registers; chunked: the tensor-core form "
+            "(auto takes it from 128 tokens at batch x kv heads <= 64); fla: chunk_gated_delta_rule on the same inputs; "  # noqa: E501
+            "speed vs fla = fla µs / chunked µs.",
+            "",
+            "| case | dtype | sequential µs | chunked µs | chunked µs/token | fla µs | speed vs fla |",
+            "|---|---|---|---|---|---|---|",
+        ]
         f = lambda x: f"{x:.1f}" if x is not None else "-"  # noqa: E731
         for case, dt, seq, chunked, theirs in prefill:
             t = int(case.rsplit("T=", 1)[1])
@@ -628,8 +748,9 @@ def main() -> int:
         if not torch.cuda.is_available():
             print("error: PyTorch sees no CUDA device", file=sys.stderr)
             return 2
-        h = Harness(Native(args.build / "libedgemem_kernels.so"), ref, torch.device("cuda"),
-                    [torch.float32, torch.float16])
+        h = Harness(
+            Native(args.build / "libedgemem_kernels.so"), ref, torch.device("cuda"), [torch.float32, torch.float16]
+        )
         device_name = torch.cuda.get_device_name()
     t0 = time.time()
     for check in (check_linear_attention, check_window_attention, check_banded_attention, check_neural_memory):

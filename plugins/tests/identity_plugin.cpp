@@ -67,7 +67,8 @@ public:
         if (nbInputs != 1 || nbOutputs != 1 || pos < 0 || pos > 1)
             return false;
         PluginTensorDesc const& d = inOut[pos].desc;
-        return d.format == TensorFormat::kLINEAR && d.type == DataType::kFLOAT && (pos == 0 || d.type == inOut[0].desc.type);
+        return d.format == TensorFormat::kLINEAR && d.type == DataType::kFLOAT
+            && (pos == 0 || d.type == inOut[0].desc.type);
     }
     int32_t getNbOutputs() const noexcept override { return 1; }
 

@@ -81,7 +81,8 @@ struct BuilderImpl : apiv::VExprBuilder
     }
     IDimensionExpr const* constant(int64_t value) override { return make(std::to_string(value), value, true); }
     IDimensionExpr const* symbol(std::string const& name) { return make(name, 0, false); }
-    IDimensionExpr const* operation(DimensionOperation op, IDimensionExpr const& first, IDimensionExpr const& second) override
+    IDimensionExpr const* operation(
+        DimensionOperation op, IDimensionExpr const& first, IDimensionExpr const& second) override
     {
         ExprImpl const& a = implOf(first);
         ExprImpl const& b = implOf(second);
@@ -161,7 +162,7 @@ struct Tensor
 {
     std::vector<std::string> dims; // "B", "T" symbolic at build time; numbers otherwise
     DataType type;
-    bool io = false;                // an activation: float16 when the plugin runs in float16
+    bool io = false; // an activation: float16 when the plugin runs in float16
 };
 
 constexpr int64_t kB = 2; // the concrete batch and sequence of the runtime calls
@@ -209,15 +210,17 @@ std::vector<Case> cases()
         {text("update_rule", "gated_delta"), real("scale", 0.5f), ints("q_num_heads", {4}), ints("kv_num_heads", {2}),
             ints("chunk_size", {64})},
         "update_rule=gated_delta;scale=0.5;q_num_heads=4;kv_num_heads=2;chunk_size=64",
-        {{{"B", "T", "32"}, DT::kFLOAT, true}, {{"B", "T", "16"}, DT::kFLOAT, true}, {{"B", "T", "12"}, DT::kFLOAT, true},
-            {{"B", "2", "8", "6"}, DT::kFLOAT}, {{"B", "T", "2"}, DT::kFLOAT, true}, {{"B", "T", "2"}, DT::kFLOAT, true}},
+        {{{"B", "T", "32"}, DT::kFLOAT, true}, {{"B", "T", "16"}, DT::kFLOAT, true},
+            {{"B", "T", "12"}, DT::kFLOAT, true}, {{"B", "2", "8", "6"}, DT::kFLOAT},
+            {{"B", "T", "2"}, DT::kFLOAT, true}, {{"B", "T", "2"}, DT::kFLOAT, true}},
         {{{"B", "T", "24"}, DT::kFLOAT, true}, {{"B", "2", "8", "6"}, DT::kFLOAT}}, "kv_num_heads", 3,
-        size_t(edgemem::la::kChunkBudget),
-        [](bool gpu, void* const* in, void* const* out) {
+        size_t(edgemem::la::kChunkBudget), [](bool gpu, void* const* in, void* const* out)
+        {
             edgemem::la::Params p{int32_t(kB), int32_t(kT), 4, 2, 8, 6, edgemem::la::kGatedDelta, 0.5f, 0, 1};
             edgemem::LinearAttentionIO io{in[0], in[1], in[2], static_cast<float const*>(in[3]), in[4], in[5], out[0],
                 static_cast<float*>(out[1])};
-            return gpu ? em_cuda_linear_attention(&p, &io, 0, 0, nullptr, 0, nullptr) : em_ref_linear_attention(&p, &io);
+            return gpu ? em_cuda_linear_attention(&p, &io, 0, 0, nullptr, 0, nullptr)
+                       : em_ref_linear_attention(&p, &io);
         }});
     // NeuralMemory: 2 heads, D 4, hidden 8, depth 2, chunks of 2, residual LayerNorm, GELU.
     std::vector<Tensor> nmIn = {{{"B", "T", "8"}, DT::kFLOAT, true}, {{"B", "T", "8"}, DT::kFLOAT, true},
@@ -234,23 +237,25 @@ std::vector<Case> cases()
         {ints("num_heads", {2}), ints("chunk_size", {2}), ints("depth", {2}), ints("residual_norm", {1}),
             text("activation", "gelu")},
         "num_heads=2;chunk_size=2;depth=2;residual_norm=1;activation=gelu", nmIn, nmOut, "depth", 9, 0,
-        [](bool gpu, void* const* in, void* const* out) {
+        [](bool gpu, void* const* in, void* const* out)
+        {
             edgemem::nm::Params p{int32_t(kB), int32_t(kT), 2, 4, 8, 2, 2, edgemem::nm::kGelu, 1, 1};
             auto f = [&](int i) { return static_cast<float const*>(in[i]); };
             auto g = [&](int i) { return static_cast<float*>(out[i]); };
-            edgemem::NeuralMemoryIO io{in[0], in[1], in[2], in[3], in[4], in[5], static_cast<int64_t const*>(in[6]), f(7),
-                f(8), {f(9), f(12)}, {f(10), f(13)}, {f(11), f(14)}, out[0], static_cast<int64_t*>(out[1]),
+            edgemem::NeuralMemoryIO io{in[0], in[1], in[2], in[3], in[4], in[5], static_cast<int64_t const*>(in[6]),
+                f(7), f(8), {f(9), f(12)}, {f(10), f(13)}, {f(11), f(14)}, out[0], static_cast<int64_t*>(out[1]),
                 {g(2), g(5)}, {g(3), g(6)}, {g(4), g(7)}};
             return gpu ? em_cuda_neural_memory(&p, &io, 0, 0, 0, nullptr) : em_ref_neural_memory(&p, &io);
         }});
     // BandedAttention: 2 heads, D 4, D_v 3, window 1, dilation 1 and 2, global tokens, 1 persistent token.
     out.push_back({"BandedAttention",
-        {ints("num_heads", {2}), ints("window", {1}), ints("dilation", {1, 2}), ints("causal", {0}), real("scale", 0.5f)},
+        {ints("num_heads", {2}), ints("window", {1}), ints("dilation", {1, 2}), ints("causal", {0}),
+            real("scale", 0.5f)},
         "num_heads=2;window=1;dilation=1,2;causal=0;scale=0.5",
         {{{"B", "T", "8"}, DT::kFLOAT, true}, {{"B", "T", "8"}, DT::kFLOAT, true}, {{"B", "T", "6"}, DT::kFLOAT, true},
             {{"B", "T"}, DT::kBOOL}, {{"B", "2", "1", "4"}, DT::kFLOAT}, {{"B", "2", "1", "3"}, DT::kFLOAT}},
-        {{{"B", "T", "6"}, DT::kFLOAT, true}}, "window", 3, 0,
-        [](bool gpu, void* const* in, void* const* out) {
+        {{{"B", "T", "6"}, DT::kFLOAT, true}}, "window", 3, 0, [](bool gpu, void* const* in, void* const* out)
+        {
             edgemem::attn::BandedParams p{int32_t(kB), int32_t(kT), 2, 4, 3, 1, 0, 1, 0.5f};
             int32_t const dilation[] = {1, 2};
             edgemem::BandedAttentionIO io{in[0], in[1], in[2], static_cast<bool const*>(in[3]), in[4], in[5], out[0]};
@@ -265,8 +270,8 @@ std::vector<Case> cases()
             {{"B", "2", "4", "4"}, DT::kFLOAT}, {{"B", "2", "4", "3"}, DT::kFLOAT}, {{"B"}, DT::kINT64},
             {{"B", "2", "1", "4"}, DT::kFLOAT}, {{"B", "2", "1", "3"}, DT::kFLOAT}},
         {{{"B", "T", "6"}, DT::kFLOAT, true}, {{"B", "2", "4", "4"}, DT::kFLOAT}, {{"B", "2", "4", "3"}, DT::kFLOAT}},
-        "num_heads", 3, 0,
-        [](bool gpu, void* const* in, void* const* out) {
+        "num_heads", 3, 0, [](bool gpu, void* const* in, void* const* out)
+        {
             edgemem::attn::WindowParams p{int32_t(kB), int32_t(kT), 2, 4, 3, 2, 4, 1, 0.25f};
             int32_t const dilation[] = {1, 2};
             edgemem::WindowAttentionIO io{in[0], in[1], in[2], in[3], in[4], static_cast<int64_t const*>(in[5]), in[6],
@@ -323,8 +328,8 @@ struct Collection
             if (skip && f.name == skip)
                 continue;
             void const* data = f.type == PluginFieldType::kINT32 ? static_cast<void const*>(f.ints.data())
-                : f.type == PluginFieldType::kFLOAT32              ? static_cast<void const*>(&f.real)
-                                                                   : static_cast<void const*>(f.text.c_str());
+                : f.type == PluginFieldType::kFLOAT32            ? static_cast<void const*>(&f.real)
+                                                                 : static_cast<void const*>(f.text.c_str());
             int32_t const length = f.type == PluginFieldType::kINT32 ? int32_t(f.ints.size())
                 : f.type == PluginFieldType::kFLOAT32                ? 1
                                                                      : int32_t(f.text.size());
@@ -414,7 +419,10 @@ std::vector<PluginTensorDesc> runtimeDescs(std::vector<Tensor> const& ts)
     return out;
 }
 
-size_t bytesOf(DataType t) { return t == DataType::kINT64 ? 8 : t == DataType::kBOOL ? 1 : t == DataType::kHALF ? 2 : 4; }
+size_t bytesOf(DataType t)
+{
+    return t == DataType::kINT64 ? 8 : t == DataType::kBOOL ? 1 : t == DataType::kHALF ? 2 : 4;
+}
 size_t count(Dims const& d)
 {
     size_t n = 1;
@@ -452,7 +460,8 @@ std::vector<std::vector<char>> hostInputs(Case const& c, std::mt19937& rng)
         out.push_back(std::move(buf));
     }
     // gates: LinearAttention decay (log-space, < 0) and beta in (0, 1); NeuralMemory theta, eta, alpha in (0, 1)
-    auto positive = [&](int i, float scale) {
+    auto positive = [&](int i, float scale)
+    {
         float* f = reinterpret_cast<float*>(out[i].data());
         for (size_t j = 0; j < out[i].size() / 4; ++j)
             f[j] = scale * (0.5f + f[j]);
@@ -495,7 +504,8 @@ void enqueueCheck(Run& r, Case const& c, IPluginV3OneRuntime* rt, std::mt19937& 
     auto const inDesc = runtimeDescs(c.inputs);
     auto const outDesc = runtimeDescs(c.outputs);
     std::vector<void*> dIn, dOutPlugin, dOutKernel;
-    auto alloc = [&](size_t n) {
+    auto alloc = [&](size_t n)
+    {
         void* p = nullptr;
         r.check(cudaMalloc(&p, std::max<size_t>(n, 1)) == cudaSuccess, "cudaMalloc");
         return p;
@@ -623,7 +633,8 @@ void drive(Run& r, IPluginCreatorV3One* creator, Case const& c, bool enqueue, st
     r.call("getOutputDataTypes");
     {
         std::vector<DataType> in(nIn, DataType::kFLOAT), out(nOut);
-        r.check(cap.build->getOutputDataTypes(out.data(), nOut, in.data(), nIn - 1) != 0, "getOutputDataTypes, one input short");
+        r.check(cap.build->getOutputDataTypes(out.data(), nOut, in.data(), nIn - 1) != 0,
+            "getOutputDataTypes, one input short");
     }
 
     // output shapes over symbolic batch and sequence
@@ -683,7 +694,8 @@ void drive(Run& r, IPluginCreatorV3One* creator, Case const& c, bool enqueue, st
             if (!c.inputs[i].io && c.inputs[i].type == DataType::kFLOAT)
                 pos = i;
         std::string const name = c.op;
-        if (pos >= 0 && name != "WindowAttention" && name != "BandedAttention") // their rings and persistent K/V may be float16
+        if (pos >= 0 && name != "WindowAttention"
+            && name != "BandedAttention") // their rings and persistent K/V may be float16
         {
             descs[pos].desc.type = DataType::kHALF;
             r.call("supportsFormatCombination");
@@ -701,14 +713,16 @@ void drive(Run& r, IPluginCreatorV3One* creator, Case const& c, bool enqueue, st
         r.call("getWorkspaceSize");
         size_t const ws = cap.build->getWorkspaceSize(in.data(), nIn, out.data(), nOut);
         size_t const want = maxT > 1 ? c.workspaceLong : 0;
-        r.check(ws == want, "getWorkspaceSize up to " + std::to_string(maxT) + " tokens: " + std::to_string(ws)
-                + ", expected " + std::to_string(want));
+        r.check(ws == want,
+            "getWorkspaceSize up to " + std::to_string(maxT) + " tokens: " + std::to_string(ws) + ", expected "
+                + std::to_string(want));
     }
     {
         auto in = dynamicDescs(c.inputs, false, kT);
         auto out = dynamicDescs(c.outputs, false, kT);
         r.call("configurePlugin");
-        r.check(cap.build->configurePlugin(in.data(), nIn - 1, out.data(), nOut) != 0, "configurePlugin, one input short");
+        r.check(
+            cap.build->configurePlugin(in.data(), nIn - 1, out.data(), nOut) != 0, "configurePlugin, one input short");
         r.logged("expected " + std::to_string(nIn) + " inputs", "the input count is named");
     }
 
@@ -723,9 +737,11 @@ void drive(Run& r, IPluginCreatorV3One* creator, Case const& c, bool enqueue, st
     {
         Capabilities const rc = capabilities(r, restored.get());
         r.call("getFieldsToSerialize");
-        r.check(fieldsText(rc.runtime->getFieldsToSerialize()) == serialized, "deserialized plugin serializes the same");
+        r.check(
+            fieldsText(rc.runtime->getFieldsToSerialize()) == serialized, "deserialized plugin serializes the same");
         r.call("getMetadataString");
-        r.check(rc.build && std::string(rc.build->getMetadataString()) == c.metadata, "deserialized plugin's attributes");
+        r.check(
+            rc.build && std::string(rc.build->getMetadataString()) == c.metadata, "deserialized plugin's attributes");
     }
 
     // clone and attach keep the attributes
@@ -777,7 +793,8 @@ int main(int argc, char** argv)
     {
         r.call("getInterfaceInfo");
         InterfaceInfo const info = creators[i]->getInterfaceInfo();
-        r.check(std::string(info.kind) == "PLUGIN CREATOR_V3ONE", "creator " + std::to_string(i) + " is an IPluginCreatorV3One");
+        r.check(std::string(info.kind) == "PLUGIN CREATOR_V3ONE",
+            "creator " + std::to_string(i) + " is an IPluginCreatorV3One");
         auto* c = static_cast<IPluginCreatorV3One*>(creators[i]);
         r.call("getPluginName");
         byName[c->getPluginName()] = c;

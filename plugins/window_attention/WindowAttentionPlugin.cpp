@@ -55,10 +55,7 @@ WindowAttentionPlugin::WindowAttentionPlugin(std::string layer, Attributes const
         mDilation.assign(size_t(mHeads), 1);
 }
 
-std::string WindowAttentionPlugin::invalid() const
-{
-    return checkHeadsWindowDilation(mHeads, mWindow, mDilation);
-}
+std::string WindowAttentionPlugin::invalid() const { return checkHeadsWindowDilation(mHeads, mWindow, mDilation); }
 
 void WindowAttentionPlugin::writeAttributes(Attributes& out) const
 {
@@ -140,7 +137,8 @@ std::string WindowAttentionPlugin::checkShapes(PluginTensorDesc const* in, int32
     return {};
 }
 
-attn::WindowParams WindowAttentionPlugin::params(Dims const& q, Dims const& v, Dims const& ring, Dims const& persistent) const
+attn::WindowParams WindowAttentionPlugin::params(
+    Dims const& q, Dims const& v, Dims const& ring, Dims const& persistent) const
 {
     attn::WindowParams p{};
     p.batch = int32_t(q.d[0]);
@@ -156,8 +154,8 @@ attn::WindowParams WindowAttentionPlugin::params(Dims const& q, Dims const& v, D
 }
 
 // The decode split's partial softmaxes at the profile's largest batch (one token a call).
-size_t WindowAttentionPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* in, int32_t nbInputs,
-    DynamicPluginTensorDesc const*, int32_t) const noexcept
+size_t WindowAttentionPlugin::getWorkspaceSize(
+    DynamicPluginTensorDesc const* in, int32_t nbInputs, DynamicPluginTensorDesc const*, int32_t) const noexcept
 {
     if (nbInputs != kInputs)
         return 0;
@@ -166,8 +164,8 @@ size_t WindowAttentionPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* in
     return cuda::windowAttentionWorkspace(p);
 }
 
-int32_t WindowAttentionPlugin::launch(
-    PluginTensorDesc const* inputDesc, void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream)
+int32_t WindowAttentionPlugin::launch(PluginTensorDesc const* inputDesc, void const* const* inputs,
+    void* const* outputs, void* workspace, cudaStream_t stream)
 {
     attn::WindowParams const p = params(
         inputDesc[kQuery].dims, inputDesc[kValue].dims, inputDesc[kPastKey].dims, inputDesc[kPersistentKey].dims);

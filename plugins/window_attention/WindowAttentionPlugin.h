@@ -1,8 +1,8 @@
 // edgemem::WindowAttention (version 1) as a TensorRT IPluginV3.
 #pragma once
 
-#include "core/plugin.h"
 #include "core/attention.h"
+#include "core/plugin.h"
 
 namespace edgemem
 {

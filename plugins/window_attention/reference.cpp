@@ -11,7 +11,8 @@ using namespace edgemem;
 using ref::F;
 using ref::Row;
 
-EM_REF_API int em_ref_window_attention(attn::WindowParams const* params, int32_t const* dilation, WindowAttentionIO const* io)
+EM_REF_API int em_ref_window_attention(
+    attn::WindowParams const* params, int32_t const* dilation, WindowAttentionIO const* io)
 {
     attn::WindowParams const& p = *params;
     if (int const st = attn::check(p, dilation))

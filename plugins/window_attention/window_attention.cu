@@ -92,8 +92,8 @@ __device__ __forceinline__ void writeSlot(
 }
 
 template <typename T, typename S, typename P>
-__global__ void __launch_bounds__(kWaThreads, 1) windowAttentionKernel(
-    attn::WindowParams const p, Dilation const dilation, WindowAttentionIO const io)
+__global__ void __launch_bounds__(kWaThreads, 1)
+    windowAttentionKernel(attn::WindowParams const p, Dilation const dilation, WindowAttentionIO const io)
 {
     __shared__ SoftmaxState part_st[kWaWarps];
     __shared__ float part_acc[kWaWarps][kMaxHeadDim];
@@ -143,8 +143,8 @@ __global__ void __launch_bounds__(kWaThreads, 1) windowAttentionKernel(
 // (strided, so every split gets near the same share of window, self and persistent keys) and
 // writes its merged partial to ws[((b * heads + h) * splits + s) * (dv + 2)]: dv sums, then m, l.
 template <typename T, typename S, typename P>
-__global__ void __launch_bounds__(kWaThreads, 1) windowSplitKernel(
-    attn::WindowParams const p, Dilation const dilation, WindowAttentionIO const io, float* ws)
+__global__ void __launch_bounds__(kWaThreads, 1)
+    windowSplitKernel(attn::WindowParams const p, Dilation const dilation, WindowAttentionIO const io, float* ws)
 {
     __shared__ SoftmaxState part_st[kWaWarps];
     __shared__ float part_acc[kWaWarps][kMaxHeadDim];
@@ -174,8 +174,8 @@ __global__ void __launch_bounds__(kWaThreads, 1) windowSplitKernel(
 // Merges the splits of one (batch, head), writes the output, then the token's ring slot (the
 // present ring is the past one where they differ, copied by the split kernel's launcher).
 template <typename T, typename S>
-__global__ void __launch_bounds__(kMaxHeadDim) windowMergeKernel(
-    attn::WindowParams const p, WindowAttentionIO const io, float const* ws, int const splits)
+__global__ void __launch_bounds__(kMaxHeadDim)
+    windowMergeKernel(attn::WindowParams const p, WindowAttentionIO const io, float const* ws, int const splits)
 {
     int const h = blockIdx.x, b = blockIdx.y;
     float const* part = ws + (int64_t(b) * p.heads + h) * splits * (p.dv + 2);
@@ -214,7 +214,8 @@ int launchWindow(attn::WindowParams const& p, Dilation const& dil, WindowAttenti
     {
         size_t const ring = size_t(p.batch) * p.heads * p.ring * sizeof(S);
         if (io.present_key != io.past_key
-            && cudaMemcpyAsync(io.present_key, io.past_key, ring * p.d, cudaMemcpyDeviceToDevice, stream) != cudaSuccess)
+            && cudaMemcpyAsync(io.present_key, io.past_key, ring * p.d, cudaMemcpyDeviceToDevice, stream)
+                != cudaSuccess)
             return kCudaError;
         if (io.present_value != io.past_value
             && cudaMemcpyAsync(io.present_value, io.past_value, ring * p.dv, cudaMemcpyDeviceToDevice, stream)
@@ -225,7 +226,8 @@ int launchWindow(attn::WindowParams const& p, Dilation const& dil, WindowAttenti
             windowSplitKernel<T, S, float><<<grid, kWaThreads, 0, stream>>>(p, dil, io, ws);
         else
             windowSplitKernel<T, S, __half><<<grid, kWaThreads, 0, stream>>>(p, dil, io, ws);
-        windowMergeKernel<T, S><<<dim3(unsigned(p.heads), unsigned(p.batch)), kMaxHeadDim, 0, stream>>>(p, io, ws, splits);
+        windowMergeKernel<T, S>
+            <<<dim3(unsigned(p.heads), unsigned(p.batch)), kMaxHeadDim, 0, stream>>>(p, io, ws, splits);
         return launchStatus();
     }
     dim3 const grid(unsigned(p.batch) * unsigned(p.heads));

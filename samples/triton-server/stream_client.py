@@ -48,7 +48,9 @@ def main() -> None:
     parser.add_argument("--url", default="127.0.0.1:8001", help="tritonserver's gRPC address")
     parser.add_argument("--model", help="the Python-backend model's name (default: the one the server has)")
     parser.add_argument("--sequence", type=int, default=1, help="sequence id (a positive integer)")
-    parser.add_argument("--prompt", default="Once upon a time", help="text that starts a new sequence (byte-level models)")
+    parser.add_argument(
+        "--prompt", default="Once upon a time", help="text that starts a new sequence (byte-level models)"
+    )
     parser.add_argument("--ids", help="token ids that start a new sequence instead, e.g. 1,2,3 (any model)")
     parser.add_argument("--continue", dest="resume", action="store_true", help="continue the sequence instead")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -65,12 +67,16 @@ def stream(args: argparse.Namespace) -> None:
     models = streaming_models(client)
     if args.model is None:
         if len(models) != 1:
-            sys.exit(f"error: {args.url} serves {', '.join(sorted(models)) or 'no model that takes TOKENS'}: "
-                     "pass --model NAME" + ("" if models else " (a model written by `edgemem triton`)"))
+            sys.exit(
+                f"error: {args.url} serves {', '.join(sorted(models)) or 'no model that takes TOKENS'}: "
+                "pass --model NAME" + ("" if models else " (a model written by `edgemem triton`)")
+            )
         args.model = next(iter(models))
     elif args.model not in models:
-        sys.exit(f"error: {args.url} has no ready model {args.model!r} that takes TOKENS; it has: "
-                 f"{', '.join(sorted(models)) or 'none'}")
+        sys.exit(
+            f"error: {args.url} has no ready model {args.model!r} that takes TOKENS; it has: "
+            f"{', '.join(sorted(models)) or 'none'}"
+        )
     as_bytes = models[args.model] == 256  # a byte-level model: text in, text out; else token ids
     if args.ids is not None:
         try:
@@ -80,7 +86,9 @@ def stream(args: argparse.Namespace) -> None:
     elif as_bytes:
         prompt = list(args.prompt.encode())
     else:
-        sys.exit(f"error: {args.model} has a vocabulary of {models[args.model]}, not bytes: give token ids (--ids 1,2,3)")
+        sys.exit(
+            f"error: {args.model} has a vocabulary of {models[args.model]}, not bytes: give token ids (--ids 1,2,3)"
+        )
     if args.resume:  # no tokens: the sequence's next-token logits, from memory or its checkpoint
         logits, position = request(client, args.model, args.sequence, [])
     else:
@@ -89,8 +97,9 @@ def stream(args: argparse.Namespace) -> None:
         token = int(logits.argmax())
         sys.stdout.buffer.write(bytes([token]) if as_bytes else f"{' ' if i else ''}{token}".encode())
         sys.stdout.buffer.flush()
-        logits, position = request(client, args.model, args.sequence, [token],
-                                   end=args.end and i == args.max_new_tokens - 1)
+        logits, position = request(
+            client, args.model, args.sequence, [token], end=args.end and i == args.max_new_tokens - 1
+        )
     print(f"\n[{args.model}: sequence {args.sequence} at position {position}]", file=sys.stderr)
 
 

@@ -40,8 +40,10 @@ def _filled(mixer: SoftmaxAttention, position: torch.Tensor | None) -> int | Non
     if mixer.sinks is not None:
         raise ConfigError("a sliding-window KV cache (sinks) has no transformers layout; export without --sinks")
     if position.unique().numel() != 1 or int(position[0]) > mixer.max_length:
-        raise ConfigError(f"a KV cache converts at one position within max_length={mixer.max_length}; got positions "
-                          f"{position.tolist()}")
+        raise ConfigError(
+            f"a KV cache converts at one position within max_length={mixer.max_length}; got positions "
+            f"{position.tolist()}"
+        )
     return int(position[0])
 
 
@@ -60,8 +62,12 @@ def to_external(model: nn.Module, state: dict[str, torch.Tensor], layout: str = 
         if layout == "transformers":
             out.append({"conv_states": conv, "recurrent_states": recurrent})
         else:
-            out.append({"conv_state": None if conv is None else tuple(conv.split(mixer.split, dim=1)),
-                        "recurrent_state": recurrent.transpose(-1, -2)})
+            out.append(
+                {
+                    "conv_state": None if conv is None else tuple(conv.split(mixer.split, dim=1)),
+                    "recurrent_state": recurrent.transpose(-1, -2),
+                }
+            )
     return out
 
 

@@ -44,8 +44,11 @@ def lm_config(config: dict[str, Any]) -> LMConfig:
     d_model, heads = get("hidden_size"), get("num_heads")
     conv = get("conv_size") if config.get("use_short_conv", True) else 0
     options: dict[str, Any] = dict(
-        num_heads=heads, conv_size=conv, output_gate=bool(config.get("use_gate", model_type == "gated_deltanet")),
-        allow_neg_eigval=bool(config.get("allow_neg_eigval", False)), norm_eps=float(get("norm_eps", (int, float))),
+        num_heads=heads,
+        conv_size=conv,
+        output_gate=bool(config.get("use_gate", model_type == "gated_deltanet")),
+        allow_neg_eigval=bool(config.get("allow_neg_eigval", False)),
+        norm_eps=float(get("norm_eps", (int, float))),
     )
     if model_type == "gated_deltanet":
         head_dim = get("head_dim")
@@ -53,7 +56,12 @@ def lm_config(config: dict[str, Any]) -> LMConfig:
         options |= dict(head_dim=head_dim, num_v_heads=config.get("num_v_heads") or heads)
         mixer = "gated_deltanet"
     else:
-        for key, wanted in (("qk_activation", "silu"), ("qk_norm", "l2"), ("use_beta", True), ("use_output_norm", True)):
+        for key, wanted in (
+            ("qk_activation", "silu"),
+            ("qk_norm", "l2"),
+            ("use_beta", True),
+            ("use_output_norm", True),
+        ):
             if config.get(key, wanted) != wanted:
                 raise ConfigError(f"config.json: {key}={config[key]!r} is not supported (only {wanted!r})")
         key_dim = int(d_model * float(config.get("expand_k", 1.0)))
@@ -67,15 +75,24 @@ def lm_config(config: dict[str, Any]) -> LMConfig:
         raise ConfigError(f"config.json: expand_v gives a non-integer value head width {v_head_dim}")
     options["v_head_dim"] = int(v_head_dim)
     return LMConfig(
-        arch=model_type, mixer=mixer, d_model=d_model, n_layers=get("num_hidden_layers"),
-        mlp_hidden=_mlp_hidden(config, d_model), vocab_size=get("vocab_size"), norm_eps=options["norm_eps"],
-        mixer_options=options, tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        arch=model_type,
+        mixer=mixer,
+        d_model=d_model,
+        n_layers=get("num_hidden_layers"),
+        mlp_hidden=_mlp_hidden(config, d_model),
+        vocab_size=get("vocab_size"),
+        norm_eps=options["norm_eps"],
+        mixer_options=options,
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
     )
 
 
 def table(config: LMConfig) -> dict[str, str | tuple[str, ...]]:
     """edgemem parameter name → fla checkpoint name(s) (tuples are concatenated along dim 0)."""
-    names: dict[str, str | tuple[str, ...]] = {"embed.weight": "model.embeddings.weight", "norm.weight": "model.norm.weight"}
+    names: dict[str, str | tuple[str, ...]] = {
+        "embed.weight": "model.embeddings.weight",
+        "norm.weight": "model.norm.weight",
+    }
     if not config.tie_embeddings:
         names["head.weight"] = "lm_head.weight"
     options = config.mixer_options
@@ -97,7 +114,11 @@ def table(config: LMConfig) -> dict[str, str | tuple[str, ...]]:
         if options["output_gate"]:
             names[mixer + "g.weight"] = attn + "g_proj.weight"
         if config.mixer == "gated_deltanet":
-            names |= {mixer + "a.weight": attn + "a_proj.weight", mixer + "A_log": attn + "A_log", mixer + "dt_bias": attn + "dt_bias"}
+            names |= {
+                mixer + "a.weight": attn + "a_proj.weight",
+                mixer + "A_log": attn + "A_log",
+                mixer + "dt_bias": attn + "dt_bias",
+            }
     return names
 
 

@@ -148,7 +148,9 @@ def tied_ignore(weights: Mapping[str, torch.Tensor], head: str, embedding: str) 
     return [head]
 
 
-def load_table(model: nn.Module, weights: Mapping[str, torch.Tensor], table: Table, *, ignore: Iterable[str] = ()) -> None:
+def load_table(
+    model: nn.Module, weights: Mapping[str, torch.Tensor], table: Table, *, ignore: Iterable[str] = ()
+) -> None:
     """Fill `model` from `weights` by `table` (edgemem name → checkpoint name, or names concatenated
     along dim 0). Every parameter must be mapped, every checkpoint tensor used (or under an
     `ignore` prefix), and every shape must match what the config implies."""
@@ -170,16 +172,20 @@ def load_table(model: nn.Module, weights: Mapping[str, torch.Tensor], table: Tab
         got = torch.Size([sum(p.shape[0] for p in parts), *parts[0].shape[1:]]) if parts[0].dim() else parts[0].shape
         if any(p.shape[1:] != parts[0].shape[1:] for p in parts) or got != want:
             shapes = ", ".join(f"{s} {list(p.shape)}" for s, p in zip(sources, parts))
-            raise ConfigError(f"tensor shape mismatch: {shapes}; config.json implies {list(want)}"
-                              + (" (concatenated)" if len(parts) > 1 else ""))
+            raise ConfigError(
+                f"tensor shape mismatch: {shapes}; config.json implies {list(want)}"
+                + (" (concatenated)" if len(parts) > 1 else "")
+            )
         loaded[name] = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(params[name].dtype)
         used.update(sources)
     prefixes = tuple(ignore)
     extra = sorted(k for k in weights if k not in used and not k.startswith(prefixes))
     if extra:
         more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
-        raise ConfigError(f"the weights hold {extra[0]}{more}, which config.json does not describe "
-                          "(more layers or options than configured?)")
+        raise ConfigError(
+            f"the weights hold {extra[0]}{more}, which config.json does not describe "
+            "(more layers or options than configured?)"
+        )
     model.load_state_dict(loaded)
 
 

@@ -27,11 +27,16 @@ ARCH = "hf-led"
 WHERE = "led config.json"
 
 _ENCODER_LAYER = {
-    "attn.qkv.{p}": ("self_attn.longformer_self_attn.query.{p}", "self_attn.longformer_self_attn.key.{p}",
-                     "self_attn.longformer_self_attn.value.{p}"),
-    "attn.qkv_global.{p}": ("self_attn.longformer_self_attn.query_global.{p}",
-                            "self_attn.longformer_self_attn.key_global.{p}",
-                            "self_attn.longformer_self_attn.value_global.{p}"),
+    "attn.qkv.{p}": (
+        "self_attn.longformer_self_attn.query.{p}",
+        "self_attn.longformer_self_attn.key.{p}",
+        "self_attn.longformer_self_attn.value.{p}",
+    ),
+    "attn.qkv_global.{p}": (
+        "self_attn.longformer_self_attn.query_global.{p}",
+        "self_attn.longformer_self_attn.key_global.{p}",
+        "self_attn.longformer_self_attn.value_global.{p}",
+    ),
     "attn.out.{p}": "self_attn.output.{p}",
     "attn_norm.{p}": "self_attn_layer_norm.{p}",
     "up.{p}": "fc1.{p}",
@@ -56,18 +61,24 @@ _DECODER_LAYER = {
 def _windows(config: dict[str, Any], n_layers: int) -> list[int]:
     raw = config.get("attention_window", 512)
     values = [raw] * n_layers if isinstance(raw, int) and not isinstance(raw, bool) else raw
-    if not isinstance(values, list) or len(values) != n_layers or any(
-            not isinstance(w, int) or isinstance(w, bool) or w < 2 or w % 2 for w in values):
-        raise ConfigError(f"{WHERE}: attention_window must be an even int >= 2 or a list of {n_layers} of them "
-                          f"(encoder_layers); got {raw!r}")
+    if (
+        not isinstance(values, list)
+        or len(values) != n_layers
+        or any(not isinstance(w, int) or isinstance(w, bool) or w < 2 or w % 2 for w in values)
+    ):
+        raise ConfigError(
+            f"{WHERE}: attention_window must be an even int >= 2 or a list of {n_layers} of them "
+            f"(encoder_layers); got {raw!r}"
+        )
     return [w // 2 for w in values]
 
 
 def seq2seq_config(config: dict[str, Any]) -> Seq2SeqConfig:
     """The `Seq2SeqConfig` an LED config.json describes; unsupported options are refused."""
     if config.get("activation_function", "gelu") != "gelu":
-        raise ConfigError(f"{WHERE}: activation_function {config['activation_function']!r} is not supported; "
-                          "only 'gelu'")
+        raise ConfigError(
+            f"{WHERE}: activation_function {config['activation_function']!r} is not supported; only 'gelu'"
+        )
 
     def positive(key: str) -> int:
         value = require(config, key, int, WHERE)
@@ -88,15 +99,22 @@ def seq2seq_config(config: dict[str, Any]) -> Seq2SeqConfig:
     if not isinstance(tied, bool):
         raise ConfigError(f"{WHERE}: tie_word_embeddings must be true or false; got {tied!r}")
     return Seq2SeqConfig(
-        arch=ARCH, vocab_size=vocab, d_model=positive("d_model"),
-        encoder_layers=encoder_layers, decoder_layers=positive("decoder_layers"),
-        encoder_heads=positive("encoder_attention_heads"), decoder_heads=positive("decoder_attention_heads"),
-        encoder_ffn=positive("encoder_ffn_dim"), decoder_ffn=positive("decoder_ffn_dim"),
+        arch=ARCH,
+        vocab_size=vocab,
+        d_model=positive("d_model"),
+        encoder_layers=encoder_layers,
+        decoder_layers=positive("decoder_layers"),
+        encoder_heads=positive("encoder_attention_heads"),
+        decoder_heads=positive("decoder_attention_heads"),
+        encoder_ffn=positive("encoder_ffn_dim"),
+        decoder_ffn=positive("decoder_ffn_dim"),
         windows=_windows(config, encoder_layers),
         max_encoder_positions=positive("max_encoder_position_embeddings"),
         max_decoder_positions=positive("max_decoder_position_embeddings"),
-        pad_token_id=token("pad_token_id", 1), decoder_start_token_id=token("decoder_start_token_id", 2),
-        eos_token_id=token("eos_token_id", 2), tie_embeddings=tied,
+        pad_token_id=token("pad_token_id", 1),
+        decoder_start_token_id=token("decoder_start_token_id", 2),
+        eos_token_id=token("eos_token_id", 2),
+        tie_embeddings=tied,
     )
 
 
@@ -109,14 +127,17 @@ def _table(config: Seq2SeqConfig, prefix: str) -> dict[str, str | tuple[str, ...
     for side in ("encoder", "decoder"):
         for p in ("weight", "bias"):
             table[f"{side}_norm.{p}"] = f"{prefix}{side}.layernorm_embedding.{p}"
-    for side, layer, count in (("encoder", _ENCODER_LAYER, config.encoder_layers),
-                               ("decoder", _DECODER_LAYER, config.decoder_layers)):
+    for side, layer, count in (
+        ("encoder", _ENCODER_LAYER, config.encoder_layers),
+        ("decoder", _DECODER_LAYER, config.decoder_layers),
+    ):
         for i in range(count):
             for p in ("weight", "bias"):
                 for ours, theirs in layer.items():
                     names = (theirs,) if isinstance(theirs, str) else theirs
                     table[f"{side}.{i}.{ours.format(p=p)}"] = tuple(
-                        f"{prefix}{side}.layers.{i}.{n.format(p=p)}" for n in names)
+                        f"{prefix}{side}.layers.{i}.{n.format(p=p)}" for n in names
+                    )
     if not config.tie_embeddings:
         table["head.weight"] = "lm_head.weight"
     return table
@@ -140,8 +161,7 @@ def build(config: dict[str, Any], weights: dict[str, torch.Tensor]) -> EncoderDe
         weights["final_logits_bias"] = torch.zeros(cfg.vocab_size)
     table = {**_table(cfg, prefix), "final_logits_bias": "final_logits_bias"}
     shared = f"{prefix}shared.weight"
-    ignore = [f"{prefix}encoder.embed_tokens.", f"{prefix}decoder.embed_tokens.", "classification_head.",
-              "qa_outputs."]
+    ignore = [f"{prefix}encoder.embed_tokens.", f"{prefix}decoder.embed_tokens.", "classification_head.", "qa_outputs."]
     for side in ("encoder", "decoder"):  # copies of the shared table, when saved
         copy = weights.get(f"{prefix}{side}.embed_tokens.weight")
         if copy is not None and shared in weights and not torch.equal(copy, weights[shared]):

@@ -90,7 +90,9 @@ def encoder_config(config: dict[str, Any]) -> EncoderConfig:
         )
     d_model, heads = _int(config, "hidden_size"), _int(config, "num_attention_heads")
     if d_model % heads:
-        raise ConfigError(f"longformer config.json: hidden_size ({d_model}) is not a multiple of num_attention_heads ({heads})")
+        raise ConfigError(
+            f"longformer config.json: hidden_size ({d_model}) is not a multiple of num_attention_heads ({heads})"
+        )
     n_layers = _int(config, "num_hidden_layers")
     eps = config.get("layer_norm_eps", 1e-12)
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps <= 0:

@@ -40,7 +40,9 @@ def lm_config(config: dict[str, Any]) -> LMConfig:
 
     for key in ("num_experts", "moe_intermediate_size"):
         if text.get(key):
-            raise ConfigError(f"{where}: {key} is set: mixture-of-experts layers are not supported (dense Qwen3.5 only)")
+            raise ConfigError(
+                f"{where}: {key} is set: mixture-of-experts layers are not supported (dense Qwen3.5 only)"
+            )
     if text.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act {text['hidden_act']!r} is not supported (silu only)")
     if text.get("attention_bias"):
@@ -55,33 +57,55 @@ def lm_config(config: dict[str, Any]) -> LMConfig:
     ]
     unknown = sorted({t for t in layer_types if t not in LAYER_TYPES})
     if unknown:
-        raise ConfigError(f"{where}: layer type(s) {', '.join(unknown)} not supported; supported: {', '.join(LAYER_TYPES)}")
+        raise ConfigError(
+            f"{where}: layer type(s) {', '.join(unknown)} not supported; supported: {', '.join(LAYER_TYPES)}"
+        )
     if len(layer_types) != n_layers:
         raise ConfigError(f"{where}: layer_types has {len(layer_types)} entries but num_hidden_layers is {n_layers}")
     eps = float(get("rms_norm_eps", (int, float)))
     head_dim = text.get("head_dim") or get("hidden_size") // get("num_attention_heads")
     partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
     return LMConfig(
-        arch=model_type, mixer="gated_deltanet", d_model=get("hidden_size"), n_layers=n_layers,
-        mlp_hidden=get("intermediate_size"), vocab_size=get("vocab_size"), norm_eps=eps,
+        arch=model_type,
+        mixer="gated_deltanet",
+        d_model=get("hidden_size"),
+        n_layers=n_layers,
+        mlp_hidden=get("intermediate_size"),
+        vocab_size=get("vocab_size"),
+        norm_eps=eps,
         mixer_options=dict(
-            num_heads=get("linear_num_key_heads"), conv_size=get("linear_conv_kernel_dim"),
-            head_dim=get("linear_key_head_dim"), num_v_heads=get("linear_num_value_heads"),
-            v_head_dim=get("linear_value_head_dim"), norm_eps=eps,
+            num_heads=get("linear_num_key_heads"),
+            conv_size=get("linear_conv_kernel_dim"),
+            head_dim=get("linear_key_head_dim"),
+            num_v_heads=get("linear_num_value_heads"),
+            v_head_dim=get("linear_value_head_dim"),
+            norm_eps=eps,
         ),
         layer_types=[LAYER_TYPES[t] for t in layer_types],
-        layer_type_options={"softmax": dict(
-            num_heads=get("num_attention_heads"), num_kv_heads=get("num_key_value_heads"), head_dim=head_dim,
-            rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
-            rotary_dim=int(head_dim * partial), qk_norm=True, norm_unit_offset=True, norm_eps=eps, output_gate=True,
-        )},
-        norm_unit_offset=True, tie_embeddings=bool(text.get("tie_word_embeddings", False)),
+        layer_type_options={
+            "softmax": dict(
+                num_heads=get("num_attention_heads"),
+                num_kv_heads=get("num_key_value_heads"),
+                head_dim=head_dim,
+                rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
+                rotary_dim=int(head_dim * partial),
+                qk_norm=True,
+                norm_unit_offset=True,
+                norm_eps=eps,
+                output_gate=True,
+            )
+        },
+        norm_unit_offset=True,
+        tie_embeddings=bool(text.get("tie_word_embeddings", False)),
     )
 
 
 def table(config: LMConfig, prefix: str) -> dict[str, str | tuple[str, ...]]:
     """edgemem parameter name → checkpoint name(s) (tuples are concatenated along dim 0)."""
-    names: dict[str, str | tuple[str, ...]] = {"embed.weight": f"{prefix}embed_tokens.weight", "norm.weight": f"{prefix}norm.weight"}
+    names: dict[str, str | tuple[str, ...]] = {
+        "embed.weight": f"{prefix}embed_tokens.weight",
+        "norm.weight": f"{prefix}norm.weight",
+    }
     if not config.tie_embeddings:
         names["head.weight"] = "lm_head.weight"
     for i, kind in enumerate(config.layer_types):
@@ -95,11 +119,20 @@ def table(config: LMConfig, prefix: str) -> dict[str, str | tuple[str, ...]]:
         mixer = ours + "mixer."
         if kind == "gated_deltanet":
             attn = theirs + "linear_attn."
-            names |= {mixer + a: attn + b for a, b in (
-                ("qkv.weight", "in_proj_qkv.weight"), ("conv.weight", "conv1d.weight"), ("beta.weight", "in_proj_b.weight"),
-                ("a.weight", "in_proj_a.weight"), ("g.weight", "in_proj_z.weight"), ("A_log", "A_log"),
-                ("dt_bias", "dt_bias"), ("norm.weight", "norm.weight"), ("out.weight", "out_proj.weight"),
-            )}
+            names |= {
+                mixer + a: attn + b
+                for a, b in (
+                    ("qkv.weight", "in_proj_qkv.weight"),
+                    ("conv.weight", "conv1d.weight"),
+                    ("beta.weight", "in_proj_b.weight"),
+                    ("a.weight", "in_proj_a.weight"),
+                    ("g.weight", "in_proj_z.weight"),
+                    ("A_log", "A_log"),
+                    ("dt_bias", "dt_bias"),
+                    ("norm.weight", "norm.weight"),
+                    ("out.weight", "out_proj.weight"),
+                )
+            }
         else:
             attn = theirs + "self_attn."
             names |= {

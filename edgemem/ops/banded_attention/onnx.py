@@ -32,9 +32,9 @@ import onnx
 import torch
 from onnx import TensorProto, numpy_helper
 
-from edgemem.opset import body
 from edgemem.ops.banded_attention.contract import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS
 from edgemem.ops.node import emit_node
+from edgemem.opset import body
 
 MIN_OPSET = 18  # Reduce* and Split take their axes as inputs from 18 on
 

@@ -15,9 +15,9 @@ import onnx
 import torch
 from onnx import TensorProto
 
-from edgemem.opset import body
 from edgemem.ops.cache_attention.contract import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS
 from edgemem.ops.node import emit_node
+from edgemem.opset import body
 
 MIN_OPSET = 18
 _FLOAT = TensorProto.FLOAT
@@ -26,8 +26,12 @@ _FLOAT = TensorProto.FLOAT
 def emit(query, key, value, past_key, past_value, position, sink_query, **attrs) -> tuple[torch.Tensor, ...]:
     """Under `torch.onnx.export`: one opaque `edgemem::CacheAttention` node."""
     output, present_key, present_value = emit_node(
-        OP_TYPE, ATTRIBUTES, (query, key, value, past_key, past_value, position, sink_query), attrs,
-        dtypes=(query.dtype, past_key.dtype, past_value.dtype), shapes=(query.shape, past_key.shape, past_value.shape),
+        OP_TYPE,
+        ATTRIBUTES,
+        (query, key, value, past_key, past_value, position, sink_query),
+        attrs,
+        dtypes=(query.dtype, past_key.dtype, past_value.dtype),
+        shapes=(query.shape, past_key.shape, past_value.shape),
     )
     return output, present_key, present_value
 
@@ -78,7 +82,9 @@ def function(opset: int = 20) -> onnx.FunctionProto:
     values = g.Reshape(g.Expand(g.Unsqueeze(src_v, g.const([2])), wide), flat, out="values")
     keys_t = g.Transpose(keys, perm=[0, 1, 3, 2])
     scores = g.Where(
-        g.Less(src_pos, sink_end), g.MatMul(split_heads("sink_query", H1), keys_t), g.MatMul(split_heads("query", H1), keys_t)
+        g.Less(src_pos, sink_end),
+        g.MatMul(split_heads("sink_query", H1), keys_t),
+        g.MatMul(split_heads("query", H1), keys_t),
     )
     masked = g.Where(visible, g.Mul(scores, scale), g.const(-np.inf), out="masked")
     out = g.MatMul(g.Softmax(masked, axis=3), values, out="out")  # [B, H, T, D]

@@ -78,8 +78,10 @@ def cache_attention(
     """(output, present_key, present_value) for packed tensors; see contract.py."""
     op = "cache_attention"
     if query.dim() != 3 or past_key.dim() != 4 or past_key.shape != past_value.shape:
-        raise ShapeError(f"{op}: query must be [B, T, H*D] and past_key/past_value one [B, H_kv, L, D] shape; got "
-                         f"{list(query.shape)}, {list(past_key.shape)}, {list(past_value.shape)}")
+        raise ShapeError(
+            f"{op}: query must be [B, T, H*D] and past_key/past_value one [B, H_kv, L, D] shape; got "
+            f"{list(query.shape)}, {list(past_key.shape)}, {list(past_value.shape)}"
+        )
     b, t, _ = query.shape
     length, d = past_key.shape[2], past_key.shape[3]
     want = {"query": (query, num_heads), "key": (key, kv_num_heads), "value": (value, kv_num_heads)}
@@ -87,8 +89,10 @@ def cache_attention(
         if list(x.shape) != [b, t, n * d]:
             raise ShapeError(f"{op}: {name} has shape {list(x.shape)}; expected [{b}, {t}, {n * d}]")
     if list(past_key.shape[:2]) != [b, kv_num_heads] or num_heads % kv_num_heads:
-        raise ShapeError(f"{op}: past_key has shape {list(past_key.shape)}; expected [{b}, {kv_num_heads}, L, {d}] "
-                         f"with num_heads ({num_heads}) a multiple of kv_num_heads")
+        raise ShapeError(
+            f"{op}: past_key has shape {list(past_key.shape)}; expected [{b}, {kv_num_heads}, L, {d}] "
+            f"with num_heads ({num_heads}) a multiple of kv_num_heads"
+        )
     if position.dtype != torch.int64 or list(position.shape) != [b]:
         raise ShapeError(f"{op}: position must be int64 [{b}]; got {position.dtype} {list(position.shape)}")
     if not -1 <= sinks < length:

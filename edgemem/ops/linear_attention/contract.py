@@ -66,9 +66,7 @@ def check(
     if update_rule not in UPDATE_RULES:
         raise ShapeError(f"update_rule must be one of {', '.join(UPDATE_RULES)}; got {update_rule!r}")
     if q_num_heads <= 0 or kv_num_heads <= 0 or q_num_heads % kv_num_heads:
-        raise ShapeError(
-            f"q_num_heads ({q_num_heads}) must be a positive multiple of kv_num_heads ({kv_num_heads})"
-        )
+        raise ShapeError(f"q_num_heads ({q_num_heads}) must be a positive multiple of kv_num_heads ({kv_num_heads})")
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x.dim() != 3:
             raise ShapeError(f"{name} must be [B, T, H*D] (or [B, T, H, D]); got shape {tuple(x.shape)}")
@@ -77,17 +75,13 @@ def check(
     b, t, _ = query.shape
     for name, x in (("key", key), ("value", value)):
         if tuple(x.shape[:2]) != (b, t):
-            raise ShapeError(
-                f"{name} has batch/time {tuple(x.shape[:2])} but query has {(b, t)}; they must match"
-            )
+            raise ShapeError(f"{name} has batch/time {tuple(x.shape[:2])} but query has {(b, t)}; they must match")
     for name, x, heads in (("query", query, q_num_heads), ("key", key, kv_num_heads), ("value", value, kv_num_heads)):
         if x.shape[-1] % heads:
             raise ShapeError(f"{name} last dim {x.shape[-1]} is not divisible by its {heads} heads")
     d_k = query.shape[-1] // q_num_heads
     if key.shape[-1] // kv_num_heads != d_k:
-        raise ShapeError(
-            f"key head dim {key.shape[-1] // kv_num_heads} differs from query head dim {d_k}"
-        )
+        raise ShapeError(f"key head dim {key.shape[-1] // kv_num_heads} differs from query head dim {d_k}")
     d_v = value.shape[-1] // kv_num_heads
 
     gated = update_rule in ("gated", "gated_delta")

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from edgemem.opset import Graph, body
 from edgemem.ops.linear_attention.contract import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS, check
 from edgemem.ops.node import emit_node
+from edgemem.opset import Graph, body
 
 if TYPE_CHECKING:
     import onnx

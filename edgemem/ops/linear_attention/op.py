@@ -103,11 +103,13 @@ def linear_attention(
     """
     unpacked = query.dim() == 4
     if unpacked:
-        for name, x, heads in (("query", query, q_num_heads), ("key", key, kv_num_heads), ("value", value, kv_num_heads)):
+        for name, x, heads in (
+            ("query", query, q_num_heads),
+            ("key", key, kv_num_heads),
+            ("value", value, kv_num_heads),
+        ):
             if x.dim() != 4 or x.shape[2] != heads:
-                raise ShapeError(
-                    f"{name} must be [B, T, {heads}, D] like query's 4-D layout; got {tuple(x.shape)}"
-                )
+                raise ShapeError(f"{name} must be [B, T, {heads}, D] like query's 4-D layout; got {tuple(x.shape)}")
         query, key, value = (x.flatten(2) for x in (query, key, value))
     if chunk_size < 1:
         raise ShapeError(f"chunk_size must be a positive integer; got {chunk_size}")

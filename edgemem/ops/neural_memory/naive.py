@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from edgemem.ops.neural_memory.contract import NORM_EPS, Memory, Options, ResidualNorm, Tokens
 from edgemem.ops.dtypes import compute_dtype
+from edgemem.ops.neural_memory.contract import NORM_EPS, Memory, Options, ResidualNorm, Tokens
 
 Activation = tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]
 

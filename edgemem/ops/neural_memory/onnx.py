@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from edgemem.opset import Build, Graph, body
 from edgemem.ops.neural_memory.contract import (
     ATTRIBUTES,
     INPUTS,
@@ -45,6 +44,7 @@ from edgemem.ops.neural_memory.contract import (
     Tokens,
 )
 from edgemem.ops.node import emit_node
+from edgemem.opset import Build, Graph, body
 
 if TYPE_CHECKING:
     import onnx

@@ -15,10 +15,10 @@ import torch
 from torch import Tensor
 
 from edgemem.errors import ShapeError
+from edgemem.ops.dtypes import compute_dtype
 from edgemem.ops.neural_memory.chunk import neural_memory_chunk
 from edgemem.ops.neural_memory.contract import Memory, Options, ResidualNorm, Tokens
 from edgemem.ops.neural_memory.naive import ACTIVATIONS, neural_memory_naive
-from edgemem.ops.dtypes import compute_dtype
 
 # the per-token form is faster for the step, very short blocks and chunk_size 1
 _NAIVE_MAX_TOKENS = 2

@@ -36,10 +36,10 @@ import onnx
 import torch
 from onnx import TensorProto
 
-from edgemem.opset import body
 from edgemem.ops.banded_attention.onnx import MIN_OPSET, persistent_inputs
 from edgemem.ops.node import emit_node
 from edgemem.ops.window_attention.contract import ATTRIBUTES, INPUTS, OP_TYPE, OUTPUTS
+from edgemem.opset import body
 
 _FLOAT, _INT64 = TensorProto.FLOAT, TensorProto.INT64
 _LAST = np.iinfo(np.int64).max  # Slice "to the end"

@@ -200,6 +200,26 @@ def test_export_runs_on_onnxruntime(exported):
         assert relative(np.concatenate(rows, 1), expected) <= TOLERANCE, target
 
 
+def test_encoder_graph_below_and_at_block_boundaries(exported):
+    """encoder.onnx's cross keys and values equal transformers' encoder through each decoder layer's
+    k/v projections below one block of the window-8 layer (s = 4) and at two blocks (the logits
+    test above runs 13 tokens, a multiple of neither block)."""
+    import onnxruntime as ort
+
+    out, reference = exported
+    session = ort.InferenceSession(str(out / "ort" / "encoder.onnx"))
+    names = [f"present.{i}.cross_{k}" for i in range(2) for k in ("key", "value")]
+    for length in (3, 8):
+        ids, mask = torch.randint(3, 50, (4, length), generator=torch.Generator().manual_seed(6)), global_rows(length)
+        got = session.run(names, {"input_ids": ids.numpy(), "global_attention_mask": mask.numpy()})
+        with torch.no_grad():
+            encoded = reference.get_encoder()(input_ids=ids, global_attention_mask=mask).last_hidden_state
+            layers = reference.get_decoder().layers
+            expected = [getattr(layer.encoder_attn, f"{k}_proj")(encoded) for layer in layers for k in ("k", "v")]
+        for name, g, e in zip(names, got, expected, strict=True):
+            assert relative(g, e.unflatten(2, (2, -1)).transpose(1, 2).numpy()) <= TOLERANCE, (name, length)
+
+
 def test_verify_checks_the_encoder_and_the_decoder(exported):
     """`edgemem verify` rebuilds the model from the source record and checks the encoder graph's fills
     and the decoder graphs from an encoded input, on every target."""

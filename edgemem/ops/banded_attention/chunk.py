@@ -1,10 +1,12 @@
-"""Fast form: O(T·(window + G + P)) time and memory, no T×T matrix.
+"""Fast form: O(T·(s + G + P)) time and memory with s = window·max(dilation), no T×T matrix.
 
-Every query gathers its band of 2w+1 (causal: w+1) dilated keys into `[B, H, T, K, D]`. The G
-global keys of a sequence and the P persistent keys are shared by all queries and scored once
-as `[B, H, T, G+P]`; one softmax runs over band and shared keys together. Global keys are
-dropped from the band so none counts twice. The G global queries attend every key
-(`[B, H, G, T+P]`) and overwrite their rows.
+Longformer's blocked band: queries go in blocks of s (T padded to a multiple of s), and block c
+attends the 3s keys of key blocks c−1, c and c+1, which hold its whole band. Scores are one batched
+product `[B, H, T/s, s, D] × [B, H, T/s, D, 3s]`; query i of a block and key slot j are i − j + s
+apart whatever the block, so the band is one `[H, s, 3s]` mask. The G global keys of a sequence and
+the P persistent keys are shared by all queries and scored once as `[B, H, T/s, s, G+P]`; one
+softmax runs over band and shared keys together. Global keys are dropped from the band so none
+counts twice. The G global queries attend every key (`[B, H, G, T+P]`) and overwrite their rows.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from edgemem.ops.dtypes import compute_dtype
 
@@ -31,6 +34,25 @@ def gather_band(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     b, h, _, d = x.shape
     flat = index.reshape(index.shape[0], h, -1, 1).expand(b, h, -1, d)
     return x.gather(2, flat).reshape(b, h, *index.shape[2:], d)
+
+
+def block_size(t: int, window: int, dilation: Sequence[int]) -> int:
+    """s: the farthest band key, window·max(dilation), and no more than T (one block holds it all)."""
+    return max(1, min(window * max(dilation), t))
+
+
+def key_blocks(x: torch.Tensor, size: int, blocks: int) -> torch.Tensor:
+    """x `[B, H, T, D]` → `[B, H, n, 3s, D]`: block c holds positions (c−1)·s … (c+2)·s − 1, zeros outside."""
+    x = F.pad(x, (0, 0, size, (blocks + 1) * size - x.shape[2])).unflatten(2, (blocks + 2, size))
+    return torch.cat([x[:, :, :-2], x[:, :, 1:-1], x[:, :, 2:]], 3)
+
+
+def band_mask(size: int, window: int, dilation: Sequence[int], causal: bool, device: torch.device) -> torch.Tensor:
+    """`[H, s, 3s]`: query i of a block sees key slot j of its 3 key blocks, i − j + s positions back."""
+    dist = size + torch.arange(size, device=device)[:, None] - torch.arange(3 * size, device=device)
+    dil = torch.tensor(list(dilation), device=device)[:, None, None]
+    ok = (dist.abs() <= window * dil) & (dist % dil == 0)
+    return ok & (dist >= 0) if causal else ok
 
 
 def _take(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -61,38 +83,43 @@ def banded_attention_chunk(
     if global_mask is not None and not global_mask.any():
         global_mask = None
 
-    idx = band_index(rows, min(window, t - 1), dilation, causal)[None]  # offsets past T−1 never hit a key
-    band_ok = (idx >= 0) & (idx < t)
-    idx = idx.clamp(0, t - 1)
+    size = block_size(t, window, dilation)
+    n = -(-t // size)
+    qb = F.pad(q, (0, 0, 0, n * size - t)).unflatten(2, (n, size))  # [B, H, n, s, D]
+    key_pos = (torch.arange(n, device=q.device)[:, None] - 1) * size + torch.arange(3 * size, device=q.device)
+    key_ok = ((key_pos >= 0) & (key_pos < t))[None]  # [1, n, 3s]
     shared_k, shared_v, shared_ok = [], [], []
     if global_mask is not None:
-        band_ok = band_ok & ~global_mask[:, idx[0]]
+        key_ok = key_ok & ~global_mask[:, key_pos.clamp(0, t - 1)]
         count = global_mask.sum(-1)
         gpos = torch.argsort((~global_mask).to(torch.int8), dim=-1, stable=True)[:, : int(count.max())]  # [B, G]
         gok = torch.arange(gpos.shape[1], device=q.device) < count[:, None]
         shared_k.append(_take(k, gpos))
         shared_v.append(_take(v, gpos))
-        shared_ok.append((gok[:, None, :] & (gpos[:, None, :] <= rows[:, None])) if causal else gok[:, None, :])
+        padded_rows = torch.arange(n * size, device=q.device)
+        seen = (gok[:, None, :] & (gpos[:, None, :] <= padded_rows[:, None])) if causal else gok[:, None, :]
+        shared_ok.append(seen.expand(b, n * size, -1))
     if persistent_key is not None:
         pk = persistent_key.to(dtype).expand(b, *persistent_key.shape[-3:])
         pv = persistent_value.to(dtype).expand(b, *persistent_value.shape[-3:])
         shared_k.append(pk)
         shared_v.append(pv)
-        shared_ok.append(torch.ones(1, 1, pk.shape[2], dtype=torch.bool, device=q.device))
+        shared_ok.append(torch.ones(b, n * size, pk.shape[2], dtype=torch.bool, device=q.device))
 
-    kb, vb = gather_band(k, idx), gather_band(v, idx)
-    scores = torch.einsum("bhtd,bhtkd->bhtk", q, kb).masked_fill(~band_ok, float("-inf"))
+    # padding rows past T may see no key: the lowest finite score keeps their (discarded) softmax finite
+    ok = band_mask(size, window, dilation, causal, q.device)[None, :, None] & key_ok[:, None, :, None, :]
+    lowest = torch.finfo(dtype).min
+    scores = (qb @ key_blocks(k, size, n).transpose(-1, -2)).masked_fill(~ok, lowest)  # [B, H, n, s, 3s]
+    vb = key_blocks(v, size, n)
     if not shared_k:
-        out = torch.einsum("bhtk,bhtkd->bhtd", scores.softmax(-1), vb)
+        out = scores.softmax(-1) @ vb
     else:
-        sk, sv = torch.cat(shared_k, 2), torch.cat(shared_v, 2)
-        ok = torch.cat([m.expand(b, t, -1) for m in shared_ok], -1)[:, None]  # [B, 1, T, G+P]
-        shared = torch.einsum("bhtd,bhnd->bhtn", q, sk).masked_fill(~ok, float("-inf"))
+        sk, sv = torch.cat(shared_k, 2)[:, :, None], torch.cat(shared_v, 2)[:, :, None]
+        sok = torch.cat(shared_ok, -1).unflatten(1, (n, size))[:, None]  # [B, 1, n, s, G+P]
+        shared = (qb @ sk.transpose(-1, -2)).masked_fill(~sok, float("-inf"))
         probs = torch.cat([scores, shared], -1).softmax(-1)
-        width = scores.shape[-1]
-        out = torch.einsum("bhtk,bhtkd->bhtd", probs[..., :width], vb) + torch.einsum(
-            "bhtn,bhnd->bhtd", probs[..., width:], sv
-        )
+        out = probs[..., : 3 * size] @ vb + probs[..., 3 * size :] @ sv
+    out = out.flatten(2, 3)[:, :, :t]  # [B, H, T, D_v]
 
     if global_mask is not None:
         keys, values = (torch.cat([k, pk], 2), torch.cat([v, pv], 2)) if persistent_key is not None else (k, v)

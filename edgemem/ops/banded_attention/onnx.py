@@ -16,11 +16,12 @@ Attributes: num_heads (INT), window (INT ≥ 1, one-sided), dilation (INTS, one 
 causal (INT 0/1), scale (FLOAT, already resolved: D^-½ when the user gave none).
 
 The function body uses standard ONNX ops at the model's opset, computes in float32 and builds
-no T×T tensor: every query gathers its dilated band of keys (`[B, H, T, K, D]`, K = 2w+1 or
-w+1 for causal), the G global and P persistent keys are scored once per query
-(`[B, H, T, G+P]`), one softmax runs over band ∪ globals ∪ persistent, and the G global
-queries (a per-sequence padded set found with TopK) attend every key (`[B, H, T+P, G]`) and
-overwrite their rows with ScatterND.
+no T×T tensor: Longformer's blocked band (chunk.py), queries in blocks of s = window·max(dilation)
+(at most T; T padded to a multiple of s), each block scoring the 3s keys of the previous, its own
+and the next key block in one MatMul (`[B, H, T/s, s, 3s]`) under one `[H, s, 3s]` band mask; the
+G global and P persistent keys are scored once per query (`[B, H, T/s, s, G+P]`), one softmax runs
+over band ∪ globals ∪ persistent, and the G global queries (a per-sequence padded set found with
+TopK) attend every key (`[B, H, T+P, G]`) and overwrite their rows with ScatterND.
 """
 
 from __future__ import annotations
@@ -95,8 +96,9 @@ def function(opset: int = 20) -> onnx.FunctionProto:
     """The model-local function `edgemem::BandedAttention`, body in standard ops at `opset` (≥ 18)."""
     g = body(OP_TYPE, INPUTS, ATTRIBUTES, opset, MIN_OPSET)
     zero, one = g.const(0, out="zero"), g.const(1, out="one")
-    axis0 = g.const([0], out="axis0")
+    axis0, one1 = g.const([0], out="axis0"), g.const([1], out="one1")
     neg_inf = g.const(-np.inf, out="neg_inf")
+    lowest = g.const(np.finfo(np.float32).min, out="lowest")
     true = numpy_helper.from_array(np.array([True]))
 
     # attributes and sizes
@@ -125,28 +127,58 @@ def function(opset: int = 20) -> onnx.FunctionProto:
     pk = g.Cast("persistent_key", to=_FLOAT, out="pk")  # [B, H, P, D]
     pv = g.Cast("persistent_value", to=_FLOAT, out="pv")
 
-    # the band: slot o of query t in head h is key t + offset_o·dilation_h; offsets past T−1 never hit
+    # Longformer's blocked band (chunk.py): queries in blocks of s = window·max(dilation), at most T,
+    # with T padded to n·s; block c scores the 3s keys of key blocks c−1, c, c+1
+    size = g.Max(g.Min(g.Mul(window, g.ReduceMax(dilation, keepdims=0)), T), one, out="size")
+    blocks = g.Div(g.Sub(g.Add(T, size), one), size, out="blocks")  # n = ⌈T/s⌉
+    S1, N1 = g.Unsqueeze(size, axis0, out="S1"), g.Unsqueeze(blocks, axis0, out="N1")
+    padded_T1 = g.Mul(N1, S1, out="padded_T1")
+    width = g.Mul(size, g.const(3), out="width")  # 3s
+
+    def time_pad(x: str, before: str, after: str, name: str) -> str:
+        """x `[B, H, T, ·]` with `before` and `after` zero rows around its time axis."""
+        return g.Pad(x, g.Concat(g.const([0, 0]), before, g.const([0, 0, 0]), after, g.const([0]), axis=0), out=name)
+
+    q_pad = time_pad(q, g.const([0]), g.Sub(padded_T1, T1), "q_pad")
+    q_blocks = g.Reshape(q_pad, g.Concat(B1, H1, N1, S1, D1, axis=0), out="q_blocks")  # [B, H, n, s, D]
+
+    def key_blocks(x: str, dim1: str, name: str) -> str:
+        """x `[B, H, T, dim]` → `[B, H, n, 3s, dim]`: block c holds positions (c−1)·s … (c+2)·s − 1, zeros outside."""
+        x = time_pad(x, S1, g.Sub(g.Add(padded_T1, S1), T1), f"{name}_pad")
+        x = g.Reshape(x, g.Concat(B1, H1, g.Add(N1, g.const([2])), S1, dim1, axis=0), out=f"{name}_split")
+        shifted = [g.Slice(x, g.const([i]), g.Add(N1, g.const([i])), g.const([2])) for i in range(3)]
+        return g.Concat(*shifted, axis=3, out=name)
+
+    k_blocks = key_blocks(g.Transpose(k_bthd, perm=[0, 2, 1, 3]), D1, "k_blocks")
+    # values carry a column of ones, so the products below also sum the softmax's numerators
+    v_ones = g.Concat(v_bthd, g.Expand(g.const(1.0), g.Concat(B1, T1, H1, one1, axis=0)), axis=3, out="v_ones")
+    Dv1p = g.Add(Dv1, one1, out="Dv1p")
+    v_blocks = key_blocks(g.Transpose(v_ones, perm=[0, 2, 1, 3]), Dv1p, "v_blocks")  # [B, H, n, 3s, D_v+1]
+
+    # query i of a block and key slot j are s + i − j apart in every block: one [H, s, 3s] band
+    dist = g.Sub(
+        g.Add(size, g.Unsqueeze(g.Range(zero, size, one), g.const([1]))), g.Range(zero, width, one), out="dist"
+    )  # [s, 3s]
+    dil = g.Unsqueeze(dilation, g.const([1, 2]), out="dil")  # [H, 1, 1]
+    in_band = g.And(
+        g.LessOrEqual(g.Abs(dist), g.Mul(window, dil)), g.Equal(g.Mod(dist, dil), zero), out="in_band"
+    )  # [H, s, 3s]
+    in_band = g.And(in_band, g.Or(g.Not(causal), g.GreaterOrEqual(dist, zero)), out="in_band_causal")
+    key_pos = g.Add(
+        g.Mul(g.Sub(g.Unsqueeze(g.Range(zero, blocks, one), g.const([1])), one), size),
+        g.Range(zero, width, one),
+        out="key_pos",
+    )  # [n, 3s]
     last = g.Max(g.Sub(T, one), zero, out="last")
-    w = g.Min(window, last, out="w")
-    band_end = g.Add(g.Mul(g.Sub(one, g.Cast(causal, to=_INT64)), w), one, out="band_end")  # 1, or w+1
-    offsets = g.Range(g.Neg(w), band_end, one, out="offsets")  # [K]
-    band_pos = g.Add(
-        g.Unsqueeze(rows, g.const([0, 2])), g.Mul(g.Unsqueeze(dilation, g.const([1, 2])), offsets), out="band_pos"
-    )  # [H, T, K]
-    in_seq = g.And(g.GreaterOrEqual(band_pos, zero), g.Less(band_pos, T), out="in_seq")
-    band_pos_c = g.Clip(band_pos, zero, last, out="band_pos_clamped")
-    batch_t = g.Mul(batch, T, out="batch_t")  # b·T
-    band_rows = g.Add(
-        g.Mul(g.Add(g.Unsqueeze(batch_t, g.const([1, 2, 3])), band_pos_c), heads),
-        g.Unsqueeze(head, g.const([1, 2])),
-        out="band_rows",
-    )  # [B, H, T, K]
-    k_band = g.Gather(k_rows, band_rows, axis=0, out="k_band")  # [B, H, T, K, D]
-    v_band = g.Gather(v_rows, band_rows, axis=0, out="v_band")  # [B, H, T, K, D_v]
-    band_dot = g.Squeeze(g.MatMul(k_band, g.Unsqueeze(q, g.const([4]))), g.const([4]), out="band_dot")
-    band_is_global = g.Gather("global_mask", band_pos_c, axis=1, out="band_is_global")  # [B, H, T, K]
-    band_ok = g.And(in_seq, g.Not(band_is_global), out="band_ok")  # global keys are scored once, below
-    band_scores = g.Where(band_ok, band_dot, neg_inf, out="band_scores")
+    in_seq = g.And(g.GreaterOrEqual(key_pos, zero), g.Less(key_pos, T), out="in_seq")
+    key_is_global = g.Gather("global_mask", g.Clip(key_pos, zero, last), axis=1, out="key_is_global")  # [B, n, 3s]
+    key_ok = g.And(in_seq, g.Not(key_is_global), out="key_ok")  # global keys are scored once, below
+    band_ok = g.And(
+        g.Unsqueeze(in_band, g.const([0, 2])), g.Unsqueeze(key_ok, g.const([1, 3])), out="band_ok"
+    )  # [B, H, n, s, 3s]
+    band_dot = g.MatMul(q_blocks, g.Transpose(k_blocks, perm=[0, 1, 2, 4, 3]), out="band_dot")
+    # padding rows past T may see no key: the lowest finite score keeps their (discarded) sums finite
+    band_scores = g.Where(band_ok, band_dot, lowest, out="band_scores")
 
     # global tokens: per sequence, positions sorted with the globals first, padded to G = max count
     count = g.ReduceSum(g.Cast("global_mask", to=_INT64), g.const([1]), keepdims=0, out="global_count")  # [B]
@@ -156,6 +188,7 @@ def function(opset: int = 20) -> onnx.FunctionProto:
     g_real = g.Less(
         g.Range(zero, g.Squeeze(G1), one), g.Unsqueeze(count, g.const([1])), out="g_real"
     )  # [B, G]: slot holds a global token, not padding
+    batch_t = g.Mul(batch, T, out="batch_t")  # b·T
     g_rows = g.Add(
         g.Mul(g.Add(g.Unsqueeze(batch_t, g.const([1, 2])), g.Unsqueeze(gpos, g.const([1]))), heads),
         g.Unsqueeze(head, g.const([1])),
@@ -167,24 +200,44 @@ def function(opset: int = 20) -> onnx.FunctionProto:
 
     # keys every query sees: the globals (causal: those not after it) and the persistent tokens
     shared_k = g.Concat(k_glob, pk, axis=2, out="shared_k")  # [B, H, G+P, D]
-    shared_v = g.Concat(v_glob, pv, axis=2, out="shared_v")
-    shared_dot = g.MatMul(q, g.Transpose(shared_k, perm=[0, 1, 3, 2]), out="shared_dot")  # [B, H, T, G+P]
+    GP1 = g.Shape(shared_k, start=2, end=3, out="GP1")
+    shared_v = g.Concat(
+        g.Concat(v_glob, pv, axis=2), g.Expand(g.const(1.0), g.Concat(B1, H1, GP1, one1, axis=0)), axis=3
+    )
+    shared_v = g.Unsqueeze(shared_v, g.const([2]), out="shared_v")  # [B, H, 1, G+P, D_v+1]
+    shared_dot = g.MatMul(
+        q_blocks, g.Transpose(g.Unsqueeze(shared_k, g.const([2])), perm=[0, 1, 2, 4, 3]), out="shared_dot"
+    )  # [B, H, n, s, G+P]
+    padded_rows = g.Range(zero, g.Squeeze(padded_T1), one, out="padded_rows")
     glob_seen = g.Or(
-        g.Not(causal), g.LessOrEqual(g.Unsqueeze(gpos, g.const([1])), g.Unsqueeze(rows, g.const([1]))), out="glob_seen"
-    )  # [B, T, G]
+        g.Not(causal),
+        g.LessOrEqual(g.Unsqueeze(gpos, g.const([1])), g.Unsqueeze(padded_rows, g.const([1]))),
+        out="glob_seen",
+    )  # [B, n·s, G]
     glob_ok = g.And(glob_seen, g.Unsqueeze(g_real, g.const([1])), out="glob_ok")
-    pers_ok = g.ConstantOfShape(g.Concat(B1, T1, P1, axis=0), value=true, out="pers_ok")  # [B, T, P]
-    shared_ok = g.Unsqueeze(g.Concat(glob_ok, pers_ok, axis=2), g.const([1]), out="shared_ok")  # [B, 1, T, G+P]
+    pers_ok = g.ConstantOfShape(g.Concat(B1, padded_T1, P1, axis=0), value=true, out="pers_ok")  # [B, n·s, P]
+    shared_ok = g.Reshape(
+        g.Concat(glob_ok, pers_ok, axis=2), g.Concat(B1, one1, N1, S1, GP1, axis=0), allowzero=1, out="shared_ok"
+    )  # [B, 1, n, s, G+P]
     shared_scores = g.Where(shared_ok, shared_dot, neg_inf, out="shared_scores")
 
-    # one softmax over band ∪ globals ∪ persistent
-    probs = g.Softmax(g.Concat(band_scores, shared_scores, axis=3), axis=3, out="probs")
-    K1 = g.Shape(offsets, out="K1")
-    band_probs = g.Slice(probs, g.const([0]), K1, g.const([3]), out="band_probs")
-    shared_probs = g.Slice(probs, K1, g.const([_LAST]), g.const([3]), out="shared_probs")
-    band_out = g.Squeeze(g.MatMul(g.Unsqueeze(band_probs, g.const([3])), v_band), g.const([3]), out="band_out")
-    shared_out = g.MatMul(shared_probs, shared_v, out="shared_out")
-    out = g.Transpose(g.Add(band_out, shared_out), perm=[0, 2, 1, 3], out="out")  # [B, T, H, D_v]
+    # one softmax over band ∪ globals ∪ persistent: exp(x − max) times [values ‖ 1], then one division
+    axis4 = g.const([4])
+    top = g.ReduceMax(
+        g.Concat(g.ReduceMax(band_scores, axis4, keepdims=1), shared_scores, axis=4), axis4, keepdims=1, out="top"
+    )  # [B, H, n, s, 1]
+    weighted = g.Add(
+        g.MatMul(g.Exp(g.Sub(band_scores, top)), v_blocks),
+        g.MatMul(g.Exp(g.Sub(shared_scores, top)), shared_v),
+        out="weighted",
+    )  # [B, H, n, s, D_v+1]
+    out_blocks = g.Div(
+        g.Slice(weighted, g.const([0]), Dv1, axis4), g.Slice(weighted, Dv1, g.const([_LAST]), axis4), out="out_blocks"
+    )
+    out = g.Slice(
+        g.Reshape(out_blocks, g.Concat(B1, H1, padded_T1, Dv1, axis=0)), g.const([0]), T1, g.const([2]), out="out_bhtd"
+    )
+    out = g.Transpose(out, perm=[0, 2, 1, 3], out="out")  # [B, T, H, D_v]
 
     # global queries attend every key of their sequence (causal: up to themselves) and the persistent ones
     k_all = g.Concat(g.Transpose(k_bthd, perm=[0, 2, 1, 3]), pk, axis=2, out="k_all")  # [B, H, T+P, D]

@@ -130,7 +130,7 @@ def banded_attention(
     (persistent_key `[H, P, D]` or per sequence `[B, H, P, D]`, persistent_value likewise with
     D_v) are keys outside the sequence that every query attends, causal or not; they are never
     queries. Softmax runs over the allowed keys with `scale` (default D^-½) in float32 (float64
-    for float64 inputs); the output has the input dtype. Time and memory O(T·(window + G + P))
+    for float64 inputs); the output has the input dtype. Time and memory O(T·(window·max(dilation) + G + P))
     for G global tokens, plus O(G·T) for the global rows; no T×T matrix.
     """
     op = "banded_attention"

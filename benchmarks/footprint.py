@@ -2,13 +2,15 @@
 
     python benchmarks/footprint.py                       # the Qwen3.5-shaped import below, fp32 and int4
     python benchmarks/footprint.py --json benchmarks/results/footprint.json
+    python benchmarks/footprint.py --native build/native-bench/libedgemem.so   # libedgemem's rows too
 
 The model: a Qwen3.5 text model (hidden 512, 8 layers of 3 gated-DeltaNet : 1 attention, vocab 32000,
 tied embeddings, about 45M parameters) with random weights, saved with `save_pretrained` and imported
 with `edgemem export --hf DIR --target ort --max-length 1024`, then `edgemem calibrate --method int4`.
 Per export: the files' bytes, the resident memory `Engine.load` adds, and the peak after a 256-token
 prefill and 64 steps, each as a multiple of the fp32 weight bytes (what llama.cpp holds once).
-Greedy tokens of the fp32 export are compared with transformers' `generate`.
+Greedy tokens of the fp32 export are compared with transformers' `generate`. With `--native LIB`, the
+same probe runs through libedgemem (`em_engine_load`, `em_stream_prefill`, `em_stream_step`) by ctypes.
 """
 
 from __future__ import annotations
@@ -42,6 +44,39 @@ for _ in range(64):
     token = int(np.argmax(logits))
     tokens.append(token)
     logits = stream.step(token)
+print(json.dumps({"load": loaded - base, "peak": status("VmHWM:") - base, "tokens": tokens}))
+"""
+
+NATIVE_PROBE = r"""
+import ctypes, json, sys
+import numpy as np
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+base = status("VmRSS:")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+lib = ctypes.CDLL(sys.argv[2])
+lib.em_engine_load.restype = lib.em_stream_new.restype = ctypes.c_void_p
+lib.em_engine_load.argtypes = [ctypes.c_char_p, ctypes.c_int]
+lib.em_engine_vocab_size.restype = ctypes.c_int64
+lib.em_engine_vocab_size.argtypes = lib.em_stream_new.argtypes = [ctypes.c_void_p]
+lib.em_stream_prefill.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+lib.em_stream_step.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+engine = lib.em_engine_load(sys.argv[1].encode(), 2)
+loaded = status("VmRSS:")
+vocab = lib.em_engine_vocab_size(engine)
+stream = lib.em_stream_new(engine)
+ids = np.random.default_rng(0).integers(0, vocab, 256)
+logits = np.zeros(vocab, np.float32)
+assert lib.em_stream_prefill(stream, ids.ctypes.data, len(ids), logits.ctypes.data) == 0
+tokens = []
+for _ in range(64):
+    token = int(np.argmax(logits))
+    tokens.append(token)
+    assert lib.em_stream_step(stream, token, logits.ctypes.data) == 0
 print(json.dumps({"load": loaded - base, "peak": status("VmHWM:") - base, "tokens": tokens}))
 """
 
@@ -96,15 +131,17 @@ def reference_tokens(path: Path) -> list[int]:
     return out[0, 256:].tolist()
 
 
-def measure(export: Path) -> dict:
+def measure(export: Path, native: Path | None = None) -> dict:
     files = sum(f.stat().st_size for f in export.rglob("*") if f.is_file())
-    proc = subprocess.run([sys.executable, "-c", PROBE, str(export)], capture_output=True, text=True, check=True)
+    probe = [PROBE, str(export)] if native is None else [NATIVE_PROBE, str(export), str(native)]
+    proc = subprocess.run([sys.executable, "-c", *probe], capture_output=True, text=True, check=True)
     return {"files": files, **json.loads(proc.stdout.strip().splitlines()[-1])}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, help="write the results here too")
+    ap.add_argument("--native", type=Path, help="libedgemem.so: measure the C runtime on the same exports too")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -133,12 +170,15 @@ def main() -> int:
             capture_output=True,
         )
         rows = {"fp32": measure(fp32), "int4": measure(int4)}
-        same = rows["fp32"]["tokens"] == reference_tokens(tmp / "hf")
-    print(f"fp32 weights: {weights / 1e6:.1f} MB; greedy tokens equal transformers' generate: {same}")
-    print(f"{'export':<8}{'files':>14}{'load':>14}{'peak':>14}   (× fp32 weight bytes)")
+        if args.native:
+            rows.update({"fp32 libedgemem": measure(fp32, args.native), "int4 libedgemem": measure(int4, args.native)})
+        reference = reference_tokens(tmp / "hf")
+        same = all(r["tokens"] == reference for name, r in rows.items() if name.startswith("fp32"))
+    print(f"fp32 weights: {weights / 1e6:.1f} MB; greedy tokens (fp32) equal transformers' generate: {same}")
+    print(f"{'export':<16}{'files':>19}{'load':>19}{'peak':>19}   (× fp32 weight bytes)")
     for name, r in rows.items():
         cells = "".join(f"{r[k] / 1e6:>9.1f} MB {r[k] / weights:>4.2f}×" for k in ("files", "load", "peak"))
-        print(f"{name:<8}{cells}")
+        print(f"{name:<16}{cells}")
     if args.json:
         result = {
             "weights": weights,

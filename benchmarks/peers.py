@@ -305,6 +305,12 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def rss() -> int:
+    """This process's resident set now (VmRSS)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
 class Runner:
     """prefill(ids) continues the stream; step(token) decodes one token. A runner whose cache can be filled
     (`fills`) reaches positions after the first by fill(n): n random rows appended to every attention cache."""
@@ -456,7 +462,12 @@ def worker(args: argparse.Namespace) -> None:
     ids = np.random.default_rng(1).integers(2, CONFIGS[args.config]["vocab_size"], length)
     t0 = time.perf_counter()
     runner = RUNNERS[args.worker](Path(args.path), args.threads, length)
-    result: dict[str, Any] = {"load_s": round(time.perf_counter() - t0, 2), "prefill": {}, "decode": {}}
+    result: dict[str, Any] = {
+        "load_s": round(time.perf_counter() - t0, 2),
+        "load_rss_bytes": rss(),  # the whole process once the model is loaded, as the peak is
+        "prefill": {},
+        "decode": {},
+    }
     position = 0
     for target in positions:
         if target > position and position and runner.fills:
@@ -527,6 +538,7 @@ def table(report: dict[str, Any]) -> str:
         *(f"decode tok/s @{p}" for p in positions),
         f"step time @{last} / @{first}",
         f"prefill tok/s (0→{first})",
+        "RSS after load (GiB)",
         "peak RSS (GiB)",
         "model files (GB)",
         "floor tok/s",
@@ -555,6 +567,7 @@ def table(report: dict[str, Any]) -> str:
                         *(f"{decode[str(p)]['tok_s']:.2f}" for p in positions),
                         f"{decode[str(last)]['us_per_token'] / decode[str(first)]['us_per_token']:.2f}",
                         f"{prefill:.1f}",
+                        f"{row['load_rss_bytes'] / 2**30:.2f}" if "load_rss_bytes" in row else "",
                         f"{row['peak_rss_bytes'] / 2**30:.2f}",
                         f"{row.get('model_bytes', 0) / 1e9:.2f}",
                         f"{floor}",

@@ -705,7 +705,7 @@ def bench_command(
             else ""
         )
         + f"graphs and weights {_size(model['file_bytes'])}, resident after load +{_size(model['load_rss_bytes'])}, "
-        f"peak RSS {_size(env['runtime_peak_rss_bytes'])}",
+        f"peak +{_size(model['peak_rss_bytes'])} (process peak RSS {_size(env['runtime_peak_rss_bytes'])})",
     )
     for r in result["rows"]:
         if "skipped" in r:

@@ -29,6 +29,25 @@ engine = Engine.load(sys.argv[1], threads=1, check_files=False)
 print(rss() - before)
 """
 
+ANON = r"""
+import sys
+import numpy as np
+import onnxruntime  # its own pages are not the engine's
+from edgemem.runtime import Engine
+
+def anon():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon:")).split()[1]) * 1024
+
+before = anon()
+engine = Engine.load(sys.argv[1], threads=1, check_files=False)
+stream = engine.new_stream()
+stream.prefill(np.arange(40) % engine.vocab_size, all_logits=False)  # the last-position prefill session
+stream.prefill(np.arange(8) % engine.vocab_size)  # the full prefill session, opened now
+for token in range(4):
+    stream.step(token)
+print(sorted(engine._sessions), anon() - before)
+"""
+
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
@@ -93,6 +112,18 @@ def test_loading_keeps_a_copy_fewer_than_each_session_reading_its_own(exported, 
         for d in (out, tmp_path / "plain")
     )
     assert plain - shared > 0.8 * weight_bytes, (plain, shared, weight_bytes)
+
+
+def test_no_session_of_an_engine_holds_a_copy_of_the_weights_of_its_own(exported):
+    """Memory no file backs (RssAnon), added in a fresh process by loading, prefilling through both prefill
+    graphs and stepping: the one packed copy the step session makes (MLAS's layout of each MatMul weight)
+    and the runs' tensors. Three sessions run; one that copied the weights it was handed (as
+    `add_external_initializers` does) would add a whole copy on top."""
+    out, weight_bytes = exported
+    done = subprocess.run([sys.executable, "-c", ANON, str(out)], capture_output=True, text=True, check=True)
+    sessions, added = done.stdout.rsplit("]", 1)
+    assert sessions == "['prefill', 'prefill_last', 'step'"
+    assert 0 < int(added) < 1.6 * weight_bytes, (int(added), weight_bytes)  # one copy more: over 2.1×
 
 
 def test_the_store_and_the_graphs_own_weights_compute_the_same(exported, tmp_path):

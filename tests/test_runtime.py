@@ -606,9 +606,10 @@ def test_cli_bench_reports_runtime_eager_and_kv_baseline(exports, tmp_path):
     target = data["model"]["target"]
     files = sum(f.stat().st_size for f in (exports["gated-deltanet"] / target).iterdir())
     assert data["model"]["file_bytes"] == files and data["model"]["load_rss_bytes"] > 0
+    assert data["model"]["peak_rss_bytes"] >= data["model"]["load_rss_bytes"]
     if plot is not None:
         assert plot.stat().st_size > 0
-    assert "gated-deltanet" in result.stdout and "resident after load" in result.stdout
+    assert "gated-deltanet" in result.stdout and "resident after load" in result.stdout and "peak +" in result.stdout
 
 
 def test_cli_bench_without_torch_says_to_pass_no_eager(exports, monkeypatch):

@@ -39,10 +39,15 @@ Weights (manifest `weights`): the target's `weights.data` is mapped once, read-o
 initializer of every graph is handed to its session as an `OrtValue` viewing the mapping
 (`SessionOptions.add_initializer` uses the caller's buffer; `add_external_initializers` copies it),
 so the prefill and step sessions share one copy, which the page cache may also share between
-processes. Pre-packing (MLAS's packed copy of each MatMul/Gemm weight) stays on in the step session
-alone: decode reads the packed copy, and the prefill session reads the mapped weights in place.
+processes. Pre-packing (MLAS's packed copy of a MatMul/Gemm/MatMulNBits weight) is per session, and
+onnxruntime's Python API cannot share one packed copy between sessions (libedgemem does, through
+onnxruntime's PrepackedWeightsContainer). So the step session pre-packs (decode reads the packed
+copy) and a prefill session reads the mapped weights in place, except where the graph holds 4-bit
+MatMulNBits: unpacked, that kernel dequantizes each whole matrix to float in every run, which costs
+more memory at the peak than a second packed copy and is slower, so there every session pre-packs.
 Once the sessions are made, the pages their set-up read are dropped from the mapping; what runs
-later faults back only what it reads (benchmarks/README.md measures both choices).
+later faults back only what it reads. A prefill run ends with arena shrinkage: the arena gives back
+what it holds beyond the live tensors (benchmarks/README.md, "Footprint", measures each choice).
 """
 
 from __future__ import annotations
@@ -209,6 +214,7 @@ class OrtEngine(Engine):
         self._tokens_name, self._logits_name = manifest.inputs["tokens"], manifest.outputs["logits"]
         self._memory = _Memory("cuda" if backend == "ort-cuda" else "cpu")
         self._weights = _Weights.open(directory, (manifest.weights or {}).get(target))
+        self._blocks = (manifest.quantization or {}).get("method") == "int4"  # 4-bit MatMulNBits weights
         kv = manifest.kv_cache or {}
         self._in_place = frozenset(kv.get("states", ()) if target in kv.get("in_place", ()) else ())
         # A growing cache asks for larger tensors at every chunk. onnxruntime's CPU arena keeps its
@@ -221,6 +227,8 @@ class OrtEngine(Engine):
         # [T, V] logits are a chunk's largest tensor, opens at the first prefill that asks for every row.
         self._last = PREFILL_LAST if PREFILL_LAST in manifest.graphs_of(target) else "prefill"
         self._opening = threading.Lock()
+        self._shrink = ort.RunOptions()  # a prefill run's arena gives back what it holds past the live tensors
+        self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         self._sessions: dict[str, ort.InferenceSession] = {}
         for kind in ("step", self._last):
             if manifest.graphs.get(kind):
@@ -287,7 +295,7 @@ class OrtEngine(Engine):
         options.log_severity_level = 3
         options.enable_cpu_mem_arena = arena
         if self._weights is not None:
-            if kind != "step":
+            if kind != "step" and not self._blocks:
                 options.add_session_config_entry("session.disable_prepacking", "1")
             for name, value in self._weights.graph(kind).items():
                 options.add_initializer(name, value)
@@ -390,7 +398,7 @@ class OrtEngine(Engine):
 
     def _run(self, kind: str, binding: ort.IOBinding) -> None:
         try:
-            self._sessions[kind].run_with_iobinding(binding)
+            self._sessions[kind].run_with_iobinding(binding, None if kind == "step" or self.grows else self._shrink)
         except Exception as e:  # noqa: BLE001 — onnxruntime raises its own, varied exception types
             raise EdgememError(
                 f"onnxruntime failed running the {kind} graph of {self.manifest.arch}: {_summary(e)}"

@@ -20,8 +20,8 @@ constexpr const char *FORMAT = "edgemem/1";
 constexpr const char *STATE_FORMAT = "edgemem-state/1";
 constexpr const char *STATE_INIT = "state_init.safetensors";
 constexpr size_t BATCH_SLOTS = 4;
-enum { STEP = 0, PREFILL = 1 };
-const char *KINDS[] = {"step", "prefill"};
+enum { STEP = 0, PREFILL = 1, PREFILL_LAST = 2 };
+const char *KINDS[] = {"step", "prefill", "prefill_last"};
 
 Ort::Env &env() {
     static Ort::Env *instance = new Ort::Env(ORT_LOGGING_LEVEL_ERROR, "edgemem");  // one per process, never torn down
@@ -194,7 +194,9 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
             }
         }
         static_int8_ = m.contains("quantization") && m["quantization"].is_object() && m["quantization"].value("method", "") == "static";
-        graph_weights_.resize(2);
+        graph_weights_.resize(3);
+        // A prefill here returns the last position's logits only: the graph that projects only that row serves it.
+        if (graphs.value("prefill", false)) prefill_kind_ = graphs.value("prefill_last", false) ? PREFILL_LAST : PREFILL;
         const json stores = m.value("weights", json());
         if (stores.is_object() && stores.contains(target)) {
             const json &store = stores[target];
@@ -211,7 +213,7 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
             mapping.data = mapped;
             mapping.size = size_t(info.st_size);
             std::map<std::tuple<int64_t, std::string, std::vector<int64_t>>, size_t> shared;
-            for (int kind : {STEP, PREFILL}) {
+            for (int kind : {int(STEP), prefill_kind_}) {
                 if (!store.at("tensors").contains(KINDS[kind])) continue;
                 for (auto it = store["tensors"][KINDS[kind]].begin(); it != store["tensors"][KINDS[kind]].end(); ++it) {
                     const int64_t offset = it->at(0).get<int64_t>();
@@ -287,8 +289,11 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
     }
     const bool grows = !growing.empty();
     step = open(STEP, true, options.threads, cuda);
-    const bool has_prefill = m.value("graphs", json::object()).value("prefill", false);
-    if (has_prefill) prefill = open(PREFILL, !grows, options.threads, cuda);
+    if (prefill_kind_ >= 0) prefill = open(prefill_kind_, !grows, options.threads, cuda);
+    if (prefill && !grows) {
+        shrink = std::make_unique<Ort::RunOptions>();
+        shrink->AddConfigEntry("memory.enable_memory_arena_shrinkage", "cpu:0");
+    }
     if (mapping.data) ::madvise(mapping.data, mapping.size, MADV_DONTNEED);  // set-up's reads; later runs fault back what they read
     size_t index = 0;
     for (size_t i = 0; i < step->GetOutputCount(); ++i) {
@@ -311,7 +316,6 @@ std::unique_ptr<Ort::Session> Engine::open(int kind, bool arena, int threads, bo
         options.SetLogSeverityLevel(3);
         if (arena) options.EnableCpuMemArena();
         else options.DisableCpuMemArena();
-        if (mapping.data && kind != STEP) options.AddConfigEntry("session.disable_prepacking", "1");  // decode reads the packed copy
         // In a QDQ graph this pass merges QuantizeLinear nodes that then no longer fuse into integer MatMuls.
         if (static_int8_) options.AddConfigEntry("optimization.disable_specified_optimizers", "CommonSubexpressionElimination");
         for (const auto &[name, index] : graph_weights_[size_t(kind)]) options.AddInitializer(name.c_str(), weights[index]);
@@ -322,7 +326,9 @@ std::unique_ptr<Ort::Session> Engine::open(int kind, bool arena, int threads, bo
                 cuda_options, [](OrtCUDAProviderOptionsV2 *p) { Ort::GetApi().ReleaseCUDAProviderOptions(p); });
             options.AppendExecutionProvider_CUDA_V2(*cuda_options);
         }
-        session = std::make_unique<Ort::Session>(env(), path.c_str(), options);
+        // Sessions given the mapped weights pack each of them once, into `packed`, and read that one copy.
+        session = mapping.data ? std::make_unique<Ort::Session>(env(), path.c_str(), options, packed)
+                               : std::make_unique<Ort::Session>(env(), path.c_str(), options);
     } catch (const Ort::Exception &e) {
         fail(EM_ERR_BACKEND, "onnxruntime cannot load " + path + ": " + e.what());
     }
@@ -438,7 +444,9 @@ void Engine::check_room(int64_t position, int64_t tokens) const {
 // ---------------------------------------------------------------- runs
 
 void Engine::run(Ort::Session &session, std::vector<OrtValue *> &inputs, std::vector<OrtValue *> &outputs, const char *kind) {
-    OrtStatus *status = Ort::GetApi().Run(session, nullptr, in_names.data(), inputs.data(), inputs.size(), out_names.data(),
+    // A prefill's arena gives back what it holds beyond the live tensors once the run ends (benchmarks/README.md).
+    const OrtRunOptions *options = &session == prefill.get() && shrink ? static_cast<const OrtRunOptions *>(*shrink) : nullptr;
+    OrtStatus *status = Ort::GetApi().Run(session, options, in_names.data(), inputs.data(), inputs.size(), out_names.data(),
                                           outputs.size(), outputs.data());
     if (status) {
         const std::string message = Ort::GetApi().GetErrorMessage(status);

@@ -105,7 +105,9 @@ struct Engine {
     } mapping;
     Ort::MemoryInfo host = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
     std::vector<Ort::Value> weights;
+    Ort::PrepackedWeightsContainer packed;  // MLAS's packed copy of each weight, one for both sessions
     std::unique_ptr<Ort::Session> step, prefill;
+    std::unique_ptr<Ort::RunOptions> shrink;  // prefill runs: arena shrinkage (null where the prefill has no arena)
 
     std::vector<std::unique_ptr<Slot>> slots;  // least recently used first
     std::recursive_mutex mutex;
@@ -130,6 +132,7 @@ struct Engine {
    private:
     std::vector<std::vector<std::pair<std::string, size_t>>> graph_weights_;  // step, prefill: (name, index in weights)
     bool static_int8_ = false;
+    int prefill_kind_ = -1;  // the prefill graph opened (prefill or prefill_last); -1: none
     std::unique_ptr<Ort::Session> open(int kind, bool arena, int threads, bool cuda);
     void run(Ort::Session &session, std::vector<OrtValue *> &inputs, std::vector<OrtValue *> &outputs, const char *kind);
 };

@@ -1,5 +1,6 @@
 // The engine and streams behind edgemem.h: an export's manifest, its graphs in onnxruntime sessions, and
-// each stream's state in onnxruntime tensors on the host.
+// each stream's state in onnxruntime tensors on the host; or, with backend "trt", its TensorRT engines
+// and each stream's state on the GPU (trt.hpp: the backend keeps the buffers, this file the protocol).
 //
 // Fixed-size state (recurrent states, positions, preallocated KV caches) lives in two buffers per
 // tensor, sides A and B: a run reads the current side and writes the other, then the side flips, so
@@ -24,6 +25,7 @@
 
 #include <onnxruntime_cxx_api.h>
 
+#include "trt.hpp"
 #include "util.hpp"
 
 namespace em {
@@ -62,6 +64,7 @@ struct em_stream {
     int side = 0;
     int64_t position = 0;
     bool has_logits = false;
+    std::unique_ptr<em::DeviceState> device;  // backend "trt": the state on the GPU (`fixed` and `caches` stay empty)
     em::Slot *slot = nullptr;  // set while the fixed-size state is a row of a batch slot
     size_t row = 0;
     mutable std::mutex mutex;
@@ -106,6 +109,7 @@ struct Engine {
     Ort::MemoryInfo host = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
     std::vector<Ort::Value> weights;
     std::unique_ptr<Ort::Session> step, prefill;
+    std::unique_ptr<TrtBackend> trt;  // backend "trt" (then no sessions)
 
     std::vector<std::unique_ptr<Slot>> slots;  // least recently used first
     std::recursive_mutex mutex;

@@ -39,6 +39,7 @@ struct Blob {
     std::vector<uint8_t> data;
 };
 
+void to_float(const uint8_t *src, const DType *dtype, size_t n, float *dst);  // float32 or float16 to float32
 int64_t elements(const std::vector<int64_t> &shape);
 bool all_finite(const Blob &blob);  // float dtypes: no NaN or infinity; others: true
 

@@ -13,7 +13,6 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
-#include "runtime.hpp"
 #include "trt_abi.hpp"
 
 namespace em {

@@ -23,8 +23,6 @@
 
 namespace em {
 
-struct Spec;
-
 // One stream's buffers on the GPU.
 struct DeviceState {
     virtual ~DeviceState() = default;

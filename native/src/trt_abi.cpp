@@ -19,19 +19,20 @@ namespace em {
 namespace {
 using namespace nvinfer1;
 
-// Warnings and errors, the last error kept for the message of a refused call.
+// The first error since the last `take`: the cause, for the message of a refused call. One per process,
+// never destroyed: TensorRT logs through the logger of the first runtime made, whichever later ones are given.
 struct Logger : ILogger {
     std::mutex mutex;
-    std::string last;
+    std::string first;
     void log(Severity severity, const char *message) noexcept override {
-        if (severity > Severity::kWARNING) return;
+        if (severity > Severity::kERROR) return;
         std::lock_guard<std::mutex> hold(mutex);
-        if (severity <= Severity::kERROR) last = message;
+        if (first.empty()) first = message;
     }
     std::string take() {
         std::lock_guard<std::mutex> hold(mutex);
         std::string out;
-        out.swap(last);
+        out.swap(first);
         return out;
     }
 };
@@ -64,19 +65,24 @@ struct Graph : TrtGraph {
     bool enqueue(void *cuda_stream) override { return context->enqueueV3(static_cast<cudaStream_t>(cuda_stream)); }
 };
 
+Logger &logger() {
+    static Logger *instance = new Logger;
+    return *instance;
+}
+
 struct Runtime : TrtRuntime {
-    Logger logger;  // outlives the runtime (declared first)
     std::unique_ptr<IRuntime> runtime;
     std::unique_ptr<TrtGraph> deserialize(const std::vector<uint8_t> &blob, std::string &error) override {
         auto graph = std::make_unique<Graph>();
+        logger().take();
         graph->engine.reset(runtime->deserializeCudaEngine(blob.data(), blob.size()));
         if (!graph->engine) {
-            error = logger.take();
+            error = logger().take();
             return nullptr;
         }
         graph->context.reset(graph->engine->createExecutionContext());
         if (!graph->context) {
-            error = "no execution context (out of GPU memory?) " + logger.take();
+            error = "no execution context (out of GPU memory?) " + logger().take();
             return nullptr;
         }
         for (int32_t i = 0; i < graph->engine->getNbIOTensors(); ++i) {
@@ -96,10 +102,12 @@ std::unique_ptr<TrtRuntime> EM_CAT(trt_open_abi, EM_TRT_ABI)(void *library, cons
     auto registry = reinterpret_cast<Registry>(::dlsym(library, "getPluginRegistry"));
     if (!create || !registry) fail(EM_ERR_BACKEND, "the TensorRT library lacks createInferRuntime_INTERNAL or getPluginRegistry: not TensorRT's runtime");
     auto out = std::make_unique<Runtime>();
-    out->runtime.reset(static_cast<IRuntime *>(create(&out->logger, NV_TENSORRT_VERSION)));
-    if (!out->runtime) fail(EM_ERR_BACKEND, "TensorRT could not create a runtime: " + out->logger.take());
+    logger().take();
+    out->runtime.reset(static_cast<IRuntime *>(create(&logger(), NV_TENSORRT_VERSION)));
+    if (!out->runtime) fail(EM_ERR_BACKEND, "TensorRT could not create a runtime: " + logger().take());
+    logger().take();
     if (!registry()->loadLibrary(plugins.c_str()))
-        fail(EM_ERR_BACKEND, "TensorRT could not load the plugin library " + plugins + " (built for another TensorRT major?): " + out->logger.take());
+        fail(EM_ERR_BACKEND, "TensorRT could not load the plugin library " + plugins + " (built for another TensorRT major?): " + logger().take());
     return out;
 }
 

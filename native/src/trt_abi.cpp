@@ -103,8 +103,11 @@ std::unique_ptr<TrtRuntime> EM_CAT(trt_open_abi, EM_TRT_ABI)(void *library, cons
     if (!create || !registry) fail(EM_ERR_BACKEND, "the TensorRT library lacks createInferRuntime_INTERNAL or getPluginRegistry: not TensorRT's runtime");
     auto out = std::make_unique<Runtime>();
     logger().take();
-    out->runtime.reset(static_cast<IRuntime *>(create(&logger(), NV_TENSORRT_VERSION)));
-    if (!out->runtime) fail(EM_ERR_BACKEND, "TensorRT could not create a runtime: " + logger().take());
+    void *made = create(&logger(), NV_TENSORRT_VERSION);
+    // A refusal (TensorRT 11.4 without a GPU) may log an error and still return a pointer that is no runtime.
+    const std::string refused = logger().take();
+    if (!made || !refused.empty()) fail(EM_ERR_BACKEND, "TensorRT could not create a runtime: " + refused);
+    out->runtime.reset(static_cast<IRuntime *>(made));
     logger().take();
     if (!registry()->loadLibrary(plugins.c_str()))
         fail(EM_ERR_BACKEND, "TensorRT could not load the plugin library " + plugins + " (built for another TensorRT major?): " + logger().take());

@@ -1,8 +1,10 @@
 // What the trt backend needs from TensorRT's C++ runtime API, free of TensorRT's headers.
 //
 // TensorRT's classes are called through their vtables, whose layout changes between majors: the
-// TensorRT 10 headers' and the TensorRT 11 headers' differ, and TensorRT for RTX 1.x
-// (libtensorrt_rtx.so.1) has the TensorRT 11 layout. trt_abi.cpp is compiled once per set of
+// TensorRT 10 headers' and the TensorRT 11 headers' differ (methods removed), and TensorRT for RTX
+// (libtensorrt_rtx.so.1, whose SDK headers no wheel ships) has the TensorRT 11 layout: through the 11.1
+// headers its runtime, plugin registry and deserializeCudaEngine answer as documented, through the 10.3
+// headers the first call on the runtime crashes. trt_abi.cpp is compiled once per set of
 // headers (EM_TRT_ABI = their major, with nvinfer1 renamed so that the two never share a symbol),
 // and the backend picks the build whose layout the loaded library has.
 #pragma once

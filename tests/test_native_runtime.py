@@ -6,13 +6,20 @@ afterwards). `em_check` streams an export through the C API and writes its logit
 compare them with `edgemem.runtime` on the same export: a 40-token prefill and 24 greedy steps, a batch
 of streams at positions 5 and 11, checkpoints handed over both ways. `em_check` itself checks that a
 fork steps like its parent and that misuse is refused with a message, leaving the stream as it was.
+
+Backend "trt" (`em_check --load`): engines.json over placeholder engines, as `edgemem build --rtx`
+writes it, is refused as the Python trt backend refuses it, and without TensorRT or a GPU the load is
+one line naming what is missing; its GPU run needs a GPU, TensorRT and the plugins.
 """
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
+import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -138,8 +145,8 @@ def _rel(a, b) -> float:
 class Run:
     """One `em_check` run on an export: its work folder, the prompt, and the Python engine beside it."""
 
-    def __init__(self, directory: Path, work: Path, em_check: list[str]):
-        self.engine = Engine.load(directory, threads=1)
+    def __init__(self, directory: Path, work: Path, em_check: list[str], backend: str = "ort"):
+        self.engine = Engine.load(directory, threads=1) if backend == "ort" else Engine.load(directory, backend=backend)
         self.vocab = self.engine.vocab_size
         self.work = work
         self.prompt = np.random.default_rng(0).integers(0, self.vocab, 40).astype(np.int64)
@@ -148,7 +155,9 @@ class Run:
         python.prefill(self.prompt[:17])
         python.save(work / "py.state")
         env = {**os.environ, "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0", "UBSAN_OPTIONS": "print_stacktrace=1"}
-        self.result = subprocess.run([*em_check, directory, work], capture_output=True, text=True, env=env, timeout=600)
+        self.result = subprocess.run(
+            [*em_check, directory, work, backend], capture_output=True, text=True, env=env, timeout=600
+        )
 
     def read(self, name: str, *shape: int) -> np.ndarray:
         dtype = np.int64 if name.endswith(".i64") else np.float32
@@ -243,3 +252,148 @@ def test_the_sample_app_builds_on_the_installed_package_and_generates_what_pytho
     }
     tokens = [int(t) for t in lines["generated"] + lines["resumed"]]
     assert tokens == list(Engine.load(directory, threads=1).generate(prompt, max_new_tokens=16))
+
+
+# ---------------------------------------------------------------------- backend "trt": what runs without a GPU
+def _load(em_check: list[str], directory: Path, backend: str, plugins: Path | None = None, env=None) -> str:
+    """em_check --load: "loaded", or the refusal's code and message."""
+    command = [*em_check, "--load", directory, backend, *([plugins] if plugins else [])]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    clean = not any(word in result.stderr for word in ("AddressSanitizer", "LeakSanitizer", "runtime error"))
+    assert result.returncode == 0 and clean, result.stdout + result.stderr
+    return result.stdout.strip()
+
+
+def test_trt_backend_refuses_what_the_python_backend_refuses_before_tensorrt(
+    em_check, small_exports, tmp_path, monkeypatch
+):
+    """em_engine_load_ex(backend "trt") checks engines.json as edgemem.runtime.engines does, before opening
+    TensorRT: the same refusals (code EM_ERR_BACKEND = 3) with the same messages as the Python backend."""
+    from test_trt_runtime import RTX, _fake_engines
+
+    from edgemem.errors import EdgememError
+
+    if os.environ.get("EDGEMEM_EM_CHECK"):
+        pytest.skip("the placeholder engines are made on this machine")
+    env = {k: v for k, v in os.environ.items() if k not in ("EDGEMEM_TRT_PLUGINS", "LD_LIBRARY_PATH")}
+    export = tmp_path / "deltanet"
+    shutil.copytree(small_exports["deltanet"], export)
+    folder = export / "engines"
+
+    def both(pattern: str, plugins: Path | None = None) -> None:
+        c = _load(em_check, export, "trt", plugins, env)
+        assert c.splitlines()[0] == "code 3" and re.search(pattern, c), c
+        with pytest.raises(EdgememError, match=pattern):
+            Engine.load(export, backend="trt", plugins=plugins)
+
+    monkeypatch.delenv("EDGEMEM_TRT_PLUGINS", raising=False)
+    both(r"engines: no TensorRT engines; build them with `edgemem build")
+    library = _fake_engines(export, folder, toolkit=RTX)  # engines.json as `edgemem build --rtx` writes it
+    both(
+        r"no plugin library: .* EDGEMEM_TRT_PLUGINS=PATH, PATH being libedgemem_trt_plugins.so; "
+        r"the engines were built with"
+    )
+    both(r"plugin library .*missing.so does not exist", tmp_path / "missing.so")
+    other = tmp_path / "other.so"
+    other.write_bytes(b"another build")
+    both(r"plugin library .*other.so is not the one the engines were built with", other)
+    (folder / "step.engine").write_bytes(b"changed")
+    both(r"step.engine does not match its sha256 in engines.json .*--rtx", library)
+    (folder / "step.engine").unlink()
+    both(r"step engine step.engine listed in engines.json is missing", library)
+    _fake_engines(small_exports["titans-mag"], folder, toolkit=RTX)
+    both(r"holds engines built from another export \(arch titans-mag.*is deltanet.*rebuild with", library)
+    (folder / "engines.json").write_text("{")
+    both(r"is not a valid engines.json", library)
+    (folder / "engines.json").unlink()
+    both(r"has no engines.json", library)
+
+    growing = _load(em_check, small_exports["softmax"], "trt", None, env)
+    assert growing.splitlines()[0] == "code 3" and re.search(
+        r"state grows .*backend 'trt' runs fixed-size state only", growing
+    )
+    with pytest.raises(EdgememError, match=r"state grows .*backend 'trt' runs fixed-size state only"):
+        Engine.load(small_exports["softmax"], backend="trt")
+
+
+def test_trt_backend_without_tensorrt_or_a_gpu_is_one_line_naming_what_to_install(em_check, small_exports, tmp_path):
+    """Every check passed, the library engines.json names is opened at run time: missing, it is one line naming
+    the package; present (the tensorrt_rtx wheel's libtensorrt_rtx.so.1), another version is refused, and the
+    same version goes on to the CUDA driver, which a machine without a GPU lacks."""
+    from test_trt_runtime import RTX, _fake_engines
+
+    from edgemem.runtime import engines
+
+    if os.environ.get("EDGEMEM_EM_CHECK"):
+        pytest.skip("the placeholder engines are made on this machine")
+    env = {k: v for k, v in os.environ.items() if k not in ("EDGEMEM_TRT_PLUGINS", "LD_LIBRARY_PATH")}
+    export = tmp_path / "deltanet"
+    shutil.copytree(small_exports["deltanet"], export)
+    library = _fake_engines(export, export / "engines", toolkit=RTX)
+    missing = _load(em_check, export, "trt", library, env)
+    lines = missing.splitlines()
+    assert len(lines) == 2 and lines[0] == "code 3", missing
+    assert re.search(
+        r"needs TensorRT for RTX 1.7.1.116: libtensorrt_rtx.so.1 cannot be loaded "
+        r".*pip install tensorrt-rtx-cu13==1.7.1.116",
+        lines[1],
+    )
+
+    spec = importlib.util.find_spec("tensorrt_rtx_libs")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("the tensorrt_rtx wheel's libraries (pip install tensorrt-rtx-cu13) are not installed")
+    import tensorrt_rtx
+
+    env["LD_LIBRARY_PATH"] = list(spec.submodule_search_locations)[0]
+    _fake_engines(
+        export, export / "engines", toolkit=engines.Toolkit("tensorrt_rtx", "1.0.0.1", RTX.compute_capabilities)
+    )
+    older = _load(em_check, export, "trt", library, env)
+    version = tensorrt_rtx.__version__
+    assert f"built by TensorRT for RTX 1.0.0.1, this is TensorRT for RTX {version}; rebuild them with" in older
+    _fake_engines(export, export / "engines", toolkit=engines.Toolkit("tensorrt_rtx", tensorrt_rtx.__version__, []))
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        pytest.skip(
+            "this machine has the CUDA driver: the engines here are placeholders "
+            "(a GPU run needs `edgemem build --rtx`)"
+        )
+    except OSError:
+        pass
+    gpu = _load(em_check, export, "trt", library, env)
+    assert gpu.splitlines() == ["code 3", gpu.splitlines()[1]], gpu
+    assert "backend 'trt' needs an NVIDIA GPU and its driver: libcuda.so.1 cannot be loaded" in gpu
+
+
+def _gpu_reason() -> str | None:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return "no NVIDIA driver (libcuda.so.1)"
+    if importlib.util.find_spec("tensorrt") is None:
+        return "TensorRT's Python package is not installed (edgemem build needs it)"
+    if not os.environ.get("EDGEMEM_TRT_PLUGINS"):
+        return "EDGEMEM_TRT_PLUGINS does not name a plugin library built from plugins/"
+    return None
+
+
+@pytest.mark.skipif(_gpu_reason() is not None, reason=f"needs a GPU, TensorRT and the plugins: {_gpu_reason()}")
+def test_trt_backend_streams_like_the_python_trt_backend_on_a_gpu(em_check, small_exports, tmp_path):
+    """The same engines in C and in Python (backend trt): the C checks pass, greedy logits agree, and a
+    checkpoint written by C continues in Python. libtensorrt and libcuda come from the loader's path."""
+    from edgemem.trt_build import build_engines
+
+    export = tmp_path / "deltanet"
+    shutil.copytree(small_exports["deltanet"], export)
+    build_engines(export, max_batch=2, max_sequence=64)
+    work = tmp_path / "work"
+    work.mkdir()
+    run = Run(export, work, em_check, backend="trt")
+    output = run.result.stdout + run.result.stderr
+    assert run.result.returncode == 0 and "all checks passed" in output, output[-6000:]
+    greedy, tokens = run.read("greedy.f32", 25, run.vocab), run.read("greedy.i64", 24)
+    stream = run.engine.new_stream()
+    python = [stream.prefill(run.prompt, all_logits=False)] + [stream.step(int(t)) for t in tokens]
+    assert max(_rel(c, p) for c, p in zip(greedy, python)) <= 1e-4
+    restored = run.engine.load_stream(work / "c.state")
+    assert restored.position == 64 and _rel(restored.logits, greedy[-1]) == 0

@@ -10,7 +10,9 @@
 # --max-length, a tiny Qwen3.5 hybrid import), each checked against the host's Python runtime: em_check's
 # own checks (fork, batch, misuse refused), logits after a 40-token prefill and 24 greedy steps, a batch at
 # positions 5 and 11, checkpoints handed over both ways: 20 tests. The sample-app test is skipped (it builds
-# for the host). Extra arguments go to pytest (e.g. -k deltanet).
+# for the host), and so are the trt backend's (their placeholder engines are made on the host); the trt
+# backend itself compiles in when TensorRT's and CUDA's headers are found (headers only: TensorRT and the
+# CUDA driver are opened at run time). Extra arguments go to pytest (e.g. -k deltanet).
 #
 # Under qemu-user two things break onnxruntime unless the emulated process is given them:
 # - an ARM /proc/cpuinfo: qemu shows the host's, from which onnxruntime's CPU detection cannot read an ARM

@@ -72,6 +72,8 @@ em_engine_options em_engine_default_options(void) {
     options.target = nullptr;
     options.chunk_size = 0;
     options.check_files = 1;
+    options.engines = nullptr;
+    options.plugins = nullptr;
     return options;
 }
 

@@ -49,33 +49,6 @@ std::vector<int64_t> shape_of(const OrtValue *value) {
     return Ort::TensorTypeAndShapeInfo(info).GetShape();
 }
 
-float half_to_float(uint16_t h) {
-    const uint32_t sign = uint32_t(h >> 15) << 31, exponent = (h >> 10) & 31, mantissa = h & 1023;
-    uint32_t bits;
-    if (exponent == 31) bits = sign | 0x7F800000u | (mantissa << 13);
-    else if (exponent) bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
-    else {
-        float v = float(mantissa) * (1.0f / 16777216.0f);
-        std::memcpy(&bits, &v, 4);
-        bits |= sign;
-    }
-    float out;
-    std::memcpy(&out, &bits, 4);
-    return out;
-}
-
-void to_float(const uint8_t *src, const DType *dtype, size_t n, float *dst) {
-    if (dtype->onnx == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
-        std::memcpy(dst, src, n * 4);
-    } else {
-        for (size_t i = 0; i < n; ++i) {
-            uint16_t h;
-            std::memcpy(&h, src + 2 * i, 2);
-            dst[i] = half_to_float(h);
-        }
-    }
-}
-
 bool is_dir(const std::string &path) {
     struct stat info {};
     return ::stat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode);
@@ -166,7 +139,23 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
         // target, as the Python runtime picks it
         std::vector<std::string> targets = m.at("targets").get<std::vector<std::string>>();
         auto has = [&](const std::string &t) { return std::find(targets.begin(), targets.end(), t) != targets.end(); };
-        if (options.target) {
+        backend = options.backend ? options.backend : "ort";
+        if (backend != "ort" && backend != "ort-cuda" && backend != "trt")
+            fail(EM_ERR_BACKEND, "unknown backend '" + backend + "'; choose from ort, ort-cuda, trt");
+        if (backend == "trt") {  // edgemem/runtime/trt.py `_open`, `check_model`
+            if (options.target && std::string(options.target) != "trt")
+                fail(EM_ERR_BACKEND, std::string("backend 'trt' runs the engines built from the trt target, not '") + options.target + "'");
+            if (options.threads > 0) fail(EM_ERR_ARGUMENT, "threads is an onnxruntime setting; backend 'trt' runs on the GPU (pass 0)");
+            if (!has("trt"))
+                fail(EM_ERR_BACKEND, dir + " has no trt target (it has " + join(targets) + "); export with `edgemem export --target trt`, then `edgemem build`");
+            std::vector<std::string> grows;
+            for (const auto &spec : specs)
+                if (spec.growing) grows.push_back(spec.input);
+            if (!grows.empty())
+                fail(EM_ERR_BACKEND, arch + "'s state grows (" + join({grows.begin(), grows.begin() + long(std::min<size_t>(2, grows.size()))}) +
+                                         ": a KV cache); backend 'trt' runs fixed-size state only: use backend 'ort' or 'ort-cuda'");
+            target = "trt";
+        } else if (options.target) {
             target = options.target;
             if (!has(target)) fail(EM_ERR_BACKEND, dir + " has no '" + target + "' target (it has " + join(targets) + ")");
             if (target == "trt") fail(EM_ERR_BACKEND, "the trt target is for TensorRT with edgemem's plugins, not onnxruntime; load the ort or generic target");
@@ -198,7 +187,7 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
         // A prefill here returns the last position's logits only: the graph that projects only that row serves it.
         if (graphs.value("prefill", false)) prefill_kind_ = graphs.value("prefill_last", false) ? PREFILL_LAST : PREFILL;
         const json stores = m.value("weights", json());
-        if (stores.is_object() && stores.contains(target)) {
+        if (backend != "trt" && stores.is_object() && stores.contains(target)) {
             const json &store = stores[target];
             const std::string file = dir + "/" + store.at("file").get<std::string>();
             const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
@@ -242,8 +231,6 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
             }
         }
         chunk = options.chunk_size > 0 ? options.chunk_size : 512;
-        backend = options.backend ? options.backend : "ort";
-        if (backend != "ort" && backend != "ort-cuda") fail(EM_ERR_BACKEND, "unknown backend '" + backend + "'; choose from ort, ort-cuda");
         for (size_t i = 0; i < specs.size(); ++i) (specs[i].growing ? growing : fixed).push_back(i);
         // a fresh stream's state
         std::map<std::string, Blob> stored;
@@ -272,6 +259,17 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
         }
     } catch (const json::exception &e) {
         fail(EM_ERR_MANIFEST, bad + e.what());
+    }
+    if (backend == "trt") {
+#ifdef EDGEMEM_TENSORRT
+        TrtExport model{directory, arch, identity, tokens_name, logits_name, vocab, &specs};
+        trt = open_trt(model, options.engines, options.plugins);
+        logits_dtype = dtype_named("float32");  // the backend hands logits over as float32
+        return;
+#else
+        fail(EM_ERR_BACKEND, "backend 'trt': this libedgemem was built without the TensorRT backend; configure native/ with "
+                             "-DEDGEMEM_TENSORRT=ON -DTENSORRT_INCLUDE_DIR=<TensorRT include folder> (native/README.md)");
+#endif
     }
     in_names.push_back(tokens_name.c_str());
     out_names.push_back(logits_name.c_str());
@@ -356,6 +354,11 @@ Snapshot Engine::fresh() const {
 em_stream *Engine::new_stream(const Snapshot *from) {
     auto s = std::make_unique<em_stream>();
     s->engine = this;
+    if (trt) {
+        s->device = trt->alloc();
+        assign(s.get(), from ? *from : fresh());
+        return s.release();
+    }
     for (size_t i : fixed) {
         const Spec &spec = specs[i];
         s->owned.push_back(alloc(spec.shape(1), spec.dtype));
@@ -375,7 +378,10 @@ void Engine::assign(em_stream *s, const Snapshot &snap) {
         caches.push_back(alloc(snap.state[i].shape, specs[i].dtype));
         if (!snap.state[i].data.empty()) std::memcpy(caches.back().GetTensorMutableRawData(), snap.state[i].data.data(), snap.state[i].data.size());
     }
-    for (size_t f = 0; f < fixed.size(); ++f) std::memcpy(data(s->fixed[f][0]), snap.state[fixed[f]].data.data(), specs[fixed[f]].row_bytes());
+    for (size_t f = 0; f < fixed.size(); ++f) {
+        if (trt) trt->upload(*s->device, fixed[f], 0, snap.state[fixed[f]].data.data());
+        else std::memcpy(data(s->fixed[f][0]), snap.state[fixed[f]].data.data(), specs[fixed[f]].row_bytes());
+    }
     s->caches = std::move(caches);
     s->side = 0;
     s->slot = nullptr;
@@ -391,10 +397,15 @@ Snapshot Engine::snapshot(const em_stream *s) {
     for (size_t f = 0; f < fixed.size(); ++f) {
         const Spec &spec = specs[fixed[f]];
         const size_t bytes = spec.row_bytes();
-        const uint8_t *p = s->slot ? data(s->slot->fixed[f][size_t(s->slot->side)]) + s->row * bytes : data(s->fixed[f][size_t(s->side)]);
         Blob &blob = snap.state[fixed[f]];
         blob.dtype = spec.dtype;
         blob.shape = spec.shape(1);
+        if (trt) {
+            blob.data.resize(bytes);
+            trt->download(blob.data.data(), *s->device, fixed[f], s->side);
+            continue;
+        }
+        const uint8_t *p = s->slot ? data(s->slot->fixed[f][size_t(s->slot->side)]) + s->row * bytes : data(s->fixed[f][size_t(s->side)]);
         blob.data.assign(p, p + bytes);
     }
     for (size_t g = 0; g < growing.size(); ++g) {
@@ -462,6 +473,13 @@ void Engine::step_one(em_stream *s, int64_t token) {
         std::lock_guard<std::recursive_mutex> hold(mutex);
         sync(s);
     }
+    if (trt) {
+        trt->step(*s->device, s->side, token, s->next.data());
+        s->side ^= 1;
+        s->position += 1;
+        s->has_logits = true;
+        return;
+    }
     *reinterpret_cast<int64_t *>(data(s->ids)) = token;
     std::vector<OrtValue *> inputs{s->ids}, outputs{s->logits};
     for (auto &sides : s->fixed) inputs.push_back(sides[size_t(s->side)]), outputs.push_back(sides[size_t(1 - s->side)]);
@@ -481,8 +499,19 @@ void Engine::prefill_tokens(em_stream *s, const int64_t *tokens, size_t n) {
             fail(EM_ERR_TOKEN, "token id " + std::to_string(tokens[i]) + " at index " + std::to_string(i) +
                                    " of the prompt is outside the vocabulary [0, " + std::to_string(vocab) + ")");
     check_room(s->position, int64_t(n));
-    if (!prefill) {
+    if (trt ? !trt->has_prefill : !prefill) {
         for (size_t i = 0; i < n; ++i) step_one(s, tokens[i]);
+        return;
+    }
+    if (trt) {
+        const size_t most = std::min(size_t(chunk), trt->max_tokens());
+        for (size_t start = 0; start < n; start += most) {
+            const size_t count = std::min(n - start, most);
+            trt->prefill(*s->device, s->side, tokens + start, count, s->next.data());
+            s->side ^= 1;
+            s->position += int64_t(count);
+            s->has_logits = true;
+        }
         return;
     }
     if (s->slot) {
@@ -546,6 +575,20 @@ void Engine::step_batch(em_stream *const *streams, const int64_t *tokens, size_t
     } flags{order};
     for (em_stream *s : order) s->in_batch = true;
 
+    if (trt) {
+        std::vector<DeviceState *> states;
+        std::vector<int> sides;
+        std::vector<float *> next;
+        for (size_t i = 0; i < n; ++i)
+            states.push_back(streams[i]->device.get()), sides.push_back(streams[i]->side), next.push_back(streams[i]->next.data());
+        trt->step_batch(states, sides, tokens, next);
+        for (size_t i = 0; i < n; ++i) {
+            if (logits_out) std::memcpy(logits_out + i * size_t(vocab), streams[i]->next.data(), size_t(vocab) * sizeof(float));
+            streams[i]->has_logits = true;
+            streams[i]->position += 1;
+        }
+        return;
+    }
     std::lock_guard<std::recursive_mutex> hold(mutex);
     Slot *slot = nullptr;
     for (size_t k = 0; k < slots.size(); ++k)

@@ -1,5 +1,6 @@
 // The engine and streams behind edgemem.h: an export's manifest, its graphs in onnxruntime sessions, and
-// each stream's state in onnxruntime tensors on the host.
+// each stream's state in onnxruntime tensors on the host; or, with backend "trt", its TensorRT engines
+// and each stream's state on the GPU (trt.hpp: the backend keeps the buffers, this file the protocol).
 //
 // Fixed-size state (recurrent states, positions, preallocated KV caches) lives in two buffers per
 // tensor, sides A and B: a run reads the current side and writes the other, then the side flips, so
@@ -24,21 +25,11 @@
 
 #include <onnxruntime_cxx_api.h>
 
+#include "trt.hpp"
 #include "util.hpp"
 
 namespace em {
 
-struct Spec {
-    std::string input, output;
-    std::vector<int64_t> dims;  // -1: batch, -2: past_sequence
-    const DType *dtype = nullptr;
-    bool from_file = false;  // init "file": state_init.safetensors
-    bool growing = false;
-    bool in_place = false;   // one buffer for both sides
-    bool cache = false;      // a preallocated KV cache (manifest kv_cache.states): checkpoints hold its filled part
-    std::vector<int64_t> shape(int64_t batch, int64_t past = 0) const;
-    size_t row_bytes() const;  // bytes of one batch row (fixed-size state)
-};
 
 struct Slot;
 struct Engine;
@@ -62,6 +53,7 @@ struct em_stream {
     int side = 0;
     int64_t position = 0;
     bool has_logits = false;
+    std::unique_ptr<em::DeviceState> device;  // backend "trt": the state on the GPU (`fixed` and `caches` stay empty)
     em::Slot *slot = nullptr;  // set while the fixed-size state is a row of a batch slot
     size_t row = 0;
     mutable std::mutex mutex;
@@ -108,6 +100,7 @@ struct Engine {
     Ort::PrepackedWeightsContainer packed;  // MLAS's packed copy of each weight, one for both sessions
     std::unique_ptr<Ort::Session> step, prefill;
     std::unique_ptr<Ort::RunOptions> shrink;  // prefill runs: arena shrinkage (null where the prefill has no arena)
+    std::unique_ptr<TrtBackend> trt;          // backend "trt" (then no sessions)
 
     std::vector<std::unique_ptr<Slot>> slots;  // least recently used first
     std::recursive_mutex mutex;

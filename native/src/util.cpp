@@ -71,6 +71,18 @@ float half_to_float(uint16_t h) {
 }
 }  // namespace
 
+void to_float(const uint8_t *src, const DType *dtype, size_t n, float *dst) {
+    if (dtype->onnx == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
+        std::memcpy(dst, src, n * 4);
+        return;
+    }
+    for (size_t i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, src + 2 * i, 2);
+        dst[i] = half_to_float(h);
+    }
+}
+
 const DType *dtype_named(const std::string &name) {
     for (const auto &d : DTYPES)
         if (d.name == name) return &d;

@@ -39,6 +39,20 @@ struct Blob {
     std::vector<uint8_t> data;
 };
 
+// A state tensor of the manifest (edgemem.json "state").
+struct Spec {
+    std::string input, output;
+    std::vector<int64_t> dims;  // -1: batch, -2: past_sequence
+    const DType *dtype = nullptr;
+    bool from_file = false;  // init "file": state_init.safetensors
+    bool growing = false;
+    bool in_place = false;   // one buffer for both sides
+    bool cache = false;      // a preallocated KV cache (manifest kv_cache.states): checkpoints hold its filled part
+    std::vector<int64_t> shape(int64_t batch, int64_t past = 0) const;
+    size_t row_bytes() const;  // bytes of one batch row (fixed-size state)
+};
+
+void to_float(const uint8_t *src, const DType *dtype, size_t n, float *dst);  // float32 or float16 to float32
 int64_t elements(const std::vector<int64_t> &shape);
 bool all_finite(const Blob &blob);  // float dtypes: no NaN or infinity; others: true
 

@@ -1,6 +1,6 @@
 // The native runtime's checks on one export, driven by tests/test_native_runtime.py.
 //
-//   em_check DIR WORK
+//   em_check DIR WORK [BACKEND]      (BACKEND: ort, the default, or trt)
 //
 // WORK/prompt.i64 holds 40 token ids; WORK/py.state, if present, a checkpoint written by the Python
 // runtime. Writes, for the Python side to compare (float32 / int64, little-endian):
@@ -81,14 +81,31 @@ void refused(int status, int code, const std::string &what) {
 }
 }  // namespace
 
+// em_check --load EXPORT_DIR BACKEND [PLUGINS]: load through em_engine_load_ex and print "loaded", or the
+// error code and message of the refusal (one line each).
+int load(int argc, char **argv) {
+    em_engine_options options = em_engine_default_options();
+    options.backend = argv[3];
+    options.plugins = argc > 4 ? argv[4] : nullptr;
+    em_engine *engine = em_engine_load_ex(argv[2], &options);
+    if (engine) std::cout << "loaded\n";
+    else std::cout << "code " << em_last_error_code() << "\n" << em_last_error() << "\n";
+    em_engine_free(engine);
+    return 0;
+}
+
 int main(int argc, char **argv) {
-    if (argc != 3) {
-        std::cerr << "usage: em_check EXPORT_DIR WORK_DIR\n";
+    if (argc >= 4 && argc <= 5 && std::string(argv[1]) == "--load") return load(argc, argv);
+    if (argc != 3 && argc != 4) {
+        std::cerr << "usage: em_check EXPORT_DIR WORK_DIR [BACKEND] | em_check --load EXPORT_DIR BACKEND [PLUGINS]\n";
         return 2;
     }
     const std::string dir = argv[1], work = argv[2];
     try {
-        edgemem::Engine engine(dir, 1);
+        em_engine_options options = em_engine_default_options();
+        options.backend = argc == 4 ? argv[3] : "ort";
+        options.threads = std::string(options.backend) == "trt" ? 0 : 1;
+        edgemem::Engine engine(dir, options);
         const int64_t vocab = engine.vocab_size();
         const auto prompt = read<int64_t>(work + "/prompt.i64");
 

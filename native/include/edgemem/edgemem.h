@@ -27,18 +27,18 @@ extern "C" {
 #endif
 
 #define EM_VERSION_MAJOR 0
-#define EM_VERSION_MINOR 1
+#define EM_VERSION_MINOR 2
 
 typedef enum em_status {
     EM_OK = 0,
     EM_ERR_ARGUMENT = 1,   /* a NULL handle, a bad option or size */
     EM_ERR_MANIFEST = 2,   /* not an export, or its files do not match edgemem.json */
-    EM_ERR_BACKEND = 3,    /* the backend or target cannot run here, or onnxruntime refused the graphs */
+    EM_ERR_BACKEND = 3,    /* the backend or target cannot run here (a library, driver or GPU missing), or it refused the graphs */
     EM_ERR_TOKEN = 4,      /* a token id outside [0, vocab), or an empty prompt */
     EM_ERR_STATE_FILE = 5, /* a checkpoint that is missing, corrupt, or of another model */
     EM_ERR_CACHE_FULL = 6, /* past the preallocated KV cache's max_length (an export without a window) */
     EM_ERR_BATCH = 7,      /* streams that cannot run in one batch */
-    EM_ERR_RUN = 8,        /* onnxruntime failed running a graph */
+    EM_ERR_RUN = 8,        /* onnxruntime, TensorRT or CUDA failed running a graph */
     EM_ERR_IO = 9,         /* a file that cannot be written */
     EM_ERR_NO_LOGITS = 10, /* a fresh stream has no next-token logits yet */
     EM_ERR_INTERNAL = 11   /* out of memory, or a bug */
@@ -55,11 +55,15 @@ EM_API int em_last_error_code(void);
 
 /* ------------------------------------------------------------------ engines */
 typedef struct em_engine_options {
-    int threads;         /* onnxruntime intra-op threads; 0: one per core */
-    const char *backend; /* "ort" (CPU) or "ort-cuda" (onnxruntime's CUDA provider, state in host memory); NULL: "ort" */
-    const char *target;  /* which lowered graphs; NULL: "ort" if the export has it, else "generic", else "onnx27" */
-    int chunk_size;      /* tokens per prefill-graph run; 0: 512 */
+    int threads;         /* onnxruntime intra-op threads; 0: one per core (backend "trt": must be 0) */
+    const char *backend; /* "ort" (CPU), "ort-cuda" (onnxruntime's CUDA provider, state in host memory) or "trt"
+                            (the TensorRT engines of `edgemem build`, state on the GPU); NULL: "ort" */
+    const char *target;  /* which lowered graphs; NULL: "ort" if the export has it, else "generic", else "onnx27"
+                            (backend "trt": "trt") */
+    int chunk_size;      /* tokens per prefill-graph run; 0: 512 (backend "trt": at most the prefill engine's profile) */
     int check_files;     /* nonzero (the default): check every file's sha256 */
+    const char *engines; /* backend "trt": the folder of engines.json; NULL: DIR/engines */
+    const char *plugins; /* backend "trt": libedgemem_trt_plugins.so the engines were built with; NULL: $EDGEMEM_TRT_PLUGINS */
 } em_engine_options;
 
 EM_API em_engine_options em_engine_default_options(void);

@@ -156,10 +156,10 @@ def archs(as_json: bool) -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a preset setting (repeatable).")
 @click.option(
     "--dtype",
-    type=click.Choice(["fp32", "fp16"]),
+    type=click.Choice(["fp32", "fp16", "bf16"]),
     default="fp32",
     show_default=True,
-    help="Weights and activations; state is always fp32.",
+    help="Weights and activations; state is always fp32. bf16: --target trt only.",
 )
 @click.option("--force", is_flag=True, help="Replace a non-empty output directory.")
 @click.option(

@@ -52,7 +52,7 @@ STATE_DTYPES = ("float32", "float16", "float64", "int64")
 STATE_INIT = "state_init.safetensors"
 TOKENIZER_DIR = "tokenizer"  # the tokenizer files an export carries
 TARGETS = ("generic", "ort", "onnx27", "trt")
-DTYPES = ("fp32", "fp16")  # of the weights and activations (config.dtype)
+DTYPES = ("fp32", "fp16", "bf16")  # of the weights and activations (config.dtype); bf16: trt target only
 MIN_OPSET, MAX_OPSET = 18, 27  # what edgemem's graphs are written at (edgemem.export.OPSET, onnx27's LinearAttention)
 ONNX_DTYPES = {
     "float32": "float",

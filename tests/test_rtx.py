@@ -438,3 +438,23 @@ def test_build_command_makes_rtx_engines_with_edgemem_plugins(edgemem_plugins, s
     reports = json.loads(_run([sys.executable, "-c", RTX_CHECK, *map(str, built)]).stdout.strip().splitlines()[-1])
     for engine in built:
         _check_engine(reports[str(engine)], engine)
+
+
+def test_bf16_export_builds_rtx_engines_through_the_plugins_in_bfloat16(edgemem_plugins, tmp_path):
+    """A bf16 gated DeltaNet (`edgemem export --dtype bf16 --target trt`) builds with TensorRT for RTX: the engines
+    are strongly typed, so the build succeeds only if LinearAttention's plugin takes bfloat16 I/O beside its
+    float32 state; engines.json records the export's dtype."""
+    from click.testing import CliRunner
+
+    from edgemem.cli import main
+    from edgemem.export import export
+    from edgemem.models import build
+
+    export(build("gated-deltanet", seed=0, d_model=32, mlp_hidden=32), tmp_path / "bf16", targets=["trt"], dtype="bf16")
+    args = ["build", str(tmp_path / "bf16"), "--rtx", "--sm", "86", "--plugins", str(edgemem_plugins)]
+    result = CliRunner().invoke(main, [*args, "--max-sequence", "16", "--out", str(tmp_path / "engines")])
+    assert result.exit_code == 0, result.output
+    info = json.loads((tmp_path / "engines" / "engines.json").read_text())
+    assert info["export"]["dtype"] == "bf16" and set(info["engines"]) == {"prefill", "step"}
+    for record in info["engines"].values():
+        assert record["plugins"] and {p["op"] for p in record["plugins"]} == {"LinearAttention"}, record["plugins"]

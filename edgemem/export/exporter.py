@@ -52,8 +52,14 @@ from edgemem.models.source import Source
 log = logging.getLogger(__name__)
 
 OPSET = 20
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
-_ONNX_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.float64: "float64", torch.int64: "int64"}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_ONNX_DTYPES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+    torch.int64: "int64",
+}
 
 
 def _check_protocol(model: nn.Module) -> None:
@@ -214,6 +220,11 @@ def export(
         )
     if dtype not in DTYPES:
         raise EdgememError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    if dtype == "bf16" and set(targets) != {"trt"}:
+        raise EdgememError(
+            f"dtype bf16 exports the trt target only (onnxruntime's CPU kernels take no bfloat16); got targets "
+            f"{', '.join(targets)}: pass --target trt, or export at fp16/fp32"
+        )
     if len(set(targets)) != len(targets):
         raise EdgememError(f"targets repeat: {', '.join(targets)}; name each at most once")
     kv = getattr(model, "kv_cache", None)
@@ -228,9 +239,10 @@ def export(
     kind = kinds.of(model)
 
     model = model.eval()
-    if dtype == "fp16":
-        model = copy.deepcopy(model).half()
-        _check_finite(model, " in float16 (a value past ±65504: export at fp32)")
+    if dtype != "fp32":
+        model = copy.deepcopy(model).to(DTYPES[dtype])
+        if dtype == "fp16":
+            _check_finite(model, " in float16 (a value past ±65504: export at fp32)")
     state_dtype = torch.float32  # state stays fp32 whatever the weights
     segment = prefill_segment(model)
     position = position_input(model) if segment else ""

@@ -56,6 +56,8 @@ class _Graph(nn.Module):
     def forward(self, input_ids: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
         extras, state = dict(zip(self.extras, rest)), rest[len(self.extras) :]
         out, new = self.model.prefill(input_ids, dict(zip(self.names, state)), **extras)
+        if out.dtype == torch.bfloat16:  # a bf16 export's logits reach the host as float32: numpy has no bfloat16
+            out = out.float()
         return (out, *(new[n] for n in self.written))
 
 

@@ -83,8 +83,8 @@ bool BandedAttentionPlugin::supports(int32_t pos, DynamicPluginTensorDesc const*
     PluginTensorDesc const& d = inOut[pos].desc;
     switch (pos)
     {
-    case kQuery:
-    case kPersistentKey: return isFloatType(d.type);
+    case kQuery: return isFloatType(d.type);
+    case kPersistentKey: return isStateType(d.type, inOut[kQuery].desc.type);
     case kGlobalMask: return d.type == DataType::kBOOL;
     case kPersistentValue: return d.type == inOut[kPersistentKey].desc.type;
     default: return d.type == inOut[kQuery].desc.type; // key, value, output

@@ -86,7 +86,7 @@ int launchBanded(
     if (pd == kFloat32)
         bandedAttentionKernel<T, float><<<grid, kBaThreads, 0, stream>>>(p, dil, io);
     else
-        bandedAttentionKernel<T, __half><<<grid, kBaThreads, 0, stream>>>(p, dil, io);
+        bandedAttentionKernel<T, typename Narrow<T>::type><<<grid, kBaThreads, 0, stream>>>(p, dil, io);
     return launchStatus();
 }
 
@@ -101,15 +101,14 @@ int bandedAttention(attn::BandedParams const& p, int32_t const* dilation, Banded
     if (int const st = attn::checkDilation(dilation, p.heads, &mx))
         return st;
     if (p.heads > kMaxHeads || p.heads > 65535 || p.batch > 65535 || !validDType(dtype)
-        || !validDType(persistent_dtype))
+        || !validState(persistent_dtype, dtype))
         return kUnsupported;
     if (p.batch == 0 || p.seq == 0)
         return kOk;
     Dilation dil{};
     for (int h = 0; h < p.heads; ++h)
         dil.v[h] = dilation[h];
-    return dtype == kFloat32 ? launchBanded<float>(p, dil, io, persistent_dtype, stream)
-                             : launchBanded<__half>(p, dil, io, persistent_dtype, stream);
+    return withType(dtype, [&](auto t) { return launchBanded<decltype(t)>(p, dil, io, persistent_dtype, stream); });
 }
 
 } // namespace cuda

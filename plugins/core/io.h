@@ -25,6 +25,7 @@ enum DType : int32_t
 {
     kFloat32 = 0,
     kFloat16 = 1,
+    kBFloat16 = 2,
 };
 
 } // namespace edgemem

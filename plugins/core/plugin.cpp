@@ -389,8 +389,12 @@ int32_t PluginBase::status(int launch_status) const noexcept
 }
 
 bool isLinear(PluginTensorDesc const& d) { return d.format == TensorFormat::kLINEAR; }
-bool isFloatType(DataType t) { return t == DataType::kFLOAT || t == DataType::kHALF; }
-int dtypeOf(DataType t) { return t == DataType::kHALF ? kFloat16 : kFloat32; }
+bool isFloatType(DataType t) { return t == DataType::kFLOAT || t == DataType::kHALF || t == DataType::kBF16; }
+int dtypeOf(DataType t) { return t == DataType::kHALF ? kFloat16 : t == DataType::kBF16 ? kBFloat16 : kFloat32; }
+bool isStateType(DataType state, DataType io)
+{
+    return state == DataType::kFLOAT || state == (io == DataType::kBF16 ? DataType::kBF16 : DataType::kHALF);
+}
 
 std::string checkHeadsWindowDilation(int32_t heads, int32_t window, std::vector<int32_t> const& dilation)
 {

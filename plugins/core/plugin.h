@@ -156,8 +156,11 @@ protected:
 
 // Shared helpers for the build-phase methods.
 bool isLinear(nvinfer1::PluginTensorDesc const& d);
-bool isFloatType(nvinfer1::DataType t); // kFLOAT or kHALF
-int dtypeOf(nvinfer1::DataType t);      // edgemem::DType for kFLOAT / kHALF
+bool isFloatType(nvinfer1::DataType t); // kFLOAT, kHALF or kBF16
+int dtypeOf(nvinfer1::DataType t);      // edgemem::DType for kFLOAT / kHALF / kBF16
+// A ring or persistent tensor beside I/O of type `io`: kFLOAT or io's 16-bit type (kBF16 beside kBF16,
+// else kHALF), the combinations the kernels are built for.
+bool isStateType(nvinfer1::DataType state, nvinfer1::DataType io);
 // The attention ops' common attributes: "" or what is wrong with num_heads, window, dilation.
 std::string checkHeadsWindowDilation(int32_t heads, int32_t window, std::vector<int32_t> const& dilation);
 

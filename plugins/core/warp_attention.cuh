@@ -66,7 +66,7 @@ struct WarpAttention
     }
 };
 
-inline bool validDType(DType d) { return d == kFloat32 || d == kFloat16; }
+inline bool validDType(DType d) { return d == kFloat32 || d == kFloat16 || d == kBFloat16; }
 
 } // namespace cuda
 } // namespace edgemem

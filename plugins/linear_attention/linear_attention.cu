@@ -258,12 +258,7 @@ int linearAttention(la::Params const& p, LinearAttentionIO const& io, DType dtyp
         if (st != kUnsupported || path == LaPath::kChunked)
             return st;
     }
-    switch (dtype)
-    {
-    case kFloat32: return dispatch<float>(p, io, stream);
-    case kFloat16: return dispatch<__half>(p, io, stream);
-    }
-    return kUnsupported;
+    return withType(dtype, [&](auto t) { return dispatch<decltype(t)>(p, io, stream); });
 }
 
 } // namespace cuda

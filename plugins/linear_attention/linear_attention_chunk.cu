@@ -670,12 +670,7 @@ int linearAttentionChunked(la::Params const& p, LinearAttentionIO const& io, DTy
     if (l.tokens == 0 || !dev.tensorCores)
         return kUnsupported;
     float* ws = static_cast<float*>(workspace);
-    switch (dtype)
-    {
-    case kFloat32: return dispatchChunked<float>(p, io, l, ws, dev, stream);
-    case kFloat16: return dispatchChunked<__half>(p, io, l, ws, dev, stream);
-    }
-    return kUnsupported;
+    return withType(dtype, [&](auto t) { return dispatchChunked<decltype(t)>(p, io, l, ws, dev, stream); });
 }
 
 } // namespace cuda

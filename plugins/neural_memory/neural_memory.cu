@@ -270,7 +270,7 @@ int neuralMemory(nm::Params const& p, NeuralMemoryIO const& io, DType dtype, cud
 {
     if (int const st = nm::check(p))
         return st;
-    if (dtype != kFloat32 && dtype != kFloat16)
+    if (dtype != kFloat32 && dtype != kFloat16 && dtype != kBFloat16)
         return kUnsupported;
     if (p.batch == 0)
         return kOk;
@@ -289,7 +289,7 @@ int neuralMemory(nm::Params const& p, NeuralMemoryIO const& io, DType dtype, cud
     }
     else
     {
-        int const st = dtype == kFloat32 ? launch<float>(p, io, stream) : launch<__half>(p, io, stream);
+        int const st = withType(dtype, [&](auto t) { return launch<decltype(t)>(p, io, stream); });
         if (st)
             return st;
     }

@@ -2,7 +2,7 @@
 
 Two libraries expose the same C ABI over the same structs (each op's `launch.h` in plugins/):
 `libedgemem_reference.so` (`em_ref_*`: the CPU reference, float32 host tensors) and
-`libedgemem_kernels.so` (`em_cuda_*`: the CUDA kernels, float32/float16 device tensors, run on
+`libedgemem_kernels.so` (`em_cuda_*`: the CUDA kernels, float32/float16/bfloat16 device tensors, run on
 torch's current stream). `Native(path)` picks the prefix from the library it loads; every op
 takes torch tensors in the ONNX node's layout and returns new output tensors, or writes into
 `present_*` tensors given by the caller (pass the past tensors themselves to run in place).
@@ -21,7 +21,7 @@ import torch
 
 UPDATE_RULES = {"linear": 0, "gated": 1, "delta": 2, "gated_delta": 3}
 ACTIVATIONS = {"silu": 0, "gelu": 1, "relu": 2, "identity": 3}
-DTYPES = {torch.float32: 0, torch.float16: 1}
+DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 STATUS = {1: "bad argument", 2: "unsupported", 3: "CUDA error"}
 LA_PATHS = {"auto": 0, "sequential": 1, "chunked": 2}  # edgemem::cuda::LaPath
 

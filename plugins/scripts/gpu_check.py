@@ -7,7 +7,7 @@ Driven by gpu_check.sh (which builds the libraries and runs compute-sanitizer); 
 BUILD_DIR holds libedgemem_kernels.so and libedgemem_reference.so (cmake -S plugins -B BUILD_DIR).
 Every case runs the kernels through their C ABI on torch CUDA tensors and compares with
   - truth: the edgemem.ops implementation in float64 on the CPU, fed the inputs as the kernel saw
-    them (rounded to float16 for the float16 cases);
+    them (rounded to float16 / bfloat16 for the 16-bit cases);
   - the CPU reference library (float32 cases): the same math headers compiled for the host.
 Modes: "prefill" (T tokens, separate state buffers), "in-place" (state-in and state-out one
 buffer), "steps" (T single-token calls on one in-place state, compared with the one-call truth);
@@ -40,7 +40,8 @@ sys.path.insert(0, str(HERE.parent / "python"))
 from edgemem_native import Native, NativeError  # noqa: E402
 
 F64 = torch.float64
-TOL = {torch.float32: 5e-5, torch.float16: 4e-3}  # max |got - truth| / max(1, max |truth|)
+# max |got - truth| / max(1, max |truth|); bfloat16: float16's times the ratio of their unit roundoffs, 2^-8 / 2^-11
+TOL = {torch.float32: 5e-5, torch.float16: 4e-3, torch.bfloat16: 3.2e-2}
 REF_TOL = 5e-5  # kernels vs CPU reference, float32
 
 
@@ -113,7 +114,7 @@ def _err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _dt(dtype: torch.dtype) -> str:
-    return {torch.float32: "fp32", torch.float16: "fp16"}[dtype]
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
 
 def _cpu(x: torch.Tensor) -> torch.Tensor:
@@ -243,10 +244,11 @@ WA_QUICK = [WA_CASES[0], WA_CASES[2]]
 def check_window_attention(h: Harness, quick: bool) -> None:
     from edgemem.ops import window_attention_prefill
 
-    ring_dtypes = [torch.float32, torch.float16] if torch.float16 in h.dtypes else [torch.float32]
     for name, b, t, heads, d, dv, window, dil, persistent, positions in WA_QUICK if quick else WA_CASES:
         for dtype in h.dtypes:
-            for rdtype in ring_dtypes:
+            # the ring: float32 or the I/O's 16-bit type (bfloat16 beside bfloat16, else float16)
+            narrow = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
+            for rdtype in [torch.float32, narrow] if len(h.dtypes) > 1 else [torch.float32]:
                 g = torch.Generator().manual_seed(len(name) + t)
                 rand = lambda *s: torch.randn(*s, generator=g, dtype=F64)  # noqa: E731
                 ring = window * max(dil)
@@ -607,7 +609,7 @@ def time_prefill(h: Harness) -> list[tuple[str, str, float | None, float | None,
         (1, 32, 64, 4096),
     ]
     for b, heads, d, t in shapes:
-        for dtype in (torch.float32, torch.float16):
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
             q = torch.randn(b, t, heads * d, device=dev, dtype=dtype)
             k = torch.nn.functional.normalize(torch.randn(b, t, heads, d, device=dev), dim=-1).flatten(2).to(dtype)
             v = torch.randn(b, t, heads * d, device=dev, dtype=dtype)
@@ -667,7 +669,8 @@ def report(h: Harness, timings: list[Timing], prefill: list, device_name: str, e
     failed = [r for r in h.rows if not r.ok]
     lines.append(
         f"{len(h.rows) - len(failed)} of {len(h.rows)} numerical checks passed "
-        f"({elapsed:.0f} s); tolerances: fp32 {TOL[torch.float32]:.0e}, fp16 {TOL[torch.float16]:.0e} "
+        f"({elapsed:.0f} s); tolerances: fp32 {TOL[torch.float32]:.0e}, fp16 {TOL[torch.float16]:.0e}, "
+        f"bf16 {TOL[torch.bfloat16]:.1e} "
         f"relative to truth, fp32 {REF_TOL:.0e} to the CPU reference."
     )
     lines += ["", "| op | case | dtype | mode | err vs truth | err vs CPU ref | ok |", "|---|---|---|---|---|---|---|"]
@@ -749,7 +752,10 @@ def main() -> int:
             print("error: PyTorch sees no CUDA device", file=sys.stderr)
             return 2
         h = Harness(
-            Native(args.build / "libedgemem_kernels.so"), ref, torch.device("cuda"), [torch.float32, torch.float16]
+            Native(args.build / "libedgemem_kernels.so"),
+            ref,
+            torch.device("cuda"),
+            [torch.float32, torch.float16, torch.bfloat16],
         )
         device_name = torch.cuda.get_device_name()
     t0 = time.time()

@@ -379,15 +379,21 @@ Capabilities capabilities(Run& r, IPluginV3* p)
         static_cast<IPluginV3OneRuntime*>(p->getCapabilityInterface(PluginCapabilityType::kRUNTIME))};
 }
 
-DataType asIo(Tensor const& t, bool half) { return t.io && half ? DataType::kHALF : t.type; }
+// The activation types the plugins take; an activation tensor gets `io`, every other its own type.
+DataType const kIoTypes[] = {DataType::kFLOAT, DataType::kHALF, DataType::kBF16};
+char const* typeName(DataType t)
+{
+    return t == DataType::kHALF ? "float16" : t == DataType::kBF16 ? "bfloat16" : "float32";
+}
+DataType asIo(Tensor const& t, DataType io) { return t.io ? io : t.type; }
 
-std::vector<DynamicPluginTensorDesc> dynamicDescs(std::vector<Tensor> const& ts, bool half, int64_t maxT)
+std::vector<DynamicPluginTensorDesc> dynamicDescs(std::vector<Tensor> const& ts, DataType io, int64_t maxT)
 {
     std::vector<DynamicPluginTensorDesc> out;
     for (Tensor const& t : ts)
     {
         DynamicPluginTensorDesc d{};
-        d.desc.type = asIo(t, half);
+        d.desc.type = asIo(t, io);
         d.desc.format = TensorFormat::kLINEAR;
         d.desc.dims = concrete(t.dims);
         for (int32_t i = 0; i < d.desc.dims.nbDims; ++i)
@@ -421,7 +427,7 @@ std::vector<PluginTensorDesc> runtimeDescs(std::vector<Tensor> const& ts)
 
 size_t bytesOf(DataType t)
 {
-    return t == DataType::kINT64 ? 8 : t == DataType::kBOOL ? 1 : t == DataType::kHALF ? 2 : 4;
+    return t == DataType::kINT64 ? 8 : t == DataType::kBOOL ? 1 : t == DataType::kHALF || t == DataType::kBF16 ? 2 : 4;
 }
 size_t count(Dims const& d)
 {
@@ -617,18 +623,18 @@ void drive(Run& r, IPluginCreatorV3One* creator, Case const& c, bool enqueue, st
     r.call("getAliasedInput");
     r.check(cap.build->getAliasedInput(0) == -1, "no declared I/O aliasing");
 
-    // output types, for float32 and float16 activations
-    for (bool half : {false, true})
+    // output types, for float32, float16 and bfloat16 activations
+    for (DataType io : kIoTypes)
     {
         std::vector<DataType> in, out(nOut);
         for (Tensor const& t : c.inputs)
-            in.push_back(asIo(t, half));
+            in.push_back(asIo(t, io));
         r.call("getOutputDataTypes");
         int32_t const st = cap.build->getOutputDataTypes(out.data(), nOut, in.data(), nIn);
         bool ok = st == 0;
         for (int32_t i = 0; i < nOut; ++i)
-            ok = ok && out[i] == asIo(c.outputs[i], half);
-        r.check(ok, std::string("getOutputDataTypes, ") + (half ? "float16" : "float32") + " activations");
+            ok = ok && out[i] == asIo(c.outputs[i], io);
+        r.check(ok, std::string("getOutputDataTypes, ") + typeName(io) + " activations");
     }
     r.call("getOutputDataTypes");
     {
@@ -665,17 +671,17 @@ void drive(Run& r, IPluginCreatorV3One* creator, Case const& c, bool enqueue, st
         }
     }
 
-    // formats: the float32 and float16 combinations, linear only; state dtypes fixed
-    for (bool half : {false, true})
+    // formats: the float32, float16 and bfloat16 combinations, linear only; state dtypes fixed
+    for (DataType io : kIoTypes)
     {
         std::vector<Tensor> all(c.inputs);
         all.insert(all.end(), c.outputs.begin(), c.outputs.end());
-        auto descs = dynamicDescs(all, half, kT);
+        auto descs = dynamicDescs(all, io, kT);
         for (int32_t pos = 0; pos < nIn + nOut; ++pos)
         {
             r.call("supportsFormatCombination");
             r.check(cap.build->supportsFormatCombination(pos, descs.data(), nIn, nOut),
-                "supportsFormatCombination accepts position " + std::to_string(pos) + (half ? " (float16)" : ""));
+                "supportsFormatCombination accepts position " + std::to_string(pos) + " (" + typeName(io) + ")");
         }
         descs[0].desc.format = TensorFormat::kCHW32;
         r.call("supportsFormatCombination");
@@ -688,26 +694,38 @@ void drive(Run& r, IPluginCreatorV3One* creator, Case const& c, bool enqueue, st
     {
         std::vector<Tensor> all(c.inputs);
         all.insert(all.end(), c.outputs.begin(), c.outputs.end());
-        auto descs = dynamicDescs(all, false, kT);
+        auto descs = dynamicDescs(all, DataType::kFLOAT, kT);
         int32_t pos = -1; // a state-like tensor (a float32 input that is no activation) stays float32
         for (int32_t i = 0; i < nIn && pos < 0; ++i)
             if (!c.inputs[i].io && c.inputs[i].type == DataType::kFLOAT)
                 pos = i;
         std::string const name = c.op;
-        if (pos >= 0 && name != "WindowAttention"
-            && name != "BandedAttention") // their rings and persistent K/V may be float16
+        if (pos >= 0 && name != "WindowAttention" && name != "BandedAttention")
         {
             descs[pos].desc.type = DataType::kHALF;
             r.call("supportsFormatCombination");
             r.check(!cap.build->supportsFormatCombination(pos, descs.data(), nIn, nOut), "float16 state refused");
         }
+        else if (pos >= 0) // a ring or persistent K/V: float32 or the activations' 16-bit type
+            for (DataType io : kIoTypes)
+                for (DataType state : kIoTypes)
+                {
+                    auto d = dynamicDescs(all, io, kT);
+                    d[pos].desc.type = state;
+                    bool const want = state == DataType::kFLOAT
+                        || state == (io == DataType::kBF16 ? DataType::kBF16 : DataType::kHALF);
+                    r.call("supportsFormatCombination");
+                    r.check(cap.build->supportsFormatCombination(pos, d.data(), nIn, nOut) == want,
+                        std::string(want ? "accepts " : "refuses ") + "a " + typeName(state) + " state beside "
+                            + typeName(io) + " activations");
+                }
     }
 
     // configure and workspace for a profile up to 4096 tokens, and one of single tokens
     for (int64_t maxT : {int64_t(4096), int64_t(1)})
     {
-        auto in = dynamicDescs(c.inputs, false, maxT);
-        auto out = dynamicDescs(c.outputs, false, maxT);
+        auto in = dynamicDescs(c.inputs, DataType::kFLOAT, maxT);
+        auto out = dynamicDescs(c.outputs, DataType::kFLOAT, maxT);
         r.call("configurePlugin");
         r.check(cap.build->configurePlugin(in.data(), nIn, out.data(), nOut) == 0, "configurePlugin");
         r.call("getWorkspaceSize");
@@ -718,8 +736,8 @@ void drive(Run& r, IPluginCreatorV3One* creator, Case const& c, bool enqueue, st
                 + std::to_string(want));
     }
     {
-        auto in = dynamicDescs(c.inputs, false, kT);
-        auto out = dynamicDescs(c.outputs, false, kT);
+        auto in = dynamicDescs(c.inputs, DataType::kFLOAT, kT);
+        auto out = dynamicDescs(c.outputs, DataType::kFLOAT, kT);
         r.call("configurePlugin");
         r.check(
             cap.build->configurePlugin(in.data(), nIn - 1, out.data(), nOut) != 0, "configurePlugin, one input short");

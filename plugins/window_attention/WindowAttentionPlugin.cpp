@@ -90,9 +90,9 @@ bool WindowAttentionPlugin::supports(int32_t pos, DynamicPluginTensorDesc const*
     PluginTensorDesc const& d = inOut[pos].desc;
     switch (pos)
     {
-    case kQuery:
+    case kQuery: return isFloatType(d.type);
     case kPastKey:
-    case kPersistentKey: return isFloatType(d.type);
+    case kPersistentKey: return isStateType(d.type, inOut[kQuery].desc.type);
     case kPosition: return d.type == DataType::kINT64;
     case kKey:
     case kValue:

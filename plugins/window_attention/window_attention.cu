@@ -225,7 +225,7 @@ int launchWindow(attn::WindowParams const& p, Dilation const& dil, WindowAttenti
         if (pd == kFloat32)
             windowSplitKernel<T, S, float><<<grid, kWaThreads, 0, stream>>>(p, dil, io, ws);
         else
-            windowSplitKernel<T, S, __half><<<grid, kWaThreads, 0, stream>>>(p, dil, io, ws);
+            windowSplitKernel<T, S, typename Narrow<T>::type><<<grid, kWaThreads, 0, stream>>>(p, dil, io, ws);
         windowMergeKernel<T, S>
             <<<dim3(unsigned(p.heads), unsigned(p.batch)), kMaxHeadDim, 0, stream>>>(p, io, ws, splits);
         return launchStatus();
@@ -234,7 +234,7 @@ int launchWindow(attn::WindowParams const& p, Dilation const& dil, WindowAttenti
     if (pd == kFloat32)
         windowAttentionKernel<T, S, float><<<grid, kWaThreads, 0, stream>>>(p, dil, io);
     else
-        windowAttentionKernel<T, S, __half><<<grid, kWaThreads, 0, stream>>>(p, dil, io);
+        windowAttentionKernel<T, S, typename Narrow<T>::type><<<grid, kWaThreads, 0, stream>>>(p, dil, io);
     return launchStatus();
 }
 
@@ -251,7 +251,8 @@ int windowAttention(attn::WindowParams const& p, int32_t const* dilation, Window
 {
     if (int const st = attn::check(p, dilation))
         return st;
-    if (p.heads > kMaxHeads || !validDType(dtype) || !validDType(ring_dtype) || !validDType(persistent_dtype))
+    if (p.heads > kMaxHeads || !validDType(dtype) || !validState(ring_dtype, dtype)
+        || !validState(persistent_dtype, dtype))
         return kUnsupported;
     if (p.batch == 0)
         return kOk;
@@ -259,13 +260,14 @@ int windowAttention(attn::WindowParams const& p, int32_t const* dilation, Window
     for (int h = 0; h < p.heads; ++h)
         dil.v[h] = dilation[h];
     float* ws = reinterpret_cast<uintptr_t>(workspace) % 256 == 0 ? static_cast<float*>(workspace) : nullptr;
-    if (dtype == kFloat32)
-        return ring_dtype == kFloat32
-            ? launchWindow<float, float>(p, dil, io, persistent_dtype, ws, workspace_bytes, stream)
-            : launchWindow<float, __half>(p, dil, io, persistent_dtype, ws, workspace_bytes, stream);
-    return ring_dtype == kFloat32
-        ? launchWindow<__half, float>(p, dil, io, persistent_dtype, ws, workspace_bytes, stream)
-        : launchWindow<__half, __half>(p, dil, io, persistent_dtype, ws, workspace_bytes, stream);
+    return withType(dtype,
+        [&](auto t)
+        {
+            using T = decltype(t);
+            return ring_dtype == kFloat32
+                ? launchWindow<T, float>(p, dil, io, persistent_dtype, ws, workspace_bytes, stream)
+                : launchWindow<T, typename Narrow<T>::type>(p, dil, io, persistent_dtype, ws, workspace_bytes, stream);
+        });
 }
 
 } // namespace cuda

@@ -62,7 +62,7 @@ def _run(cmd: list[str], **kw) -> str:
 def measure(arch: str, work: Path, plugins: Path, sm: str, max_batch: int, max_sequence: int) -> dict:
     from edgemem.trt_build import _rtx_environment
 
-    export, edgemem = work / arch, [sys.executable, "-m", "edgemem.cli"]
+    export, edgemem = work / arch, [sys.executable, "-c", "from edgemem.cli import main; main()"]
     _run([*edgemem, "export", "--arch", arch, "--target", "trt", "--out", str(export)])
     shape = ["--max-batch", str(max_batch), "--max-sequence", str(max_sequence)]
     _run([*edgemem, "build", str(export), "--rtx", "--sm", sm, "--plugins", str(plugins), *shape])

@@ -444,7 +444,7 @@ def test_build_command_makes_rtx_engines_with_edgemem_plugins(edgemem_plugins, s
         assert result.exit_code == 0, (arch, result.output)
         manifest = load(export)
         info = json.loads((out / "engines.json").read_text())
-        assert info["format"] == "edgemem-engines/2"
+        assert info["format"] == "edgemem-engines/3"
         assert info["library"] == {
             "module": "tensorrt_rtx",
             "version": tensorrt_rtx.__version__,
@@ -485,8 +485,9 @@ def test_build_command_makes_rtx_engines_with_edgemem_plugins(edgemem_plugins, s
 
 def test_one_engine_holds_the_weights_once(edgemem_plugins, name_fix, small_exports, tmp_path):
     """Gated DeltaNet: `edgemem build --rtx` writes one engine in which each weight tensor's bytes occur
-    once, and which is smaller than the step and prefill engines built apart (as before), which hold
-    one copy each."""
+    once, as in the prefill engine built apart, and which is smaller than the step and prefill engines
+    built apart (as before), each with a copy of the weights (benchmarks/README.md: at this size what is
+    not weights dominates; at the presets' size one engine saves about a copy of the weights)."""
     from edgemem.trt_build import build_engines
 
     export = small_exports["gated-deltanet"]
@@ -503,5 +504,5 @@ def test_one_engine_holds_the_weights_once(edgemem_plugins, name_fix, small_expo
         f"{report['prefill']['bytes']:,} = {apart:,} B; one engine {report['shared']['bytes']:,} B"
     )
     assert report["weights"] >= 5  # the embedding, the projections, the head
-    assert report["step"]["copies"] == report["prefill"]["copies"] == report["shared"]["copies"] == [1]
+    assert report["shared"]["copies"] == report["prefill"]["copies"] == [1]  # each tensor's bytes once
     assert report["shared"]["bytes"] == engine.stat().st_size < apart

@@ -741,6 +741,7 @@ def test_real_engines_step_like_onnxruntime(export_dir, tmp_path):
     build_engines(export, max_batch=2, max_sequence=64)
     engine = Engine.load(export, backend="trt")
     reference = Engine.load(export, target="generic", threads=1)
+    assert engine._graphs["step"].engine is engine._graphs["prefill"].engine  # one engine, two contexts
     ours, theirs = engine.new_stream(), reference.new_stream()
     assert len(ours._buffers.state[RECURRENT]) == 1  # state-in and state-out bound to one device buffer
     assert _close(ours.prefill(b"hello world"), theirs.prefill(b"hello world"), 1e-4)

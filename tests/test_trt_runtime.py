@@ -536,6 +536,8 @@ def test_one_engine_serves_steps_and_prefills_through_its_profiles(export_dir, t
         "step": (0, 7, "on profile change"),
         "prefill": (1, 7, "on profile change"),
     }
+    with pytest.raises(BackendError, match=r"could not select optimisation profile 2 of .*model.engine for the pre"):
+        trt_runtime._TrtGraph(FAKE_TRT, shared, folder / ENGINE, "prefill", 2, 7)  # the engine has 2 profiles
     engine = trt_runtime.TrtEngine(export_dir, manifest, info, graphs, device, chunk_size=512)
     reference = Engine.load(export_dir, target="generic", threads=1)
     ours, theirs = engine.new_stream(), reference.new_stream()

@@ -1,7 +1,16 @@
-"""`edgemem build`: TensorRT (or TensorRT for RTX) engines from the `trt` target of an export directory.
+"""`edgemem build`: a TensorRT (or TensorRT for RTX) engine from the `trt` target of an export directory.
 
-    DIR/trt/{prefill,step}.onnx  ──TensorRT ONNX parser + libedgemem_trt_plugins.so──▶  OUT/{prefill,step}.engine
-                                                                                        OUT/engines.json
+    DIR/trt/prefill.onnx  ──TensorRT ONNX parser + libedgemem_trt_plugins.so──▶  OUT/model.engine
+    (DIR/trt/step.onnx: checked to be it at one token)                           OUT/engines.json
+
+One engine serves every graph, so the engine set holds the weights once: it is built from the
+prefill graph with one optimisation profile per graph kind, the step's (sequence 1..2, optimised
+for 1: `STEP_SEQUENCE`) first, then the prefill's; an execution context on the step profile runs
+steps. That is the step graph's computation: both graphs trace the same `prefill` of the model
+(`edgemem.export.graphs`), and `_check_step` refuses a step graph whose inputs and outputs are not
+the prefill graph's at one token. (Weight-stripped engines refitted at load, the other way to one
+weight file, would still hold a device copy per engine, and TensorRT for RTX 1.7 builds them only
+on a GPU.)
 
 The edgemem nodes of the trt target carry `plugin_namespace="edgemem"` and `plugin_version="1"`,
 so the parser takes them from the plugin library (built from plugins/ for the installed
@@ -18,25 +27,27 @@ nothing else): every tensor keeps the type the ONNX graph gives it, so precision
 export (`edgemem export --dtype fp16`: FP16 weights and activations, FP32 state), not by a builder
 flag. `fp16=True` (`--fp16`) asks for FP16 engines and is refused unless the export is FP16.
 
-Dynamic dims get one optimisation profile: batch 1..max_batch, sequence 1..max_sequence,
-past_sequence 0..max_sequence. The engine set is written in a staged directory that replaces OUT at
+Dynamic dims get their range in each profile: batch 1..max_batch, sequence 1..max_sequence (1..2 in
+the step profile), past_sequence 0..max_sequence. The engine set is written in a staged directory that replaces OUT at
 the end (an interrupted build leaves OUT as it was); OUT must be empty or, with `force`, hold only an
 earlier engine set (`edgemem.files.engine_files`), and may not hold the export's files.
 `engines.json` records what the runtime (`edgemem.runtime.trt`) checks before loading them: the library
 (tensorrt or tensorrt_rtx), its version and target compute capabilities, the plugin library's
-sha256, the export they come from (`Manifest.identity()`), each engine's sha256, profile and
-plugin layers (op, namespace, version: every edgemem node, LinearAttention included, is edgemem's
-plugin), and which state tensors may be bound to one buffer for input and output
-(`in_place_states`); `edgemem.runtime.engines` owns that format. Imports neither torch nor
+sha256, the export they come from (`Manifest.identity()`), per graph kind the engine file, its
+sha256, the profile index and shapes, and the plugin layers (op, namespace, version: every edgemem
+node, LinearAttention included, is edgemem's plugin), and which state tensors may be bound to one
+buffer for input and output (`in_place_states`); `edgemem.runtime.engines` owns that format. Imports neither torch nor
 tensorrt nor onnx at module import.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -54,7 +65,8 @@ from edgemem.runtime.state import is_growing
 
 log = logging.getLogger(__name__)
 
-GRAPHS = ("step", "prefill")
+GRAPHS = ("step", "prefill")  # the order of the engine's optimisation profiles
+ENGINE = "model.engine"
 RTX = "tensorrt_rtx"
 SHAPE_ONLY = ("Shape", "Size")  # ONNX ops that read a tensor's dims, never its values
 
@@ -141,9 +153,18 @@ def dim_names(model: Any) -> dict[str, list[str | int]]:
     return {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
 
 
-def _profile_range(name: str | int, max_batch: int, max_sequence: int) -> tuple[int, int, int]:
+# The step profile's sequence range: [min, opt, max]. Its max of 2 keeps the dim dynamic: with every dim of
+# a profile fixed, TensorRT for RTX 1.7 builds that profile on a copy of the weights of its own.
+STEP_SEQUENCE = (1, 1, 2)
+
+
+def _profile_range(
+    name: str | int, max_batch: int, max_sequence: int, sequence: tuple[int, int, int] | None
+) -> tuple[int, int, int]:
     if isinstance(name, int) and name > 0:
         return name, name, name
+    if name == "sequence" and sequence is not None:
+        return sequence
     if name == "batch":
         return 1, max_batch, max_batch
     if name == "past_sequence":
@@ -151,13 +172,19 @@ def _profile_range(name: str | int, max_batch: int, max_sequence: int) -> tuple[
     return 1, min(64, max_sequence), max_sequence  # sequence and any other symbolic dim
 
 
-def profile(dims: dict[str, list[str | int]], max_batch: int, max_sequence: int) -> dict[str, list[list[int]]]:
-    """The optimisation profile: each input's [min, opt, max] shapes (inputs with symbolic dims only; every one
-    of them, even where min = max, as with max_batch 1: TensorRT builds nothing while a dynamic input has no range)."""
+def profile(
+    dims: dict[str, list[str | int]],
+    max_batch: int,
+    max_sequence: int,
+    sequence: tuple[int, int, int] | None = None,
+) -> dict[str, list[list[int]]]:
+    """An optimisation profile: each input's [min, opt, max] shapes (inputs with symbolic dims only; every one
+    of them, even where min = max, as with max_batch 1: TensorRT builds nothing while a dynamic input has no range).
+    `sequence`: the "sequence" dim's range instead of 1..max_sequence (the step profile's: STEP_SEQUENCE)."""
     shapes = {}
     for name, names in dims.items():
         if any(not isinstance(d, int) or d < 1 for d in names):
-            ranges = [_profile_range(d, max_batch, max_sequence) for d in names]
+            ranges = [_profile_range(d, max_batch, max_sequence, sequence) for d in names]
             shapes[name] = [[r[k] for r in ranges] for k in range(3)]
     return shapes
 
@@ -205,6 +232,36 @@ def plugin_layers(trt: Any, network: Any) -> list[dict[str, str]]:
     return found
 
 
+def io_dims(model: Any) -> list[tuple[str, int, list[str | int]]]:
+    """A graph's inputs then outputs (`onnx.ModelProto`): name, element type, dims (a name where symbolic)."""
+    values = [*model.graph.input, *model.graph.output]
+    return [
+        (v.name, v.type.tensor_type.elem_type, [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim])
+        for v in values
+    ]
+
+
+def _one_token(dim: str | int) -> str | int:
+    """A prefill graph's dim at sequence 1 ("sequence" → 1, "past_sequence + sequence" → "past_sequence + 1")."""
+    if not isinstance(dim, str):
+        return dim
+    dim = re.sub(r"\bsequence\b", "1", dim)
+    return 1 if dim == "1" else dim
+
+
+def _check_step(step: Any, prefill: Any, step_path: Path) -> None:
+    """The step graph's inputs and outputs are the prefill graph's at one token ("sequence" = 1), so the
+    prefill graph's engine on its step profile takes the step's bindings."""
+    want = [(name, kind, [_one_token(d) for d in dims]) for name, kind, dims in io_dims(prefill)]
+    got = io_dims(step)
+    if got != want:
+        first = next((g, w) for g, w in itertools.zip_longest(got, want) if g != w)
+        raise EdgememError(
+            f"{step_path} is not the prefill graph at one token ({first[0]} there, {first[1]} expected), "
+            "so one engine cannot serve both; re-export with `edgemem export --target trt`"
+        )
+
+
 def _build_graphs(
     module: str,
     directory: Path,
@@ -215,11 +272,16 @@ def _build_graphs(
     max_sequence: int,
     sm: Sequence[int],
 ) -> dict[str, Any]:
-    """Parse and build each graph with `module` (tensorrt or tensorrt_rtx); write the engines; their records."""
+    """Build one engine with `module` (tensorrt or tensorrt_rtx) from the last of `graphs` (prefill, where the
+    export has one) with a profile per graph, write it; each graph kind's record."""
     import onnx  # noqa: PLC0415
 
     trt = _import_library(module)
     manifest = load_manifest(directory, check_files=False)  # build_engines checked the files
+    models = {path.stem: onnx.load(str(path), load_external_data=False) for path in graphs}
+    source = graphs[-1]
+    for path in graphs[:-1]:
+        _check_step(models[path.stem], models[source.stem], path)
     logger = trt.Logger(trt.Logger.WARNING)
     engines_json.load_plugins(trt, library)
     try:
@@ -228,42 +290,41 @@ def _build_graphs(
         raise EdgememError(f"TensorRT could not create a builder: no usable NVIDIA GPU or driver ({e})") from None
     if builder is None:
         raise EdgememError("TensorRT could not create a builder: no usable NVIDIA GPU or driver")
+    name = engines_json.LIBRARIES[module]
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(source)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise EdgememError(f"{name}'s ONNX parser rejected {source}: {errors}")
+    plugins = plugin_layers(trt, network)
+    foreign = [p for p in plugins if p["namespace"] != DOMAIN]
+    if foreign:
+        raise EdgememError(
+            f"{source}: {foreign[0]['op']} became another library's plugin (namespace "
+            f"{foreign[0]['namespace']!r}), not edgemem's: is {library} the edgemem plugin library?"
+        )
+    config = builder.create_builder_config()
     targets = compute_capabilities(trt, sm) if sm else []
-    engines = {}
-    for onnx_path in graphs:
-        network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
-        parser = trt.OnnxParser(network, logger)
-        if not parser.parse_from_file(str(onnx_path)):
-            errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-            raise EdgememError(f"{engines_json.LIBRARIES[module]}'s ONNX parser rejected {onnx_path}: {errors}")
-        plugins = plugin_layers(trt, network)
-        foreign = [p for p in plugins if p["namespace"] != DOMAIN]
-        if foreign:
-            raise EdgememError(
-                f"{onnx_path}: {foreign[0]['op']} became another library's plugin (namespace "
-                f"{foreign[0]['namespace']!r}), not edgemem's: is {library} the edgemem plugin library?"
-            )
-        config = builder.create_builder_config()
-        if targets:
-            config.num_compute_capabilities = len(targets)
-            for i, target in enumerate(targets):
-                config.set_compute_capability(target, i)
-        model = onnx.load(str(onnx_path), load_external_data=False)
-        shapes = profile(dim_names(model), max_batch, max_sequence)
+    if targets:
+        config.num_compute_capabilities = len(targets)
+        for i, target in enumerate(targets):
+            config.set_compute_capability(target, i)
+    dims = dim_names(models[source.stem])
+    shapes = {}
+    for path in graphs:  # profile i serves graphs[i]
+        shapes[path.stem] = profile(dims, max_batch, max_sequence, STEP_SEQUENCE if path.stem == "step" else None)
         optimisation = builder.create_optimization_profile()
-        for name, (lo, opt, hi) in shapes.items():
-            optimisation.set_shape(name, lo, opt, hi)
+        for tensor, (lo, opt, hi) in shapes[path.stem].items():
+            optimisation.set_shape(tensor, lo, opt, hi)
         config.add_optimization_profile(optimisation)
-        serialized = builder.build_serialized_network(network, config)
-        if serialized is None:
-            raise EdgememError(
-                f"{engines_json.LIBRARIES[module]} failed to build an engine from {onnx_path} (see its log above)"
-            )
-        path = out_dir / f"{onnx_path.stem}.engine"
-        write_atomic(path, bytes(serialized))
-        log.info("built %s", path.name)
-        engines[onnx_path.stem] = engines_json.entry(path, shapes, in_place_states(model, manifest), plugins)
-    return engines
+    serialized = builder.build_serialized_network(network, config)
+    if serialized is None:
+        raise EdgememError(f"{name} failed to build an engine from {source} (see its log above)")
+    path = out_dir / ENGINE
+    write_atomic(path, bytes(serialized))
+    log.info("built %s from %s (profiles: %s)", path.name, source.name, ", ".join(shapes))
+    in_place = in_place_states(models[source.stem], manifest)
+    return {kind: engines_json.entry(path, i, shapes[kind], in_place, plugins) for i, kind in enumerate(shapes)}
 
 
 def _rtx_environment(folder: Path) -> dict[str, str]:
@@ -365,7 +426,7 @@ def build_engines(
     sm: Sequence[int] = (),
     force: bool = False,
 ) -> list[Path]:
-    """Builds one serialized engine per ONNX graph of DIR/trt, then engines.json; returns the engines' paths.
+    """Builds one serialized engine serving every ONNX graph of DIR/trt, then engines.json; returns the engine's path.
 
     `rtx`: with TensorRT for RTX, for the compute capabilities `sm` (e.g. (86, 89, 120); empty: its default set).
     `force`: replace an earlier engine set in `out` (nothing else).
@@ -403,4 +464,4 @@ def build_engines(
         toolkit = engines_json.Toolkit(module, trt.__version__, targets)
         engines_json.write(tmp, manifest, toolkit, library, max_batch, max_sequence, engines)
     log.info("wrote %s", out_dir / engines_json.ENGINES_JSON)
-    return [out_dir / record["file"] for record in engines.values()]
+    return list(dict.fromkeys(out_dir / record["file"] for record in engines.values()))

@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -129,6 +130,44 @@ def test_trt_artifacts_carry_plugin_attributes_and_no_local_functions(small_expo
         assert nodes  # titans-mac's prefill holds them inside its Loop over segments
         for node in nodes:
             assert node.attrs["plugin_namespace"] == "edgemem" and node.attrs["plugin_version"] == "1"
+
+
+def test_prefill_graph_at_one_token_is_the_step_graph(small_exports):
+    """What lets one TensorRT engine, built from the prefill graph, serve steps on a one-token profile: for
+    every preset, the step graph's inputs and outputs are the prefill graph's with sequence 1 (trt target),
+    and from a mid-stream state the prefill graph given one token returns the step graph's logits and state
+    (generic target, onnxruntime)."""
+    import onnxruntime as ort
+
+    from edgemem.trt_build import _check_step
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    checked = []
+    for arch, directory in sorted(small_exports.items()):
+        manifest = load(directory)
+        if not {"step", "prefill"} <= set(manifest.graphs_of("generic")):
+            continue
+        trt = {k: onnx.load(directory / "trt" / f"{k}.onnx", load_external_data=False) for k in ("step", "prefill")}
+        _check_step(trt["step"], trt["prefill"], directory / "trt" / "step.onnx")
+        step, prefill = (
+            ort.InferenceSession(directory / "generic" / f"{k}.onnx", options) for k in ("step", "prefill")
+        )
+        state = initial_state(manifest, directory, 2)
+        outputs = [o.name for o in step.get_outputs()]
+        for token in (3, 9):  # two steps in: a state that is not the initial one
+            values = dict(zip(outputs, step.run(None, {"input_ids": np.array([[token], [token + 1]]), **state})))
+            state = {s.input: values[s.output] for s in manifest.state}
+        feeds = {"input_ids": np.array([[5], [200]]), **state}
+        for name, a, b in zip(outputs, step.run(None, feeds), prefill.run(None, feeds)):
+            assert a.shape == b.shape and np.allclose(a, b, rtol=1e-5, atol=1e-6), (arch, name)
+        checked.append(arch)
+    assert {"gated-deltanet", "titans-mag", "titans-mac", "longformer", "softmax"} <= set(checked)
+    step = onnx.load(small_exports["deltanet"] / "trt" / "step.onnx", load_external_data=False)
+    prefill = onnx.load(small_exports["deltanet"] / "trt" / "prefill.onnx", load_external_data=False)
+    step.graph.output[0].name = "scores"
+    with pytest.raises(EdgememError, match=r"step.onnx is not the prefill graph at one token \(\('scores'"):
+        _check_step(step, prefill, Path("step.onnx"))
 
 
 @pytest.mark.parametrize("arch", ["gated-deltanet", "titans-mag", "longformer"])

@@ -166,7 +166,7 @@ def fake_trt(monkeypatch, tmp_path):
         for graph in graphs:
             path = out_dir / f"{graph.stem}.engine"
             path.write_bytes(f"engine {graph.stem} #{state['builds']}".encode())
-            records[graph.stem] = engines.entry(path, {}, [], [])
+            records[graph.stem] = engines.entry(path, 0, {}, [], [])
             if state["interrupt"]:
                 raise KeyboardInterrupt
         return records

@@ -250,6 +250,10 @@ COMMANDS: dict[str, object] = {
     "python benchmarks/footprint.py": Help(
         "a 45M-parameter import measured in fresh processes (minutes); tests/test_footprint.py measures a small one"
     ),
+    "python benchmarks/engine_bytes.py --plugins P": Help(
+        "exports three presets and builds their engines with TensorRT for RTX (minutes, the plugin library built by "
+        "nvcc); tests/test_rtx.py builds one engine of a small export and checks its weights occur once"
+    ),
     "python benchmarks/long_run.py": Help(
         "1,000,000 tokens (minutes); tests/test_hardening_2.py checks the resume and bounds it relies on"
     ),

@@ -222,6 +222,46 @@ RTX_CHECK = ENGINE_REPORT + textwrap.dedent(
 )
 
 
+# The child for the engine set `edgemem build` wrote before one engine served both graphs: a step engine
+# and a prefill engine, each from its own graph with its own profile; their bytes and, for the shared
+# engine too, how often each weight tensor occurs in an engine.
+SEPARATE_ENGINES = textwrap.dedent(
+    """
+    import json, sys
+    import onnx
+    from onnx import numpy_helper
+    import tensorrt_rtx as trt
+    from edgemem.trt_build import dim_names, profile
+
+    library, export, max_batch, max_sequence, shared = sys.argv[1:6]
+    logger = trt.Logger(trt.Logger.WARNING)
+    assert trt.get_plugin_registry().load_library(library), library
+    builder = trt.Builder(logger)
+    # each weight tensor's first 256 bytes: its first row, which TensorRT keeps whole where it fuses or
+    # interleaves a tensor with others
+    weights = [numpy_helper.to_array(t).tobytes() for t in onnx.load(export + "/trt/prefill.onnx").graph.initializer]
+    weights = [w[:256] for w in weights if len(w) >= 4096]
+    report = {"weights": len(weights)}
+    for kind in ("step", "prefill"):
+        path = f"{export}/trt/{kind}.onnx"
+        network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+        assert trt.OnnxParser(network, logger).parse_from_file(path), path
+        config = builder.create_builder_config()
+        optimisation = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in profile(dim_names(onnx.load(path, load_external_data=False)),
+                                           int(max_batch), int(max_sequence)).items():
+            optimisation.set_shape(name, lo, opt, hi)
+        config.add_optimization_profile(optimisation)
+        blob = bytes(builder.build_serialized_network(network, config))
+        report[kind] = {"bytes": len(blob), "copies": sorted({blob.count(w) for w in weights})}
+    with open(shared, "rb") as f:
+        blob = f.read()
+    report["shared"] = {"bytes": len(blob), "copies": sorted({blob.count(w) for w in weights})}
+    print(json.dumps(report))
+    """
+)
+
+
 def _rtx(library: Path | None, model: Path, engine: Path, env: dict[str, str] | None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", RTX_BUILD, str(library or "-"), str(model), str(engine)],
@@ -379,7 +419,7 @@ def test_build_command_makes_rtx_engines_with_edgemem_plugins(edgemem_plugins, s
     from edgemem.cli import main
     from edgemem.files import sha256
     from edgemem.manifest import load
-    from edgemem.trt_build import dim_names, in_place_states, profile
+    from edgemem.trt_build import STEP_SEQUENCE, dim_names, in_place_states, profile
 
     assert "libtensorrt_rtx.so" not in os.environ.get("LD_LIBRARY_PATH", "")
     seen, built = set(), []
@@ -406,7 +446,7 @@ def test_build_command_makes_rtx_engines_with_edgemem_plugins(edgemem_plugins, s
         assert result.exit_code == 0, (arch, result.output)
         manifest = load(export)
         info = json.loads((out / "engines.json").read_text())
-        assert info["format"] == "edgemem-engines/2"
+        assert info["format"] == "edgemem-engines/3"
         assert info["library"] == {
             "module": "tensorrt_rtx",
             "version": tensorrt_rtx.__version__,
@@ -415,26 +455,31 @@ def test_build_command_makes_rtx_engines_with_edgemem_plugins(edgemem_plugins, s
         assert info["plugins"] == {"file": str(edgemem_plugins.resolve()), "sha256": sha256(edgemem_plugins)}
         assert info["export"] == {"arch": arch, "identity": manifest.identity(), "dtype": "fp32"}
         assert (info["max_batch"], info["max_sequence"]) == (max_batch, 64)
-        assert set(info["engines"]) == set(manifest.graphs_of("trt"))
+        kinds = [k for k in ("step", "prefill") if k in manifest.graphs_of("trt")]  # the profiles' order
+        assert set(info["engines"]) == set(kinds)
+        # one engine from the prefill graph serves every graph, each on its optimisation profile
+        assert info["shared"] == "profiles" and {r["file"] for r in info["engines"].values()} == {"model.engine"}
+        assert {k: r["profile_index"] for k, r in info["engines"].items()} == {k: i for i, k in enumerate(kinds)}
+        graph = export / "trt" / "prefill.onnx"
+        model = onnx.load(str(graph), load_external_data=False)
+        nodes = _edgemem_nodes(graph)
         for kind, record in info["engines"].items():
-            graph = export / "trt" / f"{kind}.onnx"
-            model = onnx.load(str(graph), load_external_data=False)
-            nodes = _edgemem_nodes(graph)
             assert record["plugins"] == [{"op": op, "namespace": "edgemem", "version": "1"} for op, _ in nodes], (
                 arch,
                 kind,
             )
-            assert record["profile"] == profile(dim_names(model), max_batch, 64)
-            assert record["profile"]["input_ids"][2] == [
-                max_batch,
-                1 if kind == "step" else 64,
-            ]  # every graph: batch dynamic
+            assert record["profile"] == profile(
+                dim_names(model), max_batch, 64, STEP_SEQUENCE if kind == "step" else None
+            )
+            assert record["profile"]["input_ids"][1:] == (
+                [[max_batch, 1], [max_batch, 2]] if kind == "step" else [[max_batch, 64], [max_batch, 64]]
+            )  # every profile: batch dynamic; the step's optimised for one token
             assert record["in_place"] == in_place_states(model, manifest)
             assert record["sha256"] == sha256(out / record["file"])
-            seen |= {op for op, _ in nodes}
-            built.append(out / record["file"])
+        seen |= {op for op, _ in nodes}
+        built.append(out / "model.engine")
     assert seen == OPS, f"ops without an engine: {OPS - seen}"
-    assert len(built) == 11  # longformer-encoder has no step graph
+    assert len(built) == 6  # one engine per export
     reports = json.loads(_run([sys.executable, "-c", RTX_CHECK, *map(str, built)]).stdout.strip().splitlines()[-1])
     for engine in built:
         _check_engine(reports[str(engine)], engine)
@@ -458,3 +503,29 @@ def test_bf16_export_builds_rtx_engines_through_the_plugins_in_bfloat16(edgemem_
     assert info["export"]["dtype"] == "bf16" and set(info["engines"]) == {"prefill", "step"}
     for record in info["engines"].values():
         assert record["plugins"] and {p["op"] for p in record["plugins"]} == {"LinearAttention"}, record["plugins"]
+
+
+def test_one_engine_holds_the_weights_once(edgemem_plugins, name_fix, small_exports, tmp_path):
+    """Gated DeltaNet: `edgemem build --rtx` writes one engine in which each weight tensor occurs once,
+    and which is smaller than the step and prefill engines built apart (as before), each with a copy of
+    the weights. At this size what is not weights dominates the bytes; at the presets' size one engine
+    saves about a copy of the weights (benchmarks/README.md)."""
+    from edgemem.trt_build import build_engines
+
+    export = small_exports["gated-deltanet"]
+    (engine,) = build_engines(export, plugins=edgemem_plugins, max_batch=2, max_sequence=64, out=tmp_path, rtx=True)
+    args = [str(edgemem_plugins), str(export), "2", "64", str(engine)]
+    proc = subprocess.run(
+        [sys.executable, "-c", SEPARATE_ENGINES, *args], capture_output=True, text=True, env=name_fix, timeout=900
+    )
+    report = _report(proc)
+    weight_bytes = (export / "trt" / "weights.data").stat().st_size
+    apart = report["step"]["bytes"] + report["prefill"]["bytes"]
+    print(
+        f"\ngated-deltanet (small): weights {weight_bytes:,} B; step + prefill engines {report['step']['bytes']:,} + "
+        f"{report['prefill']['bytes']:,} = {apart:,} B; one engine {report['shared']['bytes']:,} B"
+    )
+    assert report["weights"] >= 5  # the embedding, the projections, the head
+    # each weight tensor once per engine: twice in the engine set as it was, once in the one engine
+    assert report["step"]["copies"] == report["prefill"]["copies"] == report["shared"]["copies"] == [1]
+    assert report["shared"]["bytes"] == engine.stat().st_size < apart

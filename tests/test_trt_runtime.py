@@ -25,13 +25,14 @@ import pytest
 from onnx import TensorProto, helper
 
 from edgemem.errors import ConfigError, EdgememError
+from edgemem.files import sha256
 from edgemem.manifest import Manifest, StateSpec
 from edgemem.manifest import load as load_manifest
 from edgemem.runtime import BackendError, BatchError, Engine, engines
 from edgemem.runtime import trt as trt_runtime
 from edgemem.runtime.engines import ENGINES_JSON
 from edgemem.runtime.ort import ORT_TYPES
-from edgemem.trt_build import build_engines, dim_names, in_place_states, profile
+from edgemem.trt_build import ENGINE, STEP_SEQUENCE, build_engines, dim_names, in_place_states, profile
 
 RECURRENT = "past_key_values.0.recurrent_state"
 CONV = "past_key_values.0.conv_state"
@@ -60,24 +61,45 @@ RTX = engines.Toolkit("tensorrt_rtx", "1.7.1.116", ["SM86", "SM120"])
 def _fake_engines(
     export: Path, folder: Path, max_batch: int = 4, max_sequence: int = 5, toolkit: engines.Toolkit = TENSORRT
 ) -> Path:
-    """engines.json as `edgemem build` writes it, over placeholder engine files and a placeholder plugin library."""
+    """engines.json as `edgemem build` writes it (one engine from the prefill graph, a profile per graph), over a
+    placeholder engine file and a placeholder plugin library."""
     folder.mkdir(parents=True, exist_ok=True)
     manifest = load_manifest(export)
     library = folder / "libedgemem_trt_plugins.so"
     library.write_bytes(b"placeholder plugin library")
-    entries = {}
-    for kind in ("step", "prefill"):
-        model = onnx.load(str(export / "trt" / f"{kind}.onnx"))
-        path = folder / f"{kind}.engine"
-        path.write_bytes(f"placeholder {kind} engine".encode())
-        plugins = [
-            {"op": n.op_type, "namespace": "edgemem", "version": "1"} for n in model.graph.node if n.domain == "edgemem"
-        ]
-        entries[kind] = engines.entry(
-            path, profile(dim_names(model), max_batch, max_sequence), in_place_states(model, manifest), plugins
+    model = onnx.load(str(export / "trt" / "prefill.onnx"))
+    path = folder / ENGINE
+    path.write_bytes(b"placeholder engine")
+    plugins = [
+        {"op": n.op_type, "namespace": "edgemem", "version": "1"} for n in model.graph.node if n.domain == "edgemem"
+    ]
+    entries = {
+        kind: engines.entry(
+            path,
+            index,
+            profile(dim_names(model), max_batch, max_sequence, STEP_SEQUENCE if kind == "step" else None),
+            in_place_states(model, manifest),
+            plugins,
         )
+        for index, kind in enumerate(("step", "prefill"))
+    }
     engines.write(folder, manifest, toolkit, library, max_batch, max_sequence, entries)
     return library
+
+
+def _separate_engines(export: Path, folder: Path) -> None:
+    """Rewrite engines.json of `_fake_engines` as edgemem-engines/2 wrote it: a step and a prefill engine."""
+    info = json.loads((folder / ENGINES_JSON).read_text())
+    info["format"] = "edgemem-engines/2"
+    del info["shared"]
+    for kind, record in info["engines"].items():
+        (folder / f"{kind}.engine").write_bytes(f"placeholder {kind} engine".encode())
+        del record["profile_index"]
+        record.update(file=f"{kind}.engine", sha256=sha256(folder / f"{kind}.engine"))
+        model = onnx.load(str(export / "trt" / f"{kind}.onnx"))
+        record["profile"] = profile(dim_names(model), info["max_batch"], info["max_sequence"])
+    (folder / ENGINE).unlink()
+    (folder / ENGINES_JSON).write_text(json.dumps(info))
 
 
 # ---------------------------------------------------------------------- what the build records
@@ -113,6 +135,11 @@ def test_profile_ranges():
     }
     # max_batch 1: a step graph's dims all collapse, yet its symbolic inputs still need their range (or nothing builds)
     assert profile({"input_ids": ["batch", 1], "fixed": [1, 4]}, 1, 100) == {"input_ids": [[1, 1], [1, 1], [1, 1]]}
+    # the step profile of the one engine: the prefill graph's dims, sequence 1..2 optimised for 1
+    assert profile(dims, 8, 100, STEP_SEQUENCE) == {
+        "input_ids": [[1, 1], [8, 1], [8, 2]],
+        "past": [[1, 4, 8], [8, 4, 8], [8, 4, 8]],
+    }
 
 
 def test_fp16_needs_an_fp16_export(export_dir):
@@ -149,10 +176,10 @@ def test_shapes_and_profile_limits(export_dir, tmp_path):
     info = json.loads((tmp_path / "engines" / ENGINES_JSON).read_text())
     engines.check_profile(info, "prefill", trt_runtime.io_shapes(manifest, 4, 5))
     assert engines.max_tokens(info, "prefill", "input_ids") == 5
-    assert engines.max_tokens(info, "step", "input_ids") == 1
+    assert engines.max_tokens(info, "step", "input_ids") == STEP_SEQUENCE[2] == 2  # the step profile: 1..2, opt 1
     with pytest.raises(
         BackendError,
-        match=r"step engine takes input_ids from \[1, 1\] to \[4, 1\], this run needs \[5, 1\].*--max-batch 4",
+        match=r"step engine takes input_ids from \[1, 1\] to \[4, 2\], this run needs \[5, 1\].*--max-batch 4",
     ):
         engines.check_profile(info, "step", trt_runtime.io_shapes(manifest, 5, 1))
 
@@ -185,11 +212,11 @@ def test_load_says_what_is_missing(export_dir, tmp_path, monkeypatch):
             BackendError, match=r"needs TensorRT's Python package.*pip install 'edgemem-toolkit\[gpu\]'"
         ):
             Engine.load(export, backend="trt")
-    (export / "engines" / "step.engine").write_bytes(b"changed")
-    with pytest.raises(BackendError, match=r"step.engine does not match its sha256 in engines.json"):
+    (export / "engines" / ENGINE).write_bytes(b"changed")
+    with pytest.raises(BackendError, match=r"model.engine does not match its sha256 in engines.json"):
         Engine.load(export, backend="trt")
-    (export / "engines" / "step.engine").unlink()
-    with pytest.raises(BackendError, match="step engine step.engine listed in engines.json is missing"):
+    (export / "engines" / ENGINE).unlink()
+    with pytest.raises(BackendError, match="step engine model.engine listed in engines.json is missing"):
         Engine.load(export, backend="trt")
     (export / "engines" / ENGINES_JSON).write_text("{")
     with pytest.raises(BackendError, match="is not a valid engines.json"):
@@ -402,6 +429,170 @@ def test_rtx_engines_get_the_same_binding_plan(export_dir, tmp_path):
     assert plans["tensorrt_rtx"][0] == {RECURRENT} and plans["tensorrt_rtx"][2] == {RECURRENT: 1, CONV: 2}
 
 
+class FakeEngine:
+    """A deserialized engine as TensorRT's Python API shows it: the generic graph it was built from runs in
+    onnxruntime at the bound addresses, for shapes inside the profile its context selected."""
+
+    def __init__(self, graph: Path, profiles: dict[int, dict], device: HostDevice):
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        self.session, self.profiles, self.device = ort.InferenceSession(str(graph), options), profiles, device
+        self.graph = graph.stem
+        self.inputs = [i.name for i in self.session.get_inputs()]
+        self.names = self.inputs + [o.name for o in self.session.get_outputs()]
+        tensors = [*self.session.get_inputs(), *self.session.get_outputs()]
+        self.dtypes = {t.name: np.dtype(ORT_TYPES[t.type]) for t in tensors}
+        self.num_io_tensors, self.num_optimization_profiles = len(self.names), len(profiles)
+        self.contexts: list[FakeContext] = []
+
+    def get_tensor_name(self, i: int) -> str:
+        return self.names[i]
+
+    def get_tensor_mode(self, name: str) -> str:
+        return "input" if name in self.inputs else "output"
+
+    def get_tensor_dtype(self, name: str) -> np.dtype:
+        return self.dtypes[name]
+
+    def create_execution_context(self, strategy: str) -> "FakeContext":
+        self.contexts.append(FakeContext(self, strategy))
+        return self.contexts[-1]
+
+
+class FakeContext:
+    def __init__(self, engine: FakeEngine, strategy: str):
+        self.engine, self.strategy = engine, strategy
+        self.profile: int | None = None
+        self.shapes: dict[str, list[int]] = {}
+        self.addresses: dict[str, int] = {}
+        self.runs: list[list[int]] = []  # input_ids' shape per run
+
+    def set_optimization_profile_async(self, index: int, stream: int) -> bool:
+        self.profile, self.stream = index, stream
+        return True
+
+    def set_input_shape(self, name: str, shape: list[int]) -> bool:
+        lo, _, hi = self.engine.profiles[self.profile].get(name, [shape] * 3)
+        self.shapes[name] = shape
+        return all(a <= s <= b for s, a, b in zip(shape, lo, hi))
+
+    def set_tensor_address(self, name: str, pointer: int) -> bool:
+        self.addresses[name] = pointer
+        return True
+
+    def execute_async_v3(self, stream: int) -> bool:
+        device = self.engine.device
+        feeds = {}
+        for name in self.engine.inputs:
+            feeds[name] = np.empty(self.shapes[name], self.engine.dtypes[name])
+            device.download(feeds[name], self.addresses[name])
+        outputs = self.engine.session.run(None, feeds)  # every input read before any write
+        for output, value in zip(self.engine.session.get_outputs(), outputs):
+            device.upload(self.addresses[output.name], value)
+        self.runs.append(self.shapes["input_ids"])
+        return True
+
+
+FAKE_TRT = types.SimpleNamespace(
+    ExecutionContextAllocationStrategy=types.SimpleNamespace(ON_PROFILE_CHANGE="on profile change"),
+    TensorIOMode=types.SimpleNamespace(INPUT="input"),
+    nptype=np.dtype,
+)
+
+
+class FakeRuntime:
+    """`deserialize_cuda_engine` of the engine files engines.json lists: an engine built from the prefill graph
+    where it serves the prefill, with the profiles engines.json gives it."""
+
+    def __init__(self, export: Path, folder: Path, info: dict, device: HostDevice):
+        self.export, self.folder, self.info, self.device = export, folder, info, device
+        self.engines: list[FakeEngine] = []
+
+    def deserialize_cuda_engine(self, blob: bytes) -> FakeEngine:
+        served = {k: r for k, r in self.info["engines"].items() if (self.folder / r["file"]).read_bytes() == blob}
+        graph = "prefill" if "prefill" in served else "step"
+        profiles = {r["profile_index"]: r["profile"] for r in served.values()}
+        self.engines.append(FakeEngine(self.export / "generic" / f"{graph}.onnx", profiles, self.device))
+        return self.engines[-1]
+
+
+def test_one_engine_serves_steps_and_prefills_through_its_profiles(export_dir, tmp_path):
+    """engines.json as `edgemem build` writes it: the engine is deserialized once, the step and the prefill
+    each get a context of it on their own profile (set once, on the engine's stream; scratch allocated per
+    profile), steps and step batches run on profile 0 at one token, prefills on profile 1 in blocks, and
+    the streams equal the onnxruntime engine's, the prefill graph computing every step."""
+    _fake_engines(export_dir, tmp_path, max_batch=4, max_sequence=5)
+    manifest = load_manifest(export_dir)
+    folder, info = engines.read(export_dir, manifest, tmp_path)
+    assert info["shared"] == "profiles"
+    assert engines.files(folder, info) == {folder / ENGINE: {"step": 0, "prefill": 1}}
+    device = HostDevice()
+    runtime = FakeRuntime(export_dir, folder, info, device)
+    graphs = trt_runtime.open_graphs(FAKE_TRT, runtime, engines.files(folder, info), stream=7)
+    (shared,) = runtime.engines
+    assert shared.graph == "prefill" and graphs["step"].engine is graphs["prefill"].engine is shared
+    contexts = {kind: graph.context for kind, graph in graphs.items()}
+    assert {k: (c.profile, c.stream, c.strategy) for k, c in contexts.items()} == {
+        "step": (0, 7, "on profile change"),
+        "prefill": (1, 7, "on profile change"),
+    }
+    with pytest.raises(BackendError, match=r"could not select optimisation profile 2 of .*model.engine for the pre"):
+        trt_runtime._TrtGraph(FAKE_TRT, shared, folder / ENGINE, "prefill", 2, 7)  # the engine has 2 profiles
+    engine = trt_runtime.TrtEngine(export_dir, manifest, info, graphs, device, chunk_size=512)
+    reference = Engine.load(export_dir, target="generic", threads=1)
+    ours, theirs = engine.new_stream(), reference.new_stream()
+    prompt = bytes(range(60, 72))
+    assert _close(ours.prefill(prompt), theirs.prefill(prompt))
+    for token in (3, 4):
+        assert _close(ours.step(token), theirs.step(token))
+    other = ours.fork()
+    assert _close(engine.step_batch([ours, other], [5, 5]), np.stack([theirs.step(5)] * 2))
+    assert contexts["prefill"].runs == [[1, 5], [1, 5], [1, 2]]
+    assert contexts["step"].runs == [[1, 1], [1, 1], [2, 1]]
+
+
+def test_engines_of_format_2_still_load_as_two_engines(export_dir, tmp_path):
+    """engines.json from before one engine served both graphs (edgemem-engines/2: a step and a prefill engine):
+    read as "shared": "none", each engine deserialized, one context each on its only profile."""
+    _fake_engines(export_dir, tmp_path, max_batch=4, max_sequence=5)
+    _separate_engines(export_dir, tmp_path)
+    manifest = load_manifest(export_dir)
+    folder, info = engines.read(export_dir, manifest, tmp_path)
+    assert info["shared"] == "none"
+    assert engines.files(folder, info) == {
+        folder / "step.engine": {"step": 0},
+        folder / "prefill.engine": {"prefill": 0},
+    }
+    device = HostDevice()
+    runtime = FakeRuntime(export_dir, folder, info, device)
+    graphs = trt_runtime.open_graphs(FAKE_TRT, runtime, engines.files(folder, info), stream=0)
+    assert [e.graph for e in runtime.engines] == ["step", "prefill"]
+    assert graphs["step"].engine is not graphs["prefill"].engine
+    engine = trt_runtime.TrtEngine(export_dir, manifest, info, graphs, device, chunk_size=512)
+    reference = Engine.load(export_dir, target="generic", threads=1)
+    ours, theirs = engine.new_stream(), reference.new_stream()
+    assert _close(ours.prefill(b"abcdefg"), theirs.prefill(b"abcdefg"))
+    assert _close(ours.step(1), theirs.step(1))
+
+
+def test_engines_json_names_one_profile_per_graph_of_an_engine(export_dir, tmp_path):
+    _fake_engines(export_dir, tmp_path)
+    path = tmp_path / ENGINES_JSON
+    good = json.loads(path.read_text())
+    cases = [
+        (lambda i: i["engines"]["prefill"].update(profile_index=0), "graphs that model.engine serves need distinct"),
+        (lambda i: i["engines"]["prefill"].pop("profile_index"), "engine 'prefill' needs a profile_index"),
+        (lambda i: i.update(shared="none"), "'shared' is 'none' for 1 engine file"),
+        (lambda i: i.update(format="edgemem-engines/1"), "format 'edgemem-engines/1', expected 'edgemem-engines/3'"),
+    ]
+    for change, message in cases:
+        info = json.loads(json.dumps(good))
+        change(info)
+        path.write_text(json.dumps(info))
+        with pytest.raises(BackendError, match=rf"not a valid engines.json \(.*{message}.*rebuild with"):
+            engines.read(export_dir, load_manifest(export_dir), tmp_path)
+
+
 def _close(a, b, tol=1e-5):
     return np.abs(np.asarray(a) - np.asarray(b)).max() <= tol * max(1.0, np.abs(np.asarray(b)).max())
 
@@ -552,6 +743,7 @@ def test_real_engines_step_like_onnxruntime(export_dir, tmp_path):
     build_engines(export, max_batch=2, max_sequence=64)
     engine = Engine.load(export, backend="trt")
     reference = Engine.load(export, target="generic", threads=1)
+    assert engine._graphs["step"].engine is engine._graphs["prefill"].engine  # one engine, two contexts
     ours, theirs = engine.new_stream(), reference.new_stream()
     assert len(ours._buffers.state[RECURRENT]) == 1  # state-in and state-out bound to one device buffer
     assert _close(ours.prefill(b"hello world"), theirs.prefill(b"hello world"), 1e-4)

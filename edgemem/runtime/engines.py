@@ -1,19 +1,31 @@
 """`engines.json` and the TensorRT plugin library: what `edgemem build` records beside the engines
 it writes (`write`), and what backend 'trt' checks before it loads them (`read`).
 
-    {"format": "edgemem-engines/2",
+    {"format": "edgemem-engines/3",
      "library": {"module": "tensorrt_rtx", "version": "1.7.1.116", "compute_capabilities": ["SM86", "SM89"]},
      "plugins": {"file": "/abs/libedgemem_trt_plugins.so", "sha256": ...},
      "export": {"arch": ..., "identity": Manifest.identity(), "dtype": "fp32"},
      "max_batch": 1, "max_sequence": 2048,
-     "engines": {"step": {"file": "step.engine", "sha256": ..., "profile": {input: [min, opt, max]},
+     "shared": "profiles",
+     "engines": {"step": {"file": "model.engine", "sha256": ..., "profile_index": 0,
+                          "profile": {input: [min, opt, max]},
                           "in_place": [state inputs bound to one buffer for input and output],
-                          "plugins": [{"op": "LinearAttention", "namespace": "edgemem", "version": "1"}, ...]}, ...}}
+                          "plugins": [{"op": "LinearAttention", "namespace": "edgemem", "version": "1"}, ...]},
+                 "prefill": {"file": "model.engine", "sha256": ..., "profile_index": 1, ...}}}
 
 "library" is the Python module that built the engines and must load them: "tensorrt" (compute
 capabilities empty: the engine is for the GPU it was built on) or "tensorrt_rtx" (TensorRT for RTX,
 built ahead of time for the listed compute capabilities). "plugins" per engine: the plugin layers
 the ONNX parser made, i.e. which library implements each edgemem node (edgemem's, namespace "edgemem").
+
+"engines" maps each graph kind to the engine file that serves it and the optimisation profile
+(`profile_index`, with its shapes in "profile") a context must select to run it. "shared":
+"profiles" when every kind names the same file: one engine, so one copy of the weights, whose
+execution contexts (one per kind, each on its profile) serve every graph; "none" when each kind
+has an engine of its own. A reader deserializes each distinct file once and creates one
+execution context per kind on that kind's profile. Format edgemem-engines/2 (one engine per
+graph, one profile each, before "shared" and "profile_index") still reads, as "shared": "none"
+with every profile_index 0.
 
 `read` refuses, before TensorRT is touched, engines built from another export, engine files that
 changed since, and (`plugin_library`) a plugin library other than the one they were built with.
@@ -35,7 +47,8 @@ from edgemem.runtime.errors import BackendError
 
 ENGINES_DIR = "engines"
 ENGINES_JSON = "engines.json"
-FORMAT = "edgemem-engines/2"
+FORMAT = "edgemem-engines/3"
+SEPARATE_FORMAT = "edgemem-engines/2"  # one engine per graph: read as "shared": "none"
 LIBRARIES = {"tensorrt": "TensorRT", "tensorrt_rtx": "TensorRT for RTX"}  # module → name
 PLUGINS_ENV = "EDGEMEM_TRT_PLUGINS"
 
@@ -82,13 +95,19 @@ def load_plugins(trt: Any, library: Path) -> Any:
 
 
 def entry(
-    path: Path, profile: Mapping[str, list[list[int]]], in_place: Sequence[str], plugins: Sequence[Mapping[str, str]]
+    path: Path,
+    index: int,
+    profile: Mapping[str, list[list[int]]],
+    in_place: Sequence[str],
+    plugins: Sequence[Mapping[str, str]],
 ) -> dict[str, Any]:
-    """The record of one engine file: its sha256, its optimisation profile, its in-place state inputs and
-    its plugin layers ({op, namespace, version} each)."""
+    """The record of one graph: the engine file that serves it and its sha256, the index and shapes of the
+    graph's optimisation profile in that engine, its in-place state inputs and the engine's plugin layers
+    ({op, namespace, version} each)."""
     return {
         "file": path.name,
         "sha256": sha256(path),
+        "profile_index": index,
         "profile": dict(profile),
         "in_place": list(in_place),
         "plugins": [dict(p) for p in plugins],
@@ -104,9 +123,10 @@ def write(
     max_sequence: int,
     engines: Mapping[str, Mapping[str, Any]],
 ) -> Path:
-    """Write FOLDER/engines.json atomically, after the engines (`entry` per engine file)."""
+    """Write FOLDER/engines.json atomically, after the engines (`entry` per graph kind)."""
     if toolkit.module not in LIBRARIES:
         raise ValueError(f"library {toolkit.module!r} is none of {', '.join(LIBRARIES)}")
+    shared = "profiles" if len({record["file"] for record in engines.values()}) == 1 else "none"
     info = {
         "format": FORMAT,
         "library": {
@@ -122,6 +142,7 @@ def write(
         },
         "max_batch": max_batch,
         "max_sequence": max_sequence,
+        "shared": shared,
         "engines": dict(engines),
     }
     path = folder / ENGINES_JSON
@@ -130,9 +151,10 @@ def write(
 
 
 def _check_format(info: Any) -> None:
-    """Every field the runtime reads is there (else ValueError naming the first one missing)."""
-    if not isinstance(info, dict) or info.get("format") != FORMAT:
-        found = info.get("format") if isinstance(info, dict) else None
+    """Every field the runtime reads is there (else ValueError naming the first one missing); an
+    edgemem-engines/2 `info` gains its implied "shared" and "profile_index" fields."""
+    found = info.get("format") if isinstance(info, dict) else None
+    if found not in (FORMAT, SEPARATE_FORMAT):
         raise ValueError(f"format {found!r}, expected {FORMAT!r}")
     fields = {"library": dict, "plugins": dict, "export": dict, "max_batch": int, "max_sequence": int, "engines": dict}
     for key, kind in fields.items():
@@ -145,6 +167,19 @@ def _check_format(info: Any) -> None:
     for kind, record in info["engines"].items():
         if not isinstance(record, dict) or not {"file", "sha256", "profile", "in_place", "plugins"} <= record.keys():
             raise ValueError(f"engine {kind!r} needs file, sha256, profile, in_place and plugins")
+        if found == SEPARATE_FORMAT:
+            record["profile_index"] = 0
+        elif type(record.get("profile_index")) is not int or record["profile_index"] < 0:
+            raise ValueError(f"engine {kind!r} needs a profile_index (0, 1, ...)")
+    if found == SEPARATE_FORMAT:
+        info["shared"] = "none"
+    records = list(info["engines"].values())
+    by_file = {r["file"]: [q for q in records if q["file"] == r["file"]] for r in records}
+    for file, served in by_file.items():
+        if len({r["profile_index"] for r in served}) < len(served) or len({r["sha256"] for r in served}) > 1:
+            raise ValueError(f"the graphs that {file} serves need distinct profile_index values and one sha256")
+    if info.get("shared") != ("profiles" if len(by_file) == 1 else "none"):
+        raise ValueError(f"'shared' is {info.get('shared')!r} for {len(by_file)} engine file(s)")
 
 
 def read(directory: Path, manifest: Manifest, engines: str | os.PathLike | None = None) -> tuple[Path, dict[str, Any]]:
@@ -173,6 +208,7 @@ def read(directory: Path, manifest: Manifest, engines: str | os.PathLike | None 
         )
     if "step" not in info["engines"]:
         raise BackendError(f"{path} lists no step engine; rebuild with {build}")
+    checked = set()
     for kind, record in info["engines"].items():
         file = folder / record["file"]
         if not file.is_file():
@@ -180,17 +216,21 @@ def read(directory: Path, manifest: Manifest, engines: str | os.PathLike | None 
                 f"{folder}: the {kind} engine {record['file']} listed in {ENGINES_JSON} is missing; "
                 f"rebuild with {build}"
             )
-        if sha256(file) != record["sha256"]:
+        if file not in checked and sha256(file) != record["sha256"]:
             raise BackendError(
                 f"{file} does not match its sha256 in {ENGINES_JSON} (modified, or a build that did "
                 f"not finish); rebuild with {build}"
             )
+        checked.add(file)
     return folder, info
 
 
-def files(folder: Path, info: Mapping[str, Any]) -> dict[str, Path]:
-    """Graph kind ("step", "prefill") → its engine file."""
-    return {kind: folder / record["file"] for kind, record in info["engines"].items()}
+def files(folder: Path, info: Mapping[str, Any]) -> dict[Path, dict[str, int]]:
+    """Each engine file to deserialize (once) → {graph kind it serves: the optimisation profile its context selects}."""
+    found: dict[Path, dict[str, int]] = {}
+    for kind, record in info["engines"].items():
+        found.setdefault(folder / record["file"], {})[kind] = record["profile_index"]
+    return found
 
 
 def check_library_version(info: Mapping[str, Any], version: str) -> None:

@@ -23,7 +23,15 @@ output, and a position that other layers read too could be read after the plugin
 No step allocates or copies state. Batch slots (`edgemem.runtime.base`) keep [n, ...] buffers of
 the same plan; gathering into them and giving rows back are device-to-device copies.
 
-Runs. One execution context per engine (step, prefill) serves every stream: a run sets the input
+Engines. `edgemem build` writes one engine that serves both graphs, so the weights are on the GPU
+once: its optimisation profile 0 takes one token (step), profile 1 a block (prefill), as
+engines.json's "profile_index" says (`edgemem.runtime.engines`). `open_graphs` deserializes each
+engine file once and gives each graph kind an execution context of its own on its profile; the
+contexts share the engine's weights and each holds the scratch of its own profile. Engine sets
+of format edgemem-engines/2 (a step engine and a prefill engine) load the same way, with two
+copies of the weights.
+
+Runs. One execution context per graph kind (step, prefill) serves every stream: a run sets the input
 shapes and the tensor addresses of the stream, then `execute_async_v3` on the engine's CUDA stream,
 under a lock. Token ids go up and logits come down through pageable host memory (the logits copy
 synchronises the stream). Prefill runs in chunks of at most the profile's longest sequence, each
@@ -115,7 +123,7 @@ class Device(Protocol):
 
 
 class EngineContext(Protocol):
-    """One engine and its execution context (`_TrtGraph`; tests pass a stand-in)."""
+    """An execution context on the profile of one graph kind (`_TrtGraph`; tests pass a stand-in)."""
 
     inputs: frozenset[str]
     outputs: frozenset[str]
@@ -167,23 +175,25 @@ class _Cuda:
 
 
 class _TrtGraph:
-    """A deserialized engine with one execution context."""
+    """An execution context of a deserialized engine, on the optimisation profile of one graph kind."""
 
-    def __init__(self, trt: Any, runtime: Any, path: Path, kind: str):
-        self.kind = kind
-        self.engine = runtime.deserialize_cuda_engine(path.read_bytes())
-        if self.engine is None:
-            raise BackendError(
-                f"TensorRT could not deserialize {path} (see its log: another GPU, or a plugin the "
-                "library lacks?); rebuild with `edgemem build`"
-            )
-        self.context = self.engine.create_execution_context()
+    def __init__(self, trt: Any, engine: Any, path: Path, kind: str, index: int, stream: int):
+        self.kind, self.engine = kind, engine  # the context must not outlive its engine
+        # ON_PROFILE_CHANGE: scratch for this context's profile only, not for the largest of the engine's
+        self.context = engine.create_execution_context(trt.ExecutionContextAllocationStrategy.ON_PROFILE_CHANGE)
         if self.context is None:
             raise BackendError(f"TensorRT could not create an execution context for {path} (out of GPU memory?)")
-        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
-        self.inputs = frozenset(n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT)
+        if not 0 <= index < engine.num_optimization_profiles or not self.context.set_optimization_profile_async(
+            index, stream
+        ):
+            raise BackendError(
+                f"TensorRT could not select optimisation profile {index} of {path} for the {kind} graph "
+                f"(the engine has {engine.num_optimization_profiles}); rebuild with `edgemem build`"
+            )
+        names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+        self.inputs = frozenset(n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT)
         self.outputs = frozenset(names) - self.inputs
-        self.dtypes = {n: np.dtype(trt.nptype(self.engine.get_tensor_dtype(n))) for n in names}
+        self.dtypes = {n: np.dtype(trt.nptype(engine.get_tensor_dtype(n))) for n in names}
 
     def run(self, shapes: Mapping[str, Sequence[int]], addresses: Mapping[str, int], stream: int) -> None:
         for name in self.inputs:
@@ -194,6 +204,22 @@ class _TrtGraph:
                 raise BackendError(f"TensorRT refused the address of {name} in the {self.kind} engine")
         if not self.context.execute_async_v3(stream):
             raise EdgememError(f"TensorRT failed running the {self.kind} engine (see its log)")
+
+
+def open_graphs(trt: Any, runtime: Any, files: Mapping[Path, Mapping[str, int]], stream: int) -> dict[str, _TrtGraph]:
+    """Graph kind → its execution context: each engine file (`engines.files`) deserialized once, one context
+    per kind it serves, on that kind's profile. Contexts of one engine share its weights."""
+    graphs = {}
+    for path, kinds in files.items():
+        engine = runtime.deserialize_cuda_engine(path.read_bytes())
+        if engine is None:
+            raise BackendError(
+                f"TensorRT could not deserialize {path} (see its log: another GPU, or a plugin the "
+                "library lacks?); rebuild with `edgemem build`"
+            )
+        for kind, index in kinds.items():
+            graphs[kind] = _TrtGraph(trt, engine, path, kind, index, stream)
+    return graphs
 
 
 def _import(module: str, what: str) -> Any:
@@ -283,7 +309,7 @@ class TrtEngine(Engine):
         runtime = trt.Runtime(logger)
         if runtime is None:
             raise BackendError("TensorRT could not create a runtime: no usable NVIDIA GPU or driver")
-        graphs = {kind: _TrtGraph(trt, runtime, path, kind) for kind, path in engines.files(folder, info).items()}
+        graphs = open_graphs(trt, runtime, engines.files(folder, info), device.handle)
         engine = cls(directory, manifest, info, graphs, device, chunk_size)
         engine._keep = (runtime, logger, handle)
         return engine

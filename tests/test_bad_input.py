@@ -211,8 +211,13 @@ CLI_CASES += [
     ("export-missing-recipe", ["export", "--arch", "{ws}/none.toml", "--out", "{ws}/new"], "does not exist"),
     (
         "export-bad-dtype",
+        ["export", "--arch", "linear", "--dtype", "int8", "--out", "{ws}/new"],
+        "'int8' is not one of",
+    ),
+    (
+        "export-bf16-onnxruntime",
         ["export", "--arch", "linear", "--dtype", "bf16", "--out", "{ws}/new"],
-        "'bf16' is not one of",
+        "dtype bf16 exports the trt target only",
     ),
     (
         "export-checkpoint-missing",

@@ -8,8 +8,9 @@ of streams at positions 5 and 11, checkpoints handed over both ways. `em_check` 
 fork steps like its parent and that misuse is refused with a message, leaving the stream as it was.
 
 Backend "trt" (`em_check --load`): engines.json over placeholder engines, as `edgemem build --rtx`
-writes it, is refused as the Python trt backend refuses it, and without TensorRT or a GPU the load is
-one line naming what is missing; its GPU run needs a GPU, TensorRT and the plugins.
+writes it (edgemem-engines/3) or as /2 wrote it, is refused as the Python trt backend refuses it, and
+without TensorRT or a GPU the load is one line naming what is missing; its GPU run needs a GPU,
+TensorRT and the plugins.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import ctypes
 import fcntl
 import hashlib
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -268,10 +270,12 @@ def test_trt_backend_refuses_what_the_python_backend_refuses_before_tensorrt(
     em_check, small_exports, tmp_path, monkeypatch
 ):
     """em_engine_load_ex(backend "trt") checks engines.json as edgemem.runtime.engines does, before opening
-    TensorRT: the same refusals (code EM_ERR_BACKEND = 3) with the same messages as the Python backend."""
+    TensorRT: the same refusals (code EM_ERR_BACKEND = 3) with the same messages as the Python backend, for
+    engines.json as `edgemem build` writes it (edgemem-engines/3: one engine, a profile per graph)."""
     from test_trt_runtime import RTX, _fake_engines
 
     from edgemem.errors import EdgememError
+    from edgemem.trt_build import ENGINE
 
     if os.environ.get("EDGEMEM_EM_CHECK"):
         pytest.skip("the placeholder engines are made on this machine")
@@ -297,10 +301,30 @@ def test_trt_backend_refuses_what_the_python_backend_refuses_before_tensorrt(
     other = tmp_path / "other.so"
     other.write_bytes(b"another build")
     both(r"plugin library .*other.so is not the one the engines were built with", other)
-    (folder / "step.engine").write_bytes(b"changed")
-    both(r"step.engine does not match its sha256 in engines.json .*--rtx", library)
-    (folder / "step.engine").unlink()
-    both(r"step engine step.engine listed in engines.json is missing", library)
+
+    good = json.loads((folder / "engines.json").read_text())
+    refused = [
+        (lambda i: i.update(format="edgemem-engines/1"), "format 'edgemem-engines/1', expected 'edgemem-engines/3'"),
+        (lambda i: i.pop("format"), "format None, expected 'edgemem-engines/3'"),
+        (lambda i: i["engines"]["prefill"].update(profile_index=0), f"the graphs that {ENGINE} serves need distinct"),
+        (lambda i: i["engines"]["prefill"].update(sha256="0" * 64), f"the graphs that {ENGINE} serves need distinct"),
+        (lambda i: i["engines"]["step"].pop("profile_index"), "engine 'step' needs a profile_index (0, 1, ...)"),
+        (lambda i: i["engines"]["prefill"].update(profile_index=-1), "engine 'prefill' needs a profile_index"),
+        (lambda i: i["engines"]["prefill"].update(profile_index=True), "engine 'prefill' needs a profile_index"),
+        (lambda i: i.update(shared="none"), "'shared' is 'none' for 1 engine file(s)"),
+        (lambda i: i.pop("shared"), "'shared' is None for 1 engine file(s)"),
+    ]
+    for change, message in refused:
+        info = json.loads(json.dumps(good))
+        change(info)
+        (folder / "engines.json").write_text(json.dumps(info))
+        both(rf"is not a valid engines.json \(.*{re.escape(message)}.*\); rebuild with", library)
+    (folder / "engines.json").write_text(json.dumps(good))
+
+    (folder / ENGINE).write_bytes(b"changed")
+    both(rf"{ENGINE} does not match its sha256 in engines.json .*--rtx", library)
+    (folder / ENGINE).unlink()
+    both(rf"the step engine {ENGINE} listed in engines.json is missing", library)  # the first record, in both
     _fake_engines(small_exports["titans-mag"], folder, toolkit=RTX)
     both(r"holds engines built from another export \(arch titans-mag.*is deltanet.*rebuild with", library)
     (folder / "engines.json").write_text("{")
@@ -320,7 +344,7 @@ def test_trt_backend_without_tensorrt_or_a_gpu_is_one_line_naming_what_to_instal
     """Every check passed, the library engines.json names is opened at run time: missing, it is one line naming
     the package; present (the tensorrt_rtx wheel's libtensorrt_rtx.so.1), another version is refused, and the
     same version goes on to the CUDA driver, which a machine without a GPU lacks."""
-    from test_trt_runtime import RTX, _fake_engines
+    from test_trt_runtime import RTX, _fake_engines, _separate_engines
 
     from edgemem.runtime import engines
 
@@ -338,6 +362,10 @@ def test_trt_backend_without_tensorrt_or_a_gpu_is_one_line_naming_what_to_instal
         r".*pip install tensorrt-rtx-cu13==1.7.1.116",
         lines[1],
     )
+    _separate_engines(export, export / "engines")  # edgemem-engines/2 (a step and a prefill engine) gets as far
+    assert _load(em_check, export, "trt", library, env) == missing
+    (export / "engines" / "prefill.engine").write_bytes(b"changed")  # and its second engine file is checked
+    assert "prefill.engine does not match its sha256 in engines.json" in _load(em_check, export, "trt", library, env)
 
     spec = importlib.util.find_spec("tensorrt_rtx_libs")
     if spec is None or not spec.submodule_search_locations:

@@ -18,11 +18,12 @@
 namespace em {
 
 namespace {
-using json = nlohmann::json;
+using json = nlohmann::ordered_json;  // in file order: the first bad record is the one engines.py names
 
 constexpr const char *ENGINES_DIR = "engines";
 constexpr const char *ENGINES_JSON = "engines.json";
-constexpr const char *FORMAT = "edgemem-engines/2";
+constexpr const char *FORMAT = "edgemem-engines/3";
+constexpr const char *SEPARATE_FORMAT = "edgemem-engines/2";  // one engine per graph: read as "shared": "none"
 constexpr const char *PLUGINS_ENV = "EDGEMEM_TRT_PLUGINS";
 constexpr size_t BATCH_SLOTS = 4;
 
@@ -46,10 +47,22 @@ std::string shape_text(const std::vector<int64_t> &shape) {
 
 // ---------------------------------------------------------------- engines.json (edgemem/runtime/engines.py)
 
-// Every field the runtime reads is there; else what is wrong (engines.py `_check_format`).
-std::string format_problem(const json &info) {
-    if (!info.is_object() || info.value("format", json()) != FORMAT)
-        return "format " + (info.is_object() && info.contains("format") ? info["format"].dump() : std::string("None")) + ", expected '" + FORMAT + "'";
+// A JSON value as Python's repr writes it, for messages that read as engines.py's.
+std::string repr(const json &value) {
+    if (value.is_string()) return "'" + value.get<std::string>() + "'";
+    if (value.is_null()) return "None";
+    if (value.is_boolean()) return value.get<bool>() ? "True" : "False";
+    return value.dump();
+}
+
+std::string text(const json &value) { return value.is_string() ? value.get<std::string>() : value.dump(); }  // as str() would
+
+// Every field the runtime reads is there, else what is wrong; an edgemem-engines/2 `info` gains its implied
+// "shared" and "profile_index" fields (engines.py `_check_format`).
+std::string format_problem(json &info) {
+    const json found = info.is_object() ? info.value("format", json()) : json();
+    if (found != FORMAT && found != SEPARATE_FORMAT) return "format " + repr(found) + ", expected '" + FORMAT + "'";
+    const bool separate = found == SEPARATE_FORMAT;
     const std::pair<const char *, bool> fields[] = {{"library", true}, {"plugins", true}, {"export", true},
                                                     {"max_batch", false}, {"max_sequence", false}, {"engines", true}};
     for (const auto &[key, object] : fields)
@@ -61,11 +74,37 @@ std::string format_problem(const json &info) {
         return "'library' needs a module (tensorrt or tensorrt_rtx) and a version";
     if (!info["plugins"].contains("file") || !info["plugins"].contains("sha256")) return "'plugins' needs file and sha256";
     for (auto it = info["engines"].begin(); it != info["engines"].end(); ++it) {
-        const json &record = *it;
+        json &record = *it;
         bool complete = record.is_object();
         for (const char *key : {"file", "sha256", "profile", "in_place", "plugins"}) complete = complete && record.contains(key);
         if (!complete) return "engine '" + it.key() + "' needs file, sha256, profile, in_place and plugins";
+        const json index = record.value("profile_index", json());
+        if (separate)
+            record["profile_index"] = 0;
+        else if (!index.is_number_integer() || index.get<int64_t>() < 0)
+            return "engine '" + it.key() + "' needs a profile_index (0, 1, ...)";
     }
+    if (separate) info["shared"] = "none";
+    std::vector<std::string> order;  // the engine files, in the order of the records that name them
+    std::map<std::string, std::vector<const json *>> served;
+    for (const json &record : info["engines"]) {
+        const std::string file = record["file"].dump();
+        if (!served.count(file)) order.push_back(file);
+        served[file].push_back(&record);
+    }
+    for (const std::string &file : order) {
+        std::set<int64_t> indices;
+        std::set<std::string> digests;
+        for (const json *record : served[file]) {
+            indices.insert((*record)["profile_index"].get<int64_t>());
+            digests.insert((*record)["sha256"].dump());
+        }
+        if (indices.size() < served[file].size() || digests.size() > 1)
+            return "the graphs that " + text((*served[file][0])["file"]) + " serves need distinct profile_index values and one sha256";
+    }
+    const char *shared = order.size() == 1 ? "profiles" : "none";
+    if (info.value("shared", json()) != shared)
+        return "'shared' is " + repr(info.value("shared", json())) + " for " + std::to_string(order.size()) + " engine file(s)";
     return "";
 }
 
@@ -246,7 +285,8 @@ class Backend final : public TrtBackend {
     size_t max_tokens_ = 1;
     std::unique_ptr<Cuda> cuda_;
     std::unique_ptr<TrtRuntime> runtime_;
-    std::map<std::string, std::unique_ptr<TrtGraph>> graphs_;
+    std::vector<std::unique_ptr<TrtEngine>> engines_;         // one per engine file
+    std::map<std::string, std::unique_ptr<TrtGraph>> graphs_;  // graph kind → its context of one of engines_
     std::vector<std::pair<size_t, std::unique_ptr<Buffers>>> slots_;  // (batch size, buffers), least recently used first
     std::mutex mutex_;
 
@@ -283,14 +323,14 @@ Backend::Backend(const TrtExport &model, const char *engines, const char *plugin
                 arch_ + ", identity " + model.identity.substr(0, 12) + ": rebuild with " + build_);
     }
     if (!info_["engines"].contains("step")) backend(path + " lists no step engine; rebuild with " + build_);
-    std::map<std::string, std::string> files;
+    std::map<std::string, std::vector<std::pair<std::string, int64_t>>> files;  // engine file → (graph kind, profile index)
     for (auto it = info_["engines"].begin(); it != info_["engines"].end(); ++it) {
         const std::string name = (*it)["file"], file = folder + "/" + name;
         if (!is_file(file))
             backend(folder + ": the " + it.key() + " engine " + name + " listed in " + ENGINES_JSON + " is missing; rebuild with " + build_);
-        if (sha256_file(file) != (*it)["sha256"])
+        if (!files.count(file) && sha256_file(file) != (*it)["sha256"])
             backend(file + " does not match its sha256 in " + ENGINES_JSON + " (modified, or a build that did not finish); rebuild with " + build_);
-        files[it.key()] = file;
+        files[file].emplace_back(it.key(), (*it)["profile_index"].get<int64_t>());
     }
     // the plugin library the engines were built with (engines.py `plugin_library`)
     const std::string built = info_["plugins"]["file"], digest = info_["plugins"]["sha256"];
@@ -331,19 +371,27 @@ Backend::Backend(const TrtExport &model, const char *engines, const char *plugin
     // the engines, checked against edgemem.json
     std::set<std::string> want{tokens_, logits_};
     for (const Spec &spec : specs_) want.insert(spec.input), want.insert(spec.output);
-    for (const auto &[kind, file] : files) {
+    for (const auto &[file, kinds] : files) {
         std::string error;
-        auto graph = runtime_->deserialize(read_file(file, EM_ERR_BACKEND, "engine"), error);
-        if (!graph)
+        engines_.push_back(runtime_->deserialize(read_file(file, EM_ERR_BACKEND, "engine"), error));
+        if (!engines_.back())
             backend(lib.name + " could not deserialize " + file + " (" + error + "; another GPU, or a plugin the library lacks?); rebuild with " + build_);
-        std::set<std::string> names;
-        for (const auto &entry : graph->inputs) names.insert(entry.first);
-        if (names != want) backend("the " + kind + " engine does not match edgemem.json: its tensors differ; rebuild it with " + build_);
-        for (const Spec &spec : specs_)
-            if (graph->dtypes[spec.input] != spec.dtype->name)
-                backend("the " + kind + " engine's state " + spec.input + " is " + graph->dtypes[spec.input] + ", edgemem.json says " +
-                        spec.dtype->name + "; rebuild it with " + build_);
-        graphs_[kind] = std::move(graph);
+        TrtEngine &engine = *engines_.back();
+        for (const auto &[kind, index] : kinds) {
+            if (index >= engine.profiles())
+                backend(lib.name + " could not select optimisation profile " + std::to_string(index) + " of " + file + " for the " + kind +
+                        " graph (the engine has " + std::to_string(engine.profiles()) + "); rebuild with " + build_);
+            auto graph = engine.context(int32_t(index), cuda_->stream, error);
+            if (!graph) backend(lib.name + " could not give the " + kind + " graph a context of " + file + ": " + error);
+            std::set<std::string> names;
+            for (const auto &entry : graph->inputs) names.insert(entry.first);
+            if (names != want) backend("the " + kind + " engine does not match edgemem.json: its tensors differ; rebuild it with " + build_);
+            for (const Spec &spec : specs_)
+                if (graph->dtypes[spec.input] != spec.dtype->name)
+                    backend("the " + kind + " engine's state " + spec.input + " is " + graph->dtypes[spec.input] + ", edgemem.json says " +
+                            spec.dtype->name + "; rebuild it with " + build_);
+            graphs_[kind] = std::move(graph);
+        }
     }
     const TrtGraph &step = *graphs_["step"];
     logits_dtype_ = dtype_named(step.dtypes.at(logits_));
@@ -363,8 +411,9 @@ Backend::Backend(const TrtExport &model, const char *engines, const char *plugin
     }
     has_prefill = graphs_.count("prefill") > 0;
     if (has_prefill) {
-        const json &range = info_["engines"]["prefill"]["profile"].value(tokens_, json());
-        max_tokens_ = range.is_array() && range.size() == 3 && range[2].size() == 2 ? size_t(range[2][1].get<int64_t>()) : 1;
+        const auto &ranges = graphs_["prefill"]->ranges;
+        const auto range = ranges.find(tokens_);
+        max_tokens_ = range != ranges.end() && range->second[1].size() == 2 ? size_t(range->second[1][1]) : 1;
     }
     std::map<std::string, std::vector<int64_t>> shapes{{tokens_, {1, 1}}};
     for (const Spec &spec : specs_) shapes[spec.input] = spec.shape(1);
@@ -373,7 +422,8 @@ Backend::Backend(const TrtExport &model, const char *engines, const char *plugin
 
 Backend::~Backend() {
     slots_.clear();
-    graphs_.clear();  // before the runtime and the CUDA context
+    graphs_.clear();  // before their engines, the runtime and the CUDA context
+    engines_.clear();
     runtime_.reset();
 }
 
@@ -407,14 +457,13 @@ void Backend::download_logits(float *dst, CUdeviceptr logits, size_t position) {
 }
 
 void Backend::check_profile(const std::string &kind, const std::map<std::string, std::vector<int64_t>> &shapes) const {
-    const json &profile = info_["engines"][kind]["profile"];
-    for (auto it = profile.begin(); it != profile.end(); ++it) {
-        const auto shape = shapes.find(it.key());
+    for (const auto &[name, range] : graphs_.at(kind)->ranges) {  // the shapes of the kind's profile, as the engine has them
+        const auto shape = shapes.find(name);
         if (shape == shapes.end()) continue;
-        const auto lo = (*it)[0].get<std::vector<int64_t>>(), hi = (*it)[2].get<std::vector<int64_t>>();
+        const auto &[lo, hi] = range;
         for (size_t d = 0; d < shape->second.size() && d < lo.size() && d < hi.size(); ++d)
             if (shape->second[d] < lo[d] || shape->second[d] > hi[d])
-                fail(EM_ERR_BATCH, "the " + kind + " engine takes " + it.key() + " from " + shape_text(lo) + " to " + shape_text(hi) +
+                fail(EM_ERR_BATCH, "the " + kind + " engine takes " + name + " from " + shape_text(lo) + " to " + shape_text(hi) +
                                        ", this run needs " + shape_text(shape->second) +
                                        "; rebuild with `edgemem build --max-batch N --max-sequence N` (built with --max-batch " +
                                        std::to_string(info_["max_batch"].get<int64_t>()) + " --max-sequence " +

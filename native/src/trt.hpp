@@ -1,7 +1,8 @@
 // Backend "trt": the engines of `edgemem build` (engines/engines.json) run by TensorRT's C++ runtime,
 // each stream's state resident on the GPU; the counterpart of edgemem/runtime/trt.py.
 //
-// Loading refuses, before touching TensorRT, what edgemem/runtime/engines.py refuses: engines of another
+// Loading refuses, before touching TensorRT, what edgemem/runtime/engines.py refuses: an engines.json
+// that is not edgemem-engines/3 or /2 (read as one engine per graph, each on profile 0), engines of another
 // export, engine files changed since the build, a plugin library other than the one they were built with.
 // Then it opens at run time (dlopen) the library engines.json names, TensorRT (libnvinfer.so.<major>)
 // or TensorRT for RTX (libtensorrt_rtx.so.<major>), and the CUDA driver (libcuda.so.1); without them, or
@@ -9,9 +10,12 @@
 //
 // State. A stream allocates its state on the GPU once and keeps it there; reads (save, fork) copy it to
 // the host. A state input that engines.json lists as in place for every engine is bound as input and
-// output to one buffer; every other state tensor has two, ping-ponged (sides A and B). One execution
-// context per engine serves every stream, under the backend's lock, on one CUDA stream. A batch copies
-// its streams' rows into [n, ...] buffers, runs, and copies them back (device to device).
+// output to one buffer; every other state tensor has two, ping-ponged (sides A and B). Each engine file
+// is deserialized once (`edgemem build` writes one, whose optimisation profiles serve the step and the
+// prefill); each graph kind has one execution context of it, on the profile engines.json names
+// (profile_index), with scratch for that profile only. The contexts serve every stream, under the
+// backend's lock, on one CUDA stream. A batch copies its streams' rows into [n, ...] buffers, runs, and
+// copies them back (device to device).
 #pragma once
 
 #include <cstdint>

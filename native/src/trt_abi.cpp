@@ -52,7 +52,6 @@ std::string dtype_name(DataType type) {
 }
 
 struct Graph : TrtGraph {
-    std::unique_ptr<ICudaEngine> engine;
     std::unique_ptr<IExecutionContext> context;
     bool set_shape(const std::string &name, const std::vector<int64_t> &shape) override {
         Dims dims{};
@@ -70,27 +69,49 @@ Logger &logger() {
     return *instance;
 }
 
-struct Runtime : TrtRuntime {
-    std::unique_ptr<IRuntime> runtime;
-    std::unique_ptr<TrtGraph> deserialize(const std::vector<uint8_t> &blob, std::string &error) override {
+std::vector<int64_t> dims_of(const Dims &dims) { return std::vector<int64_t>(dims.d, dims.d + dims.nbDims); }
+
+struct Engine : TrtEngine {
+    std::unique_ptr<ICudaEngine> engine;
+    int32_t profiles() const override { return engine->getNbOptimizationProfiles(); }
+    std::unique_ptr<TrtGraph> context(int32_t profile, void *cuda_stream, std::string &error) override {
         auto graph = std::make_unique<Graph>();
         logger().take();
-        graph->engine.reset(runtime->deserializeCudaEngine(blob.data(), blob.size()));
-        if (!graph->engine) {
-            error = logger().take();
-            return nullptr;
-        }
-        graph->context.reset(graph->engine->createExecutionContext());
+        // ON_PROFILE_CHANGE (TensorRT 10 and later): scratch for the selected profile, not the largest of all
+        graph->context.reset(engine->createExecutionContext(ExecutionContextAllocationStrategy::kON_PROFILE_CHANGE));
         if (!graph->context) {
             error = "no execution context (out of GPU memory?) " + logger().take();
             return nullptr;
         }
-        for (int32_t i = 0; i < graph->engine->getNbIOTensors(); ++i) {
-            const char *name = graph->engine->getIOTensorName(i);
-            graph->inputs[name] = graph->engine->getTensorIOMode(name) == TensorIOMode::kINPUT;
-            graph->dtypes[name] = dtype_name(graph->engine->getTensorDataType(name));
+        if (!graph->context->setOptimizationProfileAsync(profile, static_cast<cudaStream_t>(cuda_stream))) {
+            error = "optimisation profile " + std::to_string(profile) + " refused: " + logger().take();
+            return nullptr;
+        }
+        for (int32_t i = 0; i < engine->getNbIOTensors(); ++i) {
+            const char *name = engine->getIOTensorName(i);
+            const bool input = engine->getTensorIOMode(name) == TensorIOMode::kINPUT;
+            graph->inputs[name] = input;
+            graph->dtypes[name] = dtype_name(engine->getTensorDataType(name));
+            if (!input) continue;
+            const Dims lo = engine->getProfileShape(name, profile, OptProfileSelector::kMIN);
+            const Dims hi = engine->getProfileShape(name, profile, OptProfileSelector::kMAX);
+            if (lo.nbDims >= 0 && lo.nbDims == hi.nbDims) graph->ranges[name] = {dims_of(lo), dims_of(hi)};
         }
         return graph;
+    }
+};
+
+struct Runtime : TrtRuntime {
+    std::unique_ptr<IRuntime> runtime;
+    std::unique_ptr<TrtEngine> deserialize(const std::vector<uint8_t> &blob, std::string &error) override {
+        auto out = std::make_unique<Engine>();
+        logger().take();
+        out->engine.reset(runtime->deserializeCudaEngine(blob.data(), blob.size()));
+        if (!out->engine) {
+            error = logger().take();
+            return nullptr;
+        }
+        return out;
     }
 };
 }  // namespace

@@ -9,6 +9,7 @@
 // and the backend picks the build whose layout the loaded library has.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -17,21 +18,31 @@
 
 namespace em {
 
-// One deserialized engine with one execution context.
+// One execution context of a deserialized engine, on the optimisation profile of one graph.
 struct TrtGraph {
     std::map<std::string, bool> inputs;        // every I/O tensor: true for an input
     std::map<std::string, std::string> dtypes;  // "float32", "float16", "int32", "int64", ... ("other:N" if none)
+    std::map<std::string, std::array<std::vector<int64_t>, 2>> ranges;  // input → its [min, max] shapes in the profile
     virtual ~TrtGraph() = default;
     virtual bool set_shape(const std::string &name, const std::vector<int64_t> &shape) = 0;
     virtual bool set_address(const std::string &name, void *pointer) = 0;
     virtual bool enqueue(void *cuda_stream) = 0;
 };
 
+// One deserialized engine: one copy of its weights, shared by its contexts, which must not outlive it.
+struct TrtEngine {
+    virtual ~TrtEngine() = default;
+    virtual int32_t profiles() const = 0;  // its number of optimisation profiles
+    // A context with scratch for `profile` only, that profile selected on `cuda_stream`; nullptr with `error`
+    // set when TensorRT refuses. `profile` < profiles().
+    virtual std::unique_ptr<TrtGraph> context(int32_t profile, void *cuda_stream, std::string &error) = 0;
+};
+
 // The library's runtime with the plugin library registered; keeps what TensorRT logged last.
 struct TrtRuntime {
     virtual ~TrtRuntime() = default;
     // nullptr with `error` set when TensorRT refuses the engine
-    virtual std::unique_ptr<TrtGraph> deserialize(const std::vector<uint8_t> &blob, std::string &error) = 0;
+    virtual std::unique_ptr<TrtEngine> deserialize(const std::vector<uint8_t> &blob, std::string &error) = 0;
 };
 
 // `library`: the dlopen handle of libnvinfer / libtensorrt_rtx; `plugins`: the plugin library's path.

@@ -2,7 +2,8 @@
 
     python benchmarks/prefix_spec.py [--out benchmarks/results] [--repeats 5] [--parts ...] [--cache DIR]
 
-Parts (`--parts`, all by default; the results of parts not run are kept from the earlier file):
+Parts (`--parts`; by default all but the two Qwen3.5-0.8B ones; the results of parts not run are kept
+from the earlier file):
 
 - `ttft`: time to first token of a second stream whose prompt shares a long prefix with an earlier
   one: the gated-DeltaNet preset (2,048 shared tokens) and a Qwen3.5 hybrid import with a preallocated
@@ -250,15 +251,22 @@ def rollback_costs(directory: Path, k: int, repeats: int = 100) -> dict:
 
 
 def main() -> None:
+    from peers import CONFIGS
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--runs", type=int, default=5, help="generations per speculation cell (best kept)")
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS[:3]))
     parser.add_argument("--cache", type=Path, help="qwen parts (default ~/.cache/edgemem-bench/CONFIG)")
-    parser.add_argument("--qwen-config", default=QWEN, help="qwen parts: a peers.py config (tiny: a quick check)")
+    parser.add_argument(
+        "--qwen-config",
+        default=QWEN,
+        choices=sorted(CONFIGS),
+        help="qwen parts: peers.py's model (tiny: a quick check)",
+    )
     parser.add_argument("--qwen-runs", type=int, default=3, help="generations per speculation cell (best kept)")
     parser.add_argument("--qwen-repeats", type=int, default=2, help="second streams timed for time to first token")
     args = parser.parse_args()

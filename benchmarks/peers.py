@@ -177,11 +177,11 @@ def make_model(cache: Path, name: str) -> Path:
 
 
 def make_exports(
-    cache: Path, hf: Path, max_length: int, preallocated: bool, precisions: list[str]
+    cache: Path, hf: Path, max_length: int, preallocated: bool, precisions: list[str], growing: bool = True
 ) -> dict[str, dict[str, Path]]:
     """{"growing" | "preallocated": {precision: export directory}}; the preallocated cache holds `max_length`.
-    The growing export is always made (the floor counts its weights); the preallocated one only for the edgemem
-    row, and int4 only when asked for."""
+    The growing export is made unless `growing` is false (this benchmark's floor counts its weights); the
+    preallocated one only for the edgemem row, and int4 only when asked for."""
     from edgemem.export import export
     from edgemem.models.hf import from_hf, tokenizer_files
     from edgemem.models.lm import set_kv_cache
@@ -196,6 +196,8 @@ def make_exports(
     }
     if not preallocated:
         del out["preallocated"]
+    if not growing:
+        del out["growing"]
     for kind, dirs in out.items():
         if not (dirs["fp32"] / "edgemem.json").is_file():
             log(f"edgemem export (ort target, {kind} KV cache)")

@@ -1,20 +1,28 @@
 """The prefix state cache and speculative decoding on the CPU (onnxruntime, one thread).
 
-    python benchmarks/prefix_spec.py [--out benchmarks/results] [--repeats 5]
+    python benchmarks/prefix_spec.py [--out benchmarks/results] [--repeats 5] [--parts ...] [--cache DIR]
 
-1. Time to first token of a second stream whose prompt shares a long prefix with an earlier one:
-   the gated-DeltaNet preset (2,048 shared tokens) and a Qwen3.5 hybrid import with a preallocated
-   KV cache (random weights, hidden 256, 2 gated-DeltaNet + 2 attention layers; 1,024 shared tokens),
-   each with and without `prefix_cache_bytes`; median of `--repeats` second streams.
-2. Greedy tokens/s with and without speculation (prompt lookup; a draft model) on the trained byte
-   model `checkpoints/deltanet-bytes.safetensors` and a modest random shape (gated-DeltaNet preset,
-   d_model 512, 4 layers): a repetitive input (a document, then an edited copy of its first part, so
-   the continuation is in the prompt) and a non-repetitive one (a document followed by the start of
-   another); the acceptance rate of each. checkpoints/ has no smaller trained byte model, so the
-   draft model is a random one (its row is the cost of drafting when nothing is accepted).
-3. Rollback costs on a modest shape (gated-DeltaNet preset, d_model 512, 4 layers): one step, one
-   verify run of k + 1 tokens, keeping the state by flipping sides vs copying it, and re-applying
-   accepted tokens with one prefill run vs step by step.
+Parts (`--parts`; by default all but the two Qwen3.5-0.8B ones; the results of parts not run are kept
+from the earlier file):
+
+- `ttft`: time to first token of a second stream whose prompt shares a long prefix with an earlier
+  one: the gated-DeltaNet preset (2,048 shared tokens) and a Qwen3.5 hybrid import with a preallocated
+  KV cache (random weights, hidden 256, 2 gated-DeltaNet + 2 attention layers; 1,024 shared tokens),
+  each with and without `prefix_cache_bytes`; median of `--repeats` second streams.
+- `speculation`: greedy tokens/s with and without speculation (prompt lookup; a draft model) on the
+  trained byte model `checkpoints/deltanet-bytes.safetensors` (drafted for by the much smaller trained
+  `checkpoints/deltanet-bytes-draft.safetensors`) and a modest random shape (gated-DeltaNet preset,
+  d_model 512, 4 layers): a repetitive input (a document, then an edited copy of its first part, so
+  the continuation is in the prompt) and a non-repetitive one (a document followed by the start of
+  another); the acceptance rate of each. Every speculative output must equal plain greedy's.
+- `rollback`: the costs of a round on the modest shape: one step, one verify run of k + 1 tokens,
+  keeping the state by flipping sides vs copying it, and re-applying accepted tokens with one prefill
+  run vs step by step.
+- `qwen`: the Qwen3.5-0.8B shape (random weights, made and exported as `peers.py` does, into
+  `--cache`; `--max-length 4096`, `calibrate --method int4`): the speculation cells (plain, prompt
+  lookup) on the same two inputs as byte ids, best of `--qwen-runs`. `qwen-ttft`: its time to first
+  token at 2,048 shared tokens (`--qwen-repeats` second streams). The first run exports and quantises
+  the 3 GB model (tens of minutes); later runs reuse the cache.
 
 Writes `<out>/prefix-spec.json`.
 """
@@ -38,27 +46,58 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 
-def export_models(work: Path) -> dict[str, Path]:
-    from test_hf_qwen3_5 import randomise, save, text_config
-    from transformers import Qwen3_5ForCausalLM
+CHECKPOINTS = ROOT / "checkpoints"
+PARTS = ("ttft", "speculation", "rollback", "qwen", "qwen-ttft")
+NEEDS = {"ttft": ("gdn", "hybrid"), "speculation": ("trained", "draft", "modest"), "rollback": ("modest",)}
+QWEN = "qwen3.5-0.8b"
+QWEN_MAX_LENGTH = 4096  # the preallocated KV cache: 2,048 shared + 16 tokens, and the speculation streams
 
+
+def export_models(work: Path, names: set[str]) -> dict[str, Path]:
     from edgemem.export import export
-    from edgemem.models import build, from_hf, load_checkpoint
-    from edgemem.models.lm import set_kv_cache
+    from edgemem.models import build, load_checkpoint
 
-    out = {name: work / name for name in ("gdn", "modest", "hybrid", "trained", "draft")}
-    export(build("gated-deltanet", seed=0), out["gdn"], targets=["ort"])
-    export(build("gated-deltanet", seed=0, d_model=512, n_layers=4), out["modest"], targets=["ort"])
-    config = text_config(
-        ["linear_attention", "full_attention"] * 2, heads=4, kv_heads=2, head_dim=64, k_heads=2, v_heads=4, dk=64, dv=64
-    )
-    config.vocab_size, config.hidden_size, config.intermediate_size = 256, 256, 512
-    hybrid = from_hf(save(randomise(Qwen3_5ForCausalLM(config), seed=3), work / "hf"))
-    set_kv_cache(hybrid, 1280)
-    export(hybrid, out["hybrid"], targets=["ort"])
-    export(load_checkpoint(ROOT / "checkpoints" / "deltanet-bytes.safetensors"), out["trained"], targets=["ort"])
-    export(build("deltanet", seed=0, d_model=32, n_layers=1, mlp_hidden=32), out["draft"], targets=["ort"])
-    return out
+    def hybrid():
+        from test_hf_qwen3_5 import randomise, save, text_config
+        from transformers import Qwen3_5ForCausalLM
+
+        from edgemem.models import from_hf
+        from edgemem.models.lm import set_kv_cache
+
+        config = text_config(
+            ["linear_attention", "full_attention"] * 2,
+            heads=4,
+            kv_heads=2,
+            head_dim=64,
+            k_heads=2,
+            v_heads=4,
+            dk=64,
+            dv=64,
+        )
+        config.vocab_size, config.hidden_size, config.intermediate_size = 256, 256, 512
+        model = from_hf(save(randomise(Qwen3_5ForCausalLM(config), seed=3), work / "hf"))
+        set_kv_cache(model, 1280)
+        return model
+
+    makers = {
+        "gdn": lambda: build("gated-deltanet", seed=0),
+        "modest": lambda: build("gated-deltanet", seed=0, d_model=512, n_layers=4),
+        "hybrid": hybrid,
+        "trained": lambda: load_checkpoint(CHECKPOINTS / "deltanet-bytes.safetensors"),
+        "draft": lambda: load_checkpoint(CHECKPOINTS / "deltanet-bytes-draft.safetensors"),
+    }
+    for name in names:
+        export(makers[name](), work / name, targets=["ort"])
+    return {name: work / name for name in names}
+
+
+def qwen_export(cache: Path, config: str = QWEN) -> Path:
+    """The int4 export of the random Qwen3.5-0.8B shape (`peers.py`'s model, a preallocated KV cache); `config`: one
+    of `peers.CONFIGS` ("tiny": the same code on a small model)."""
+    import peers
+
+    hf = peers.make_model(cache, config)
+    return peers.make_exports(cache, hf, QWEN_MAX_LENGTH, True, ["int4"], growing=False)["preallocated"]["int4"]
 
 
 def time_to_first_token(directory: Path, shared: int, repeats: int) -> dict:
@@ -97,41 +136,69 @@ def documents() -> tuple[bytes, bytes]:
     return doc + b"\n\n" + edited, doc + b"\n\n" + other
 
 
-def speculation(directories: dict[str, Path], new_tokens: int, k: int) -> list[dict]:
-    """Greedy generation of `new_tokens` after each input, plain and speculative (best of 3 runs each)."""
+def speculation(
+    target, label: str, drafters: list, new_tokens: int, k: int, runs: int = 3, ids: bool = False
+) -> list[dict]:
+    """Greedy generation of `new_tokens` after each input by `target` (an Engine), plain and with each of
+    `drafters` ((label, draft) pairs), best of `runs` each; `ids`: the inputs as a list of byte ids."""
+    rows = []
+    for kind, prompt in zip(("repetitive", "non-repetitive"), documents()):
+        prompt = list(prompt) if ids else prompt
+        plain = None
+        for decoding, drafter in [("plain", None), *drafters]:
+            best = None
+            for _ in range(runs):
+                stream = target.new_stream()
+                out = stream.generate(prompt, new_tokens, draft=drafter, draft_tokens=k)
+                stats = stream.generation
+                best = stats if best is None or stats.tokens_per_s > best.tokens_per_s else best
+            plain = plain if plain is not None else (out, best.tokens_per_s)
+            if out != plain[0]:
+                raise AssertionError(f"{label}, {kind} input: greedy output with {decoding} differs from plain greedy")
+            rows.append(
+                {
+                    "model": label,
+                    "input": kind,
+                    "decoding": decoding,
+                    "draft_tokens": k,
+                    "tokens": best.tokens,
+                    "tokens_per_s": round(best.tokens_per_s, 2),
+                    "speedup": round(best.tokens_per_s / plain[1], 2),
+                    "acceptance": None if best.acceptance_rate is None else round(best.acceptance_rate, 3),
+                    "verify_runs": best.verify_runs,
+                    "same_output": True,
+                }
+            )
+    return rows
+
+
+def byte_models(directories: dict[str, Path], new_tokens: int, k: int, runs: int) -> list[dict]:
     from edgemem.runtime import Engine
 
     draft = Engine.load(directories["draft"], threads=1)
-    rows = []
-    for name, label_model in (("trained", "deltanet-bytes (trained)"), ("modest", "gated-deltanet d512 L4 (random)")):
-        target = Engine.load(directories[name], threads=1)
-        drafters = [("plain", None), ("prompt-lookup", "prompt-lookup")]
-        if name == "trained":
-            drafters.append(("draft model (random deltanet d32)", draft))
-        for kind, prompt in zip(("repetitive", "non-repetitive"), documents()):
-            plain = None
-            for label, drafter in drafters:
-                best = None
-                for _ in range(3):
-                    stream = target.new_stream()
-                    out = stream.generate(prompt, new_tokens, draft=drafter, draft_tokens=k)
-                    stats = stream.generation
-                    best = stats if best is None or stats.tokens_per_s > best.tokens_per_s else best
-                plain = plain if plain is not None else (out, best.tokens_per_s)
-                rows.append(
-                    {
-                        "model": label_model,
-                        "input": kind,
-                        "decoding": label,
-                        "draft_tokens": k,
-                        "tokens": best.tokens,
-                        "tokens_per_s": round(best.tokens_per_s, 1),
-                        "speedup": round(best.tokens_per_s / plain[1], 2),
-                        "acceptance": None if best.acceptance_rate is None else round(best.acceptance_rate, 3),
-                        "same_output": out == plain[0],
-                    }
-                )
-    return rows
+    trained = Engine.load(directories["trained"], threads=1)
+    modest = Engine.load(directories["modest"], threads=1)
+    lookup = ("prompt-lookup", "prompt-lookup")
+    return [
+        *speculation(
+            trained,
+            "deltanet-bytes (trained)",
+            [lookup, ("draft model (deltanet-bytes-draft, trained)", draft)],
+            new_tokens,
+            k,
+            runs,
+        ),
+        *speculation(modest, "gated-deltanet d512 L4 (random)", [lookup], new_tokens, k, runs),
+    ]
+
+
+def qwen_speculation(directory: Path, new_tokens: int, k: int, runs: int, label: str) -> dict:
+    from edgemem.runtime import Engine
+
+    target = Engine.load(directory, threads=1)
+    rows = speculation(target, f"{label} (random)", [("prompt-lookup", "prompt-lookup")], new_tokens, k, runs, ids=True)
+    size = sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+    return {"max_length": QWEN_MAX_LENGTH, "method": "int4", "export_bytes": size, "rows": rows}
 
 
 def rollback_costs(directory: Path, k: int, repeats: int = 100) -> dict:
@@ -184,31 +251,67 @@ def rollback_costs(directory: Path, k: int, repeats: int = 100) -> dict:
 
 
 def main() -> None:
+    from peers import CONFIGS
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument("--runs", type=int, default=5, help="generations per speculation cell (best kept)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS[:3]))
+    parser.add_argument("--cache", type=Path, help="qwen parts (default ~/.cache/edgemem-bench/CONFIG)")
+    parser.add_argument(
+        "--qwen-config",
+        default=QWEN,
+        choices=sorted(CONFIGS),
+        help="qwen parts: peers.py's model (tiny: a quick check)",
+    )
+    parser.add_argument("--qwen-runs", type=int, default=3, help="generations per speculation cell (best kept)")
+    parser.add_argument("--qwen-repeats", type=int, default=2, help="second streams timed for time to first token")
     args = parser.parse_args()
+    path = args.out / "prefix-spec.json"
+    result = json.loads(path.read_text()) if path.is_file() else {"time_to_first_token": {}}
+    result["environment"] = {"cpus": os.cpu_count(), "machine": platform.machine(), "threads": 1}
+    loads = result.setdefault("load_avg", {})  # per part: the 1, 5 and 15-minute load averages as it started
+    for part in args.parts:
+        loads[part] = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        dirs = export_models(Path(tmp))
-        result = {
-            "environment": {
-                "cpus": os.cpu_count(),
-                "machine": platform.machine(),
-                "threads": 1,
-                "load_avg": os.getloadavg(),
-            },
-            "time_to_first_token": {
-                "gated-deltanet preset": time_to_first_token(dirs["gdn"], 2048, args.repeats),
-                "qwen3.5 hybrid (KV cache 1280)": time_to_first_token(dirs["hybrid"], 1024, args.repeats),
-            },
-            "speculation": speculation(dirs, args.new_tokens, args.draft_tokens),
-            "rollback": rollback_costs(dirs["modest"], args.draft_tokens),
-        }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "prefix-spec.json").write_text(json.dumps(result, indent=2) + "\n")
+        dirs = export_models(Path(tmp), {name for part in args.parts for name in NEEDS.get(part, ())})
+        if "ttft" in args.parts:
+            result["time_to_first_token"].update(
+                {
+                    "gated-deltanet preset": time_to_first_token(dirs["gdn"], 2048, args.repeats),
+                    "qwen3.5 hybrid (KV cache 1280)": time_to_first_token(dirs["hybrid"], 1024, args.repeats),
+                }
+            )
+        if "speculation" in args.parts:
+            result["speculation"] = byte_models(dirs, args.new_tokens, args.draft_tokens, args.runs)
+        if "rollback" in args.parts:
+            result["rollback"] = rollback_costs(dirs["modest"], args.draft_tokens)
+    if "qwen" in args.parts or "qwen-ttft" in args.parts:
+        cache = args.cache or Path.home() / ".cache" / "edgemem-bench" / args.qwen_config
+        cache.mkdir(parents=True, exist_ok=True)
+        directory = qwen_export(cache, args.qwen_config)
+        label = f"{args.qwen_config} int4"
+        if "qwen" in args.parts:
+            result[f"{label} speculation"] = qwen_speculation(
+                directory, args.new_tokens, args.draft_tokens, args.qwen_runs, label
+            )
+            write(path, result)
+        if "qwen-ttft" in args.parts:
+            result["time_to_first_token"][f"{label} (KV cache {QWEN_MAX_LENGTH})"] = time_to_first_token(
+                directory, 2048, args.qwen_repeats
+            )
+    write(path, result)
     print(json.dumps(result, indent=2))
+
+
+def write(path: Path, result: dict) -> None:
+    from edgemem.files import write_atomic
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, (json.dumps(result, indent=2) + "\n").encode())
 
 
 if __name__ == "__main__":

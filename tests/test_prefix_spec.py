@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PRESETS = ["gated-deltanet", "deltanet", "softmax"]  # the session's small exports; softmax: a growing KV cache
 OTHER_VOCABULARY = {"linear": ({"d_model": 16, "mlp_hidden": 16, "n_layers": 1, "vocab_size": 61}, ["ort"])}
 CHUNK = 16
+TRAINED = {"trained": "deltanet-bytes.safetensors", "trained-draft": "deltanet-bytes-draft.safetensors"}
 TEXT = (
     b"def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n\n\n"  # noqa: E501
     b"def div(a, b):\n    return a / b\n\n\n"
@@ -29,8 +30,8 @@ TEXT = (
 
 
 def _export_models(root: Path) -> None:
-    """The trained byte model of checkpoints/ and a tiny Qwen3.5 hybrid import (vocabulary 256) with a KV cache
-    exactly as long as the speculation test needs, for onnxruntime, into `root`."""
+    """The trained byte model of checkpoints/ and its trained draft, and a tiny Qwen3.5 hybrid import (vocabulary
+    256) with a KV cache exactly as long as the speculation test needs, for onnxruntime, into `root`."""
     from test_hf_qwen3_5 import randomise, save, text_config
     from transformers import Qwen3_5ForCausalLM
 
@@ -38,7 +39,8 @@ def _export_models(root: Path) -> None:
     from edgemem.models import from_hf, load_checkpoint
     from edgemem.models.lm import set_kv_cache
 
-    export(load_checkpoint(ROOT / "checkpoints" / "deltanet-bytes.safetensors"), root / "trained", targets=["ort"])
+    for name, file in TRAINED.items():
+        export(load_checkpoint(ROOT / "checkpoints" / file), root / name, targets=["ort"])
     config = text_config(["linear_attention", "full_attention"])
     config.vocab_size = 256
     hybrid = from_hf(save(randomise(Qwen3_5ForCausalLM(config), seed=3), root / "hf"))
@@ -58,11 +60,11 @@ def exports(request, tmp_path_factory, small_exports) -> dict[str, Path]:
         tmp_path_factory.mktemp("spec")
         if cache is None
         else cache.mkdir("edgemem-spec-models")
-        / _sources_key("spec-models", TEXT, (ROOT / "checkpoints" / "deltanet-bytes.safetensors").stat().st_size)
+        / _sources_key("spec-models", TEXT, *((ROOT / "checkpoints" / f).stat().st_size for f in TRAINED.values()))
     )
     if not (root / "complete").is_file():
         _export_models(root)
-    return {**found, "trained": root / "trained", "hybrid": root / "hybrid"}
+    return {**found, **{name: root / name for name in TRAINED}, "hybrid": root / "hybrid"}
 
 
 def _load(exports, name, **options) -> Engine:
@@ -141,6 +143,7 @@ CASES = [
     ("gated-deltanet", "deltanet"),
     ("deltanet", "gated-deltanet"),
     ("trained", "deltanet"),
+    ("trained", "trained-draft"),
     ("hybrid", "deltanet"),
     ("softmax", "gated-deltanet"),
 ]
@@ -164,6 +167,8 @@ def test_greedy_speculation_yields_plain_greedy_tokens(exports, name, draft_name
     assert _rel(drafted.logits, reference.logits) <= 1e-4  # the state after speculation is the plain one
     if name == "trained":
         assert looked.generation.accepted > 0  # a trained model continues some of a repeated text as it was
+    if draft_name == "trained-draft":
+        assert stats.accepted > 0  # a draft trained on the same bytes agrees with the target on some tokens
     itself = target.new_stream()  # a draft equal to the target: every draft accepted, no rollback
     assert itself.generate(prompt, 48, draft=target, draft_tokens=5) == expected
     assert itself.generation.accepted == itself.generation.drafted > 0

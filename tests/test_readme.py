@@ -219,6 +219,10 @@ COMMANDS: dict[str, object] = {
     "--threads 1 --out checkpoints/deltanet-bytes.safetensors": Run(
         replace={"--steps 600": "--steps 2", "--batch 32": "--batch 4"}
     ),
+    "edgemem train --arch deltanet --task bytes --steps 1200 --batch 32 --set d_model=32 --set n_layers=1 "
+    "--set mlp_hidden=96 --set num_heads=2 --threads 1 --out checkpoints/deltanet-bytes-draft.safetensors": Help(
+        "the deltanet-bytes command above, run, with other --set values"
+    ),
     "edgemem eval --checkpoint checkpoints/deltanet-mqar.safetensors --task mqar": Run(add="--batch 4"),
     "edgemem train --arch titans-mag --task mqar-far --task-set pairs=4 --task-set gap=32 --steps 1000 --batch 32 "
     "--set d_model=64 --set mlp_hidden=128 --set window=8 --set chunk_size=8 --set max_lr=0.1 --set momentum=false "
@@ -259,6 +263,9 @@ COMMANDS: dict[str, object] = {
     ),
     "python benchmarks/prefix_spec.py": Help(
         "a 2,048-token prompt and several models (minutes); tests/test_prefix_spec.py checks what it times"
+    ),
+    "python benchmarks/prefix_spec.py --parts qwen qwen-ttft --cache DIR": Help(
+        "the 0.75B-parameter model, whose export needs more than 10 GB of memory; --qwen-config tiny runs the same code"
     ),
     "python benchmarks/native.py --json benchmarks/results/native.json": Help(
         "builds libedgemem in Release and streams 100,000 tokens (minutes); tests/test_native_runtime.py checks it"

@@ -1,7 +1,8 @@
 """Synthetic and text tasks for training and evaluating the byte-level models (numpy only).
 
 Every task speaks the LM's vocabulary of 256 byte ids and yields a `Sample`: token ids and
-next-token targets, -1 where a position is not scored.
+next-token targets, -1 where a position is not scored; a sequence-to-sequence task (`kind`
+"encoder_decoder") yields `Pairs`: encoder inputs with their global mask, decoder ids and targets.
 
 - `mqar` — multi-query associative recall (Arora et al. 2023, Zoology). An episode of
   `length` tokens (default 64) starts with `pairs` (default 8) key-value pairs

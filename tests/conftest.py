@@ -24,13 +24,14 @@ from edgemem.models import archs, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"d_model": 64, "n_layers": 1, "mlp_hidden": 64}  # mlp_hidden only where the preset has an MLP
-SMALL_SEQ2SEQ = {
+SMALL_SEQ2SEQ = {  # an untied head: with start token = end token, a random tied one ends at once
     "d_model": 64,
     "encoder_layers": 1,
     "decoder_layers": 1,
     "windows": [16],
     "encoder_ffn": 64,
     "decoder_ffn": 64,
+    "tie_embeddings": False,
 }
 TARGETS = ["generic", "ort", "onnx27", "trt"]
 
@@ -110,7 +111,7 @@ def small_exports(request, tmp_path_factory) -> dict[str, Path]:
 
 def small(arch: str) -> dict:
     """The overrides `small_exports` builds `arch` with (an encoder-decoder: one encoder and one decoder
-    layer of width 64, FFNs 64, a window of 16)."""
+    layer of width 64, FFNs 64, a window of 16, an untied head)."""
     config = load_config(arch)
     if not hasattr(config, "n_layers"):
         return SMALL_SEQ2SEQ

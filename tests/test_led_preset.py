@@ -142,25 +142,30 @@ def test_committed_led_checkpoint_keeps_its_score():
     assert exact == evaluate(model, "copy-marked", batch=4, seed=0)["exact_match"]
 
 
-def test_cli_run_greedy_and_beam_on_an_encoder_decoder_export(small_exports):
-    """`edgemem run` encodes the ids with the --global positions and prints what Engine.encode + generate
-    give (greedy and 3 beams); --global on a decoder-only export, a position past the input and
-    --num-beams with --temperature are one line each."""
+def test_cli_run_greedy_and_beam_on_an_encoder_decoder_export(small_exports, tmp_path):
+    """`edgemem run` encodes the ids with the --global positions (the saved stream holds the cross keys of
+    that encoding) and prints what Engine.encode + generate give, greedy and with 3 beams; --global on a
+    decoder-only export, a position past the input and --num-beams with --temperature are one line each."""
     from edgemem.runtime import Engine
 
     out = small_exports["led"]
-    ids, positions = list(range(130, 160)), [0, 7, 21]
+    ids = list(range(130, 160))
     mask = np.zeros(len(ids), dtype=np.int64)
-    mask[positions] = 1
+    mask[[0, 7, 21]] = 1
     engine = Engine.load(out)
     base = ["run", str(out), "--ids", ",".join(map(str, ids)), "--global", "0,7,21", "--max-new-tokens", "6"]
-    for beams in (1, 3):
-        expected = engine.encode(ids, mask).generate(max_new_tokens=6, num_beams=beams)
-        result = CliRunner().invoke(main, [*base, "--num-beams", str(beams)])
-        assert result.exit_code == 0, result.output
-        assert result.stdout.split() == [str(t) for t in expected]
-    plain = engine.encode(ids).generate(max_new_tokens=6)
-    assert plain != engine.encode(ids, mask).generate(max_new_tokens=6)  # the global tokens change the output
+    result = CliRunner().invoke(main, [*base, "--print-ids", "--save-state", str(tmp_path / "s.safetensors")])
+    assert result.exit_code == 0, result.output
+    greedy = list(engine.encode(ids, mask).generate(max_new_tokens=6))
+    assert result.stdout.split() == [str(t) for t in greedy] and len(greedy) > 1
+    saved = engine.load_stream(tmp_path / "s.safetensors").state_dict()
+    cross = "past_key_values.0.cross_key"
+    assert np.array_equal(saved[cross], engine.encode(ids, mask).state_dict()[cross])
+    assert not np.allclose(saved[cross], engine.encode(ids).state_dict()[cross])  # the global tokens count
+    beam = engine.encode(ids, mask).generate(max_new_tokens=6, num_beams=3)
+    result = CliRunner().invoke(main, [*base, "--print-ids", "--num-beams", "3"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.split() == [str(t) for t in beam] and beam != greedy
     for args, message in [
         ([*base[:4], "--global", "30"], "--global: position 30 is not in the input (positions 0 to 29)"),
         ([*base, "--num-beams", "2", "--temperature", "1"], "--num-beams searches deterministically"),

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from edgemem.cli import main
 from edgemem.errors import ConfigError, EdgememError
-from edgemem.models import build, load_checkpoint, save_checkpoint
+from edgemem.models import build, load_checkpoint, load_config, save_checkpoint
 from edgemem.tasks import END, MARKER, VALUES, get_task, train_rng
 from edgemem.train import evaluate, train
 
@@ -55,7 +55,7 @@ def test_copy_marked_outputs_the_marked_tokens_in_order_then_the_end_token():
         get_task("copy-marked", length=7, tokens=4)
 
 
-def test_led_preset_is_an_encoder_decoder_whose_settings_are_checked():
+def test_led_preset_is_an_encoder_decoder_whose_settings_are_checked(tmp_path):
     model = build("led", seed=0, **TINY)
     assert type(model).__name__ == "EncoderDecoder" and model.config.windows == [2]
     assert (model.config.decoder_start_token_id, model.config.eos_token_id) == (END, END)
@@ -68,6 +68,21 @@ def test_led_preset_is_an_encoder_decoder_whose_settings_are_checked():
     ]:
         with pytest.raises(ConfigError, match=message):
             build("led", **overrides)
+    recipe = tmp_path / "mine.toml"  # a recipe file of the encoder-decoder kind
+    for text, message in [
+        (
+            'kind = "encoder_decoder"\n[model]\nd_model = 8\n',
+            r"recipe mine: \[model\] lacks vocab_size, encoder_layers",
+        ),
+        (
+            'kind = "encoder_decoder"\n[mixer]\ntype = "softmax"\n',
+            r"unknown section\(s\) mixer; an encoder-decoder has",
+        ),
+        ('kind = "seq2seq"\n', "kind 'seq2seq' is not one of lm, encoder_decoder"),
+    ]:
+        recipe.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            load_config(str(recipe))
 
 
 def test_training_on_copy_marked_round_trips_through_the_checkpoint_and_every_parameter_learns(tmp_path):

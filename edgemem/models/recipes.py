@@ -100,6 +100,7 @@ def load_config(arch: str, **overrides: Any) -> LMConfig | Seq2SeqConfig:
 
 
 _SEQ2SEQ_FIXED = ("arch", "max_length")  # the name, and the KV cache (`edgemem export --max-length`)
+_EXAMPLES = {"int": 0, "float": 0.0, "bool": False, "list[int]": [0]}  # a value of each field type, for _check_type
 
 
 def _seq2seq_config(arch: str, recipe: dict[str, Any], overrides: dict[str, Any]) -> Seq2SeqConfig:
@@ -117,10 +118,7 @@ def _seq2seq_config(arch: str, recipe: dict[str, Any], overrides: dict[str, Any]
                 f"unknown {'key' if key in model and key not in overrides else 'override'} {key!r} "
                 f"for arch {arch}; valid keys: {', '.join(fields)}"
             )
-        expected = model.get(key, fields[key].default)
-        if expected is dataclasses.MISSING:
-            expected = value
-        model[key] = _check_type(key, value, expected)
+        model[key] = _check_type(key, value, _EXAMPLES[fields[key].type])
     missing = [k for k, f in fields.items() if k not in model and f.default is dataclasses.MISSING]
     if missing:
         raise ConfigError(f"recipe {arch}: [model] lacks {', '.join(missing)}")

@@ -260,7 +260,8 @@ def evaluate(
     chunk: int = 1024,
 ) -> dict[str, Any]:
     """The task's metric on `batch` held-out streams of `length` tokens (default: the task's
-    episode length): `{"task", "arch", "length", <metric>}`."""
+    episode length): `{"task", "arch", "length", <metric>}`; a sequence-to-sequence task's inputs
+    are `length` tokens long, and both its metrics are given (`exact_match`, `token_accuracy`)."""
     task = _task(task, task_params)
     length = length or task.length
     if batch < 1 or length < 1 or chunk < 1:

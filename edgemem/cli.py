@@ -116,7 +116,8 @@ def archs(as_json: bool) -> None:
         title="edgemem presets",
         box=box.SIMPLE_HEAD,
         caption="state: fp32 bytes per stream at position 0; +/token: its growth per token\n"
-        "(0: constant memory; n/a: bidirectional, prefill only)",
+        "(0: constant memory; n/a: bidirectional, prefill only); an encoder-decoder:\n"
+        "encoder + decoder layers, its state grows with the input (cross keys and values)",
     )
     for column in ("arch", "layers", "d_model", "heads", "params", "state", "+/token"):  # fits 80 columns
         table.add_column(column, justify="left" if column == "arch" else "right", no_wrap=True)
@@ -248,7 +249,7 @@ def _preset(arch: str, seed: int, overrides: tuple[str, ...]):
         config = model.config
         kept = (
             f"; mlp_hidden stays the preset's {config.mlp_hidden} (--set mlp_hidden=N to change it)"
-            if "d_model" in values and "mlp_hidden" not in values and config.mlp_hidden
+            if "d_model" in values and "mlp_hidden" not in values and getattr(config, "mlp_hidden", 0)
             else ""
         )
         click.echo(
@@ -442,6 +443,20 @@ def _rate(n: int, seconds: float) -> str:
 )
 @click.option("--draft-tokens", default=4, show_default=True, type=int, help="Tokens drafted per round (with --draft).")
 @click.option(
+    "--num-beams",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Beam search over this many beams (greedy: 1); the best beam is printed when the search ends.",
+)
+@click.option(
+    "--global",
+    "global_positions",
+    metavar="0,5,9",
+    help="An encoder-decoder's global tokens: positions of the input (from 0) that attend to, and are "
+    "attended by, every token (default: none).",
+)
+@click.option(
     "--prefix-cache",
     "prefix_cache",
     metavar="BYTES",
@@ -469,14 +484,20 @@ def run_command(
     plugins,
     draft,
     draft_tokens,
+    num_beams,
+    global_positions,
     prefix_cache,
 ) -> None:
     """Stream generated text (or token ids) to stdout; statistics go to stderr."""
     import itertools
+    import time
+
+    import numpy as np
 
     from edgemem.errors import ConfigError
     from edgemem.files import check_output_file
     from edgemem.runtime import Engine
+    from edgemem.runtime.speculative import GenerationStats
     from edgemem.runtime.text import ByteCodec, load_codec
 
     if temperature == 0 and (top_k is not None or top_p is not None):
@@ -492,6 +513,11 @@ def run_command(
         check_output_file(save_state, "--save-state", inputs=[directory])
     if draft is None and draft_tokens != 4:
         raise ConfigError("--draft-tokens needs --draft (prompt-lookup or an export directory)")
+    if num_beams > 1 and (temperature or draft is not None or save_state):
+        raise ConfigError(
+            "--num-beams searches deterministically and leaves the stream as it was: give it without "
+            "--temperature, --draft and --save-state"
+        )
     engine = Engine.load(
         directory, backend=backend, target=target, threads=threads, plugins=plugins, prefix_cache_bytes=prefix_cache
     )
@@ -521,14 +547,30 @@ def run_command(
                 f"{engine.manifest.arch} is an encoder-decoder: give the input to encode (--prompt TEXT, "
                 "--ids 1,2,3 or --ids-file PATH)"
             )
-        stream, prompt_ids = engine.encode(prompt_ids), []
+        mask = None
+        if global_positions is not None:
+            mask = np.zeros(len(prompt_ids), dtype=np.int64)
+            for position in _csv_ints(global_positions, "--global"):
+                if not 0 <= position < len(prompt_ids):
+                    raise ConfigError(
+                        f"--global: position {position} is not in the input (positions 0 to {len(prompt_ids) - 1})"
+                    )
+                mask[position] = 1
+        stream, prompt_ids = engine.encode(prompt_ids, mask), []
     else:
+        if global_positions is not None:
+            raise ConfigError(f"--global marks an encoder-decoder's input; {engine.manifest.arch} has no encoder")
         stream = engine.load_stream(load_state) if load_state else engine.new_stream()
     out = sys.stdout.buffer  # bytes, not text: a byte-level model's output need not be UTF-8
     begin, last = stream.position, b"\n"
     try:
         options = {"draft": draft, "draft_tokens": draft_tokens}
-        if len(prompt_ids) > engine.chunk_size:  # more than one prefill run: not silent
+        if num_beams > 1:  # the best beam is known only when the search ends; the stream stays as it was
+            start = time.perf_counter()
+            generated = stream.generate(prompt_ids, max_new_tokens, num_beams=num_beams) if max_new_tokens else []
+            stream.generation = GenerationStats(len(prompt_ids), tokens=len(generated))
+            stream.generation.decode_s = time.perf_counter() - start
+        elif len(prompt_ids) > engine.chunk_size:  # more than one prefill run: not silent
             from edgemem.progress import track
 
             with track("prefill", len(prompt_ids)) as bar:
@@ -564,7 +606,7 @@ def run_command(
         )
         sys.exit(130)
     stats = stream.generation
-    tokens = stream.position - begin - len(prompt_ids)
+    tokens = stats.tokens if num_beams > 1 else stream.position - begin - len(prompt_ids)
     if save_state:
         stream.save(save_state)
     if last != b"\n" and (print_ids or out.isatty()):  # ids are lines; a terminal gets its line ended
@@ -986,7 +1028,9 @@ def calibrate_command(
     type=click.Path(dir_okay=False),
     help="Fine-tune this checkpoint instead (e.g. from `edgemem linearize`).",
 )
-@click.option("--task", "task_name", required=True, help="Task: mqar, mqar-far, copy or bytes (see edgemem.tasks).")
+@click.option(
+    "--task", "task_name", required=True, help="Task: mqar, mqar-far, copy, copy-marked or bytes (see edgemem.tasks)."
+)
 @click.option("--steps", default=1000, show_default=True, type=click.IntRange(min=1), help="Optimizer steps.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Checkpoint to write (default: ARCH-TASK.safetensors).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a preset setting (repeatable).")
@@ -996,7 +1040,7 @@ def calibrate_command(
     multiple=True,
     metavar="KEY=VALUE",
     help="Task parameter (repeatable): length (episode = training length), pairs (mqar, mqar-far), "
-    "gap (mqar-far), tokens (copy).",
+    "gap (mqar-far), tokens (copy, copy-marked).",
 )
 @click.option(
     "--seed", default=0, show_default=True, callback=_SEED, help="Seed of the initialisation and the training data."
@@ -1056,11 +1100,15 @@ def train_command(arch, init, task_name, steps, out, overrides, task_set, seed, 
         )
         sys.exit(130)
     scores = evaluate(result.model, task_name, batch=128, task_params=task_params)  # as `edgemem eval`
-    metric = next(k for k in scores if k not in ("task", "arch", "length"))
     click.echo(
         f"saved {out}: {steps} steps in {result.seconds:.0f} s, final loss {result.losses[-1]:.4f}; "
-        f"held-out {metric} at length {scores['length']}: {scores[metric]:.4f}"
+        f"held-out at length {scores['length']}: {_metrics(scores)}"
     )
+
+
+def _metrics(scores: dict) -> str:
+    """The metrics of an `evaluate` row: "accuracy 0.9912", "exact_match 0.98, token_accuracy 0.99"."""
+    return ", ".join(f"{k} {v:.4f}" for k, v in scores.items() if k not in ("task", "arch", "length"))
 
 
 @main.command("linearize")
@@ -1110,7 +1158,7 @@ def linearize_command(checkpoint, hf_dir, out, window, update_rule, gate_init) -
 
 @main.command("eval")
 @click.option("--checkpoint", required=True, type=click.Path(dir_okay=False), help="A checkpoint from `edgemem train`.")
-@click.option("--task", "task_name", required=True, help="Task: mqar, mqar-far, copy or bytes.")
+@click.option("--task", "task_name", required=True, help="Task: mqar, mqar-far, copy, copy-marked or bytes.")
 @click.option(
     "--length",
     type=click.IntRange(min=1),
@@ -1126,7 +1174,8 @@ def linearize_command(checkpoint, hf_dir, out, window, update_rule, gate_init) -
     "--json",
     "as_json",
     is_flag=True,
-    help='Print a JSON list, one object per length: {"task", "arch", "length", "accuracy" | "bits_per_byte"}.',
+    help='Print a JSON list, one object per length: {"task", "arch", "length", and the metrics: "accuracy" | '
+    '"bits_per_byte" | "exact_match" and "token_accuracy"}.',
 )
 @click.option(
     "--no-memory",
@@ -1159,7 +1208,7 @@ def eval_command(checkpoint, task_name, length, task_set, batch, seed, threads, 
         return
     for r in rows:
         off = " (memory off)" if no_memory else ""
-        click.echo(f"{r['arch']}{off} on {r['task']}, length {r['length']:>6}: {task.metric} {r[task.metric]:.4f}")
+        click.echo(f"{r['arch']}{off} on {r['task']}, length {r['length']:>6}: {_metrics(r)}")
 
 
 @main.command("triton")

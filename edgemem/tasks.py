@@ -1,7 +1,8 @@
 """Synthetic and text tasks for training and evaluating the byte-level models (numpy only).
 
 Every task speaks the LM's vocabulary of 256 byte ids and yields a `Sample`: token ids and
-next-token targets, -1 where a position is not scored.
+next-token targets, -1 where a position is not scored; a sequence-to-sequence task (`kind`
+"encoder_decoder") yields `Pairs`: encoder inputs with their global mask, decoder ids and targets.
 
 - `mqar` — multi-query associative recall (Arora et al. 2023, Zoology). An episode of
   `length` tokens (default 64) starts with `pairs` (default 8) key-value pairs
@@ -20,6 +21,14 @@ next-token targets, -1 where a position is not scored.
   marker 1 follows and the data tokens are reproduced: the target at the marker is the first
   data token, at each reproduced token the next one (metric: accuracy over those positions).
   Episode length `length` (default 64) = noise span + 1 + `tokens`.
+- `copy-marked` — sequence to sequence, for encoder-decoders (`led`): an input of `length`
+  (default 32) tokens from ids 128–191 in which `tokens` (default 3) are marked, each by the
+  marker 1 just before it (markers never adjacent); the marked tokens, in order, then the end
+  token 2 are the output. The first token is global (`global_mask`, as LED marks `<s>`). The decoder
+  reads the start token 2 and the output shifted by one (teacher forcing); every output token is
+  scored. Metrics: `exact_match`, the share of inputs whose greedy output (up to and including
+  the end token) is the target, and `token_accuracy`, the share of output tokens predicted right
+  under teacher forcing. At 4× the input is 4× as long, with as many marks.
 - `bytes` — next-byte prediction on the `.py` sources of the running Python's standard
   library (nothing downloaded). A file is held out when `zlib.crc32(relative path) % 10 == 0`
   (about a tenth); training windows come from the other files. Metric: bits per byte.
@@ -53,7 +62,7 @@ import numpy as np
 from edgemem.config import fits_memory
 from edgemem.errors import ConfigError
 
-TASKS: tuple[str, ...] = ("mqar", "mqar-far", "copy", "bytes")
+TASKS: tuple[str, ...] = ("mqar", "mqar-far", "copy", "copy-marked", "bytes")
 VOCAB = 256  # every task's token ids are bytes
 HELD_OUT = 0x4E1D  # first word of every held-out seed sequence
 TRAIN = 0x7EA1  # first word of every training seed sequence (used by edgemem.train)
@@ -61,12 +70,23 @@ TRAIN = 0x7EA1  # first word of every training seed sequence (used by edgemem.tr
 FILLER, MARKER = 0, 1
 KEYS, VALUES = (64, 128), (128, 192)  # [start, stop) id ranges
 DATA, NOISE = (128, 144), (192, 208)
+END = 2  # copy-marked: the decoder's start token and the output's end token (LED's `</s>`)
 
 
 @dataclass
 class Sample:
     tokens: np.ndarray  # [B, T] int64 token ids
     targets: np.ndarray  # [B, T] int64 next-token targets; -1 where not scored
+
+
+@dataclass
+class Pairs:
+    """Sequence-to-sequence data: an encoder input and the decoder's teacher-forced ids and targets."""
+
+    inputs: np.ndarray  # [B, S] int64 encoder input ids
+    global_mask: np.ndarray  # [B, S] int64, 1 at the input's global tokens
+    tokens: np.ndarray  # [B, T] int64 decoder ids: the start token, then the output but its last token
+    targets: np.ndarray  # [B, T] int64 the output; -1 where not scored
 
 
 def held_out_rng(seed: int, row: int) -> np.random.Generator:
@@ -92,6 +112,7 @@ class Task:
     name: str
     metric: str
     length: int  # episode length = default training length
+    kind = "lm"  # the model kind it trains (`edgemem.kinds`)
 
     def batch(self, batch: int, length: int, rng: np.random.Generator) -> Sample:
         """Training data: `batch` rows of `length` tokens."""
@@ -211,6 +232,44 @@ class Copy(Task):
         return Sample(tokens, targets)
 
 
+class CopyMarked(Task):
+    name, metric, kind = "copy-marked", "exact_match", "encoder_decoder"
+    metrics = ("exact_match", "token_accuracy")
+    end_token = END
+
+    def __init__(self, length: int = 32, tokens: int = 3):
+        if tokens < 1:
+            raise ConfigError(f"copy-marked tokens must be ≥ 1; got {tokens}")
+        if length < 2 * tokens:
+            raise ConfigError(f"copy-marked length must be ≥ 2 × tokens = {2 * tokens}; got {length}")
+        self.length, self.tokens = length, tokens
+
+    def batch(self, batch: int, length: int, rng: np.random.Generator) -> Pairs:
+        """Inputs of `length` tokens with `tokens` marked ones; outputs of tokens + 1."""
+        check_shape(batch, length)
+        n = self.tokens
+        if length < 2 * n:
+            raise ConfigError(f"a copy-marked input with {n} marks needs length ≥ {2 * n}; got {length}")
+        inputs = rng.integers(*VALUES, size=(batch, length))
+        # n sorted distinct draws from [0, length − n), the i-th moved i on: markers at least 2 apart
+        markers = np.sort(rng.random((batch, length - n)).argsort(axis=1)[:, :n], axis=1) + np.arange(n)
+        rows = np.arange(batch)[:, None]
+        marked = inputs[rows, markers + 1]
+        inputs[rows, markers] = MARKER
+        global_mask = np.zeros((batch, length), dtype=np.int64)
+        global_mask[:, 0] = 1
+        end = np.full((batch, 1), END, dtype=np.int64)
+        return Pairs(inputs, global_mask, np.concatenate([end, marked], 1), np.concatenate([marked, end], 1))
+
+    def stream(self, batch: int, length: int, seed: int) -> Pairs:
+        """Held-out inputs of `length` tokens, one episode each (as many marks at any length)."""
+        check_shape(batch, length)
+        rows = [self.batch(1, length, held_out_rng(seed, row)) for row in range(batch)]
+        return Pairs(
+            *(np.concatenate([getattr(r, f) for r in rows]) for f in ("inputs", "global_mask", "tokens", "targets"))
+        )
+
+
 @functools.lru_cache(maxsize=2)
 def _stdlib_text(held_out: bool) -> np.ndarray:
     """The standard library's `.py` files of one split, concatenated as bytes."""
@@ -266,7 +325,13 @@ class Bytes(Task):
         return float(nll.mean() / math.log(2))
 
 
-_CLASSES: dict[str, type[Task]] = {"mqar": MQAR, "mqar-far": MQARFar, "copy": Copy, "bytes": Bytes}
+_CLASSES: dict[str, type[Task]] = {
+    "mqar": MQAR,
+    "mqar-far": MQARFar,
+    "copy": Copy,
+    "copy-marked": CopyMarked,
+    "bytes": Bytes,
+}
 
 
 def get_task(name: str, **params: int) -> Task:

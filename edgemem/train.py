@@ -3,7 +3,9 @@
 Training uses the model's parallel `forward`, cross-entropy over the scored targets, AdamW
 with a linear warmup and a cosine decay to a tenth of the peak rate, and gradient clipping
 at norm 1. Evaluation streams held-out data through `prefill` in chunks (constant memory for
-recurrent models), the stateful path a deployed model runs.
+recurrent models), the stateful path a deployed model runs. A sequence-to-sequence task
+(`copy-marked`) trains an encoder-decoder on teacher-forced outputs and is scored by what it
+generates: each input encoded once (`start`), then greedy `step`s from the start token.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from edgemem import kinds
 from edgemem.errors import ConfigError, EdgememError
 from edgemem.files import check_output_file
 from edgemem.layers.titans import NeuralMemoryLayer
 from edgemem.models import LM, build, load_checkpoint, save_checkpoint
-from edgemem.tasks import VOCAB, Task, get_task, train_rng
+from edgemem.models.seq2seq import EncoderDecoder
+from edgemem.tasks import VOCAB, Pairs, Sample, Task, get_task, train_rng
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +51,7 @@ class Interrupted(KeyboardInterrupt):
 
 @dataclass
 class TrainResult:
-    model: LM
+    model: LM | EncoderDecoder
     losses: list[float] = field(default_factory=list)  # one per step
     seconds: float = 0.0
 
@@ -55,13 +60,18 @@ def _task(task: str | Task, params: dict[str, Any] | None = None) -> Task:
     return task if isinstance(task, Task) else get_task(task, **(params or {}))
 
 
-def _loss(model: LM, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens)
+def _loss(model: nn.Module, sample: Sample | Pairs, device: torch.device) -> torch.Tensor:
+    tokens, targets = (torch.from_numpy(t).to(device) for t in (sample.tokens, sample.targets))
+    if isinstance(sample, Pairs):
+        inputs, mask = (torch.from_numpy(t).to(device) for t in (sample.inputs, sample.global_mask))
+        logits = model(inputs, tokens, mask)
+    else:
+        logits = model(tokens)
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
 
 
 def train(
-    arch: str | LM,
+    arch: str | LM | EncoderDecoder,
     task: str | Task,
     steps: int,
     out: str | Path | None = None,
@@ -94,12 +104,13 @@ def train(
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as e:
         raise ConfigError(f"cannot train on device {str(device)!r}: {str(e).splitlines()[0]}") from None
-    if isinstance(arch, LM) and overrides:
+    given = isinstance(arch, nn.Module)
+    if given and overrides:
         raise ConfigError("overrides build a preset; a given model is trained as it is")
-    model = arch if isinstance(arch, LM) else build(arch, seed=seed, **(overrides or {}))
+    model = arch if given else build(arch, seed=seed, **(overrides or {}))
     arch = model.config.arch
-    _check_vocabulary(model, task)
-    if not model.streaming:
+    _check_model(model, task)
+    if task.kind == "lm" and not model.streaming:
         raise ConfigError(
             f"{arch} is bidirectional (every position sees the whole sequence) and {task.name} is a "
             "next-token task: it would see its targets; train a causal preset"
@@ -143,8 +154,7 @@ def train(
                 if out is not None and step:
                     save_checkpoint(model, out, tokenizer)
                 raise Interrupted(step, out if step else None)
-            sample = task.batch(batch, length, rng)
-            loss = _loss(model, torch.from_numpy(sample.tokens).to(device), torch.from_numpy(sample.targets).to(device))
+            loss = _loss(model, task.batch(batch, length, rng), device)
             if not torch.isfinite(loss):
                 kept = f"; {out} was not written" if out is not None else ""
                 raise TrainingError(
@@ -169,12 +179,24 @@ def train(
     return result
 
 
-def _check_vocabulary(model: LM, task: Task) -> None:
+def _check_model(model: nn.Module, task: Task) -> None:
+    """`model` is of the kind `task` trains, and speaks its token ids (and its start and end token)."""
+    kind = kinds.of(model).name
+    if kind != task.kind:
+        wanted = "an encoder-decoder (--arch led)" if task.kind == "encoder_decoder" else "a language model"
+        raise ConfigError(f"{task.name} trains {wanted}; {model.config.arch} is of kind {kind}")
     if model.config.vocab_size < VOCAB:
         raise ConfigError(
             f"{task.name} feeds byte ids 0-{VOCAB - 1} (edgemem.tasks) but {model.config.arch} has a "
             f"vocabulary of {model.config.vocab_size}: the tasks need a model of at least {VOCAB} tokens"
         )
+    if kind == "encoder_decoder":
+        config, end = model.config, task.end_token
+        if config.decoder_start_token_id != end or config.eos_token_id != end:
+            raise ConfigError(
+                f"{task.name} starts and ends its outputs with token {end}; {config.arch} has "
+                f"decoder_start_token_id={config.decoder_start_token_id}, eos_token_id={config.eos_token_id}"
+            )
 
 
 @contextlib.contextmanager
@@ -228,7 +250,7 @@ def without_memory(model: LM) -> LM:
 
 @torch.no_grad()
 def evaluate(
-    checkpoint_or_model: str | Path | LM,
+    checkpoint_or_model: str | Path | nn.Module,
     task: str | Task,
     length: int | None = None,
     batch: int = 64,
@@ -238,15 +260,18 @@ def evaluate(
     chunk: int = 1024,
 ) -> dict[str, Any]:
     """The task's metric on `batch` held-out streams of `length` tokens (default: the task's
-    episode length): `{"task", "arch", "length", <metric>}`."""
+    episode length): `{"task", "arch", "length", <metric>}`; a sequence-to-sequence task's inputs
+    are `length` tokens long, and both its metrics are given (`exact_match`, `token_accuracy`)."""
     task = _task(task, task_params)
     length = length or task.length
     if batch < 1 or length < 1 or chunk < 1:
         raise ConfigError(f"batch, length and chunk must be positive; got {batch}, {length}, {chunk}")
-    model = checkpoint_or_model if isinstance(checkpoint_or_model, LM) else load_checkpoint(checkpoint_or_model)
-    _check_vocabulary(model, task)
+    model = checkpoint_or_model if isinstance(checkpoint_or_model, nn.Module) else load_checkpoint(checkpoint_or_model)
+    _check_model(model, task)
     model.eval()
     sample = task.stream(batch, length, seed)
+    if isinstance(sample, Pairs):
+        return {"task": task.name, "arch": model.config.arch, "length": length, **_seq2seq_scores(model, sample)}
     if model.streaming:
         state = model.init_state(batch)
         pieces = []
@@ -261,6 +286,25 @@ def evaluate(
         raise ConfigError(f"a {task.name} stream of {length} tokens has no scored position")
     value = sum(s * n for s, n in pieces) / count
     return {"task": task.name, "arch": model.config.arch, "length": length, task.metric: value}
+
+
+def _seq2seq_scores(model: EncoderDecoder, pairs: Pairs) -> dict[str, float]:
+    """exact_match: the share of inputs whose greedy output, as long as the target, is the target
+    (so the end token comes where the target's does); token_accuracy: teacher-forced argmax accuracy."""
+    inputs, mask, tokens, targets = (
+        torch.from_numpy(t) for t in (pairs.inputs, pairs.global_mask, pairs.tokens, pairs.targets)
+    )
+    state = model.start(inputs, mask)
+    logits, _ = model.prefill(tokens, state)
+    scored = targets >= 0
+    token_accuracy = float((logits.argmax(-1) == targets)[scored].float().mean())
+    generated, token = [], torch.full_like(tokens[:, 0], model.config.decoder_start_token_id)
+    for _ in range(targets.shape[1]):
+        step, state = model.step(token, state)
+        token = step.argmax(-1)
+        generated.append(token)
+    exact = ((torch.stack(generated, 1) == targets) | ~scored).all(1)
+    return {"exact_match": float(exact.float().mean()), "token_accuracy": token_accuracy}
 
 
 def _chunk_score(task: Task, logits: np.ndarray, targets: np.ndarray) -> tuple[float, int]:

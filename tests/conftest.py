@@ -1,7 +1,7 @@
 """Fixtures shared by the test modules: every preset exported once per session, small.
 
 `small_exports` is each preset at one layer of width 64 (MLP width 64 where it has one; every other
-setting as shipped), in all four targets, exported in two processes side by side. It is kept in pytest's cache (when enabled) under a key
+setting as shipped; an encoder-decoder: one encoder and one decoder layer), in all four targets, exported in two processes side by side. It is kept in pytest's cache (when enabled) under a key
 of everything an export depends on, so only the first run after a change pays for it.
 """  # noqa: E501
 
@@ -24,6 +24,15 @@ from edgemem.models import archs, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"d_model": 64, "n_layers": 1, "mlp_hidden": 64}  # mlp_hidden only where the preset has an MLP
+SMALL_SEQ2SEQ = {  # an untied head: with start token = end token, a random tied one ends at once
+    "d_model": 64,
+    "encoder_layers": 1,
+    "decoder_layers": 1,
+    "windows": [16],
+    "encoder_ffn": 64,
+    "decoder_ffn": 64,
+    "tie_embeddings": False,
+}
 TARGETS = ["generic", "ort", "onnx27", "trt"]
 
 _EXPORT = textwrap.dedent("""
@@ -101,8 +110,12 @@ def small_exports(request, tmp_path_factory) -> dict[str, Path]:
 
 
 def small(arch: str) -> dict:
-    """The overrides `small_exports` builds `arch` with."""
-    return {k: v for k, v in SMALL.items() if k != "mlp_hidden" or load_config(arch).mlp_hidden}
+    """The overrides `small_exports` builds `arch` with (an encoder-decoder: one encoder and one decoder
+    layer of width 64, FFNs 64, a window of 16, an untied head)."""
+    config = load_config(arch)
+    if not hasattr(config, "n_layers"):
+        return SMALL_SEQ2SEQ
+    return {k: v for k, v in SMALL.items() if k != "mlp_hidden" or config.mlp_hidden}
 
 
 def genai_greedy(directory: Path, prompt: list[int], n: int, eos: int) -> list[int]:

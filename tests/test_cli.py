@@ -28,12 +28,17 @@ def test_archs_json_lists_every_preset_with_sizes():
     for name, row in rows.items():
         model = build(name, seed=0)
         assert row["params"] == sum(p.numel() for p in model.parameters())
-        assert row["layers"] == model.config.n_layers and row["d_model"] == model.config.d_model
+        config = model.config
+        layers = getattr(config, "n_layers", None) or config.encoder_layers + config.decoder_layers
+        assert row["layers"] == layers and row["d_model"] == config.d_model
     gdn = rows["gated-deltanet"]
     assert gdn["state_bytes"] == gdn["layers"] * (4 * 64 * 64 + 3 * 256 * 3) * 4  # recurrent + conv state
     assert gdn["state_bytes_per_token"] == 0
     assert rows["softmax"]["state_bytes"] == 0
     assert rows["softmax"]["state_bytes_per_token"] == 2 * 2 * 256 * 4
+    led = rows["led"]  # the decoder's KV cache is preallocated; the cross keys/values grow with the input
+    assert led["layers"] == 4 and led["state_bytes_per_token"] == 0
+    assert led["state_bytes"] == 2 * 2 * 128 * 256 * 4 + 8 and led["state_bytes_per_input_token"] == 2 * 2 * 256 * 4
 
 
 def test_archs_table_names_every_preset():

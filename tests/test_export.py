@@ -44,8 +44,9 @@ def test_preset_exports_match_pytorch(small_exports, arch):
     manifest = _verified(small_exports[arch])
     # bidirectional: no step; the prefill graphs of titans-mac and hope loop over their segments
     # (test_segment_prefill.py); every LM with a one-pass prefill also gets its last-position prefill graph
-    last = {"prefill_last": True} if arch not in ("longformer-encoder", "titans-mac", "hope") else {}
-    assert manifest.graphs == {"prefill": True, "step": arch != "longformer-encoder", **last}
+    last = {"prefill_last": True} if arch not in ("longformer-encoder", "titans-mac", "hope", "led") else {}
+    encoder = {"encoder": True} if arch == "led" else {}  # an encoder-decoder: the encoder, then a decoder
+    assert manifest.graphs == {**encoder, "prefill": True, "step": arch != "longformer-encoder", **last}
 
 
 @pytest.mark.parametrize("arch", FULL_SIZE)

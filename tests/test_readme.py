@@ -125,7 +125,7 @@ COMMANDS: dict[str, object] = {
     "edgemem export --arch gated-deltanet --out out/gdn": Run(add=SMALL),
     "edgemem run DIR --prompt TEXT | --ids 1,2,3 | --ids-file F [--print-ids] [--max-new-tokens N] [--load-state P] "
     "[--save-state P] [--temperature T [--top-k K] [--top-p P]] [--seed S] [--threads N] "
-    "[--draft prompt-lookup|DIR [--draft-tokens K]] [--prefix-cache BYTES]": Help(
+    "[--draft prompt-lookup|DIR [--draft-tokens K]] [--prefix-cache BYTES] [--num-beams N] [--global 0,5,9]": Help(
         "a synopsis",
         instance="edgemem run out/gdn --ids 1,2,3 --print-ids --max-new-tokens 4 --save-state r.safetensors "
         "--temperature 0.8 --top-k 5 --top-p 0.9 --seed 1 --threads 1 --draft prompt-lookup "
@@ -156,7 +156,8 @@ COMMANDS: dict[str, object] = {
         instance="edgemem calibrate out/gdn --method int4 --block-size 16 --embeddings int4 "
         "--out out/gdn-q4 --report q4.json --no-drift --threads 1",
     ),
-    "edgemem train --arch A | --init F.safetensors --task mqar|mqar-far|copy|bytes [--steps N] [--out F.safetensors] "
+    "edgemem train --arch A | --init F.safetensors --task mqar|mqar-far|copy|copy-marked|bytes [--steps N] "
+    "[--out F.safetensors] "
     "[--set key=value]... [--task-set key=value]... [--seed S] [--batch 64] [--lr 3e-3] [--threads 1] [--device cpu]": Help(  # noqa: E501
         "a synopsis",
         instance=f"edgemem train --arch softmax --task mqar --steps 2 --out t.safetensors {SMALL} "
@@ -233,6 +234,18 @@ COMMANDS: dict[str, object] = {
     "--lr 5e-3 --seed 2 --set d_model=64 --set mlp_hidden=128 --set chunk_size=8 --set max_lr=0.1 --set momentum=false "
     "--threads 1 --out checkpoints/titans-mac-far.safetensors": Run(
         replace={"--steps 1000": "--steps 2", "--batch 32": "--batch 4"}
+    ),
+    "edgemem train --arch led --task copy-marked --steps 1800 --lr 1e-2 --set d_model=32 --set encoder_heads=2 "
+    "--set decoder_heads=2 --set encoder_ffn=64 --set decoder_ffn=64 --set 'windows=[1,8]' "
+    "--set max_encoder_positions=128 --set max_decoder_positions=8 --threads 1 "
+    "--out checkpoints/led-copy-marked.safetensors": Run(replace={"--steps 1800": "--steps 2"}, add="--batch 4"),
+    "edgemem eval --checkpoint checkpoints/led-copy-marked.safetensors --task copy-marked": Run(add="--batch 4"),
+    "edgemem export --checkpoint checkpoints/led-copy-marked.safetensors --out out/led": Help(
+        "an export of a trained checkpoint; small_exports exports the led preset and verifies it (test_export.py)"
+    ),
+    "edgemem run out/led --ids 145,1,157,172,135,1,148,166,160,167,147,165,142,159,139,159,158,191,174,146,1,148,"
+    "144,161,139,155,140,169,186,160,167,188 --global 0 --num-beams 4 --print-ids": Elsewhere(
+        "tests/test_led_preset.py::test_cli_run_greedy_and_beam_on_an_encoder_decoder_export", "--num-beams"
     ),
     "edgemem eval --checkpoint checkpoints/titans-mag-far.safetensors --task mqar-far --task-set pairs=4 "
     "--task-set gap=32 [--no-memory]": Help(

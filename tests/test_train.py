@@ -108,7 +108,7 @@ def test_score_by_hand():
 
 
 def test_get_task_rejects_unknown_names_and_parameters():
-    assert TASKS == ("mqar", "mqar-far", "copy", "bytes")
+    assert TASKS == ("mqar", "mqar-far", "copy", "copy-marked", "bytes")
     with pytest.raises(ConfigError, match="unknown task 'nope'"):
         get_task("nope")
     with pytest.raises(ConfigError, match="unknown parameter 'pears'"):

@@ -2,8 +2,10 @@
 
 lm          LM: a language model of blocks with one mixer each (LMConfig, MIXERS)
 encoder     the bidirectional (encoder) models
+seq2seq     EncoderDecoder: LED's shape (the `led` preset and the LED import)
 recipes     a preset's config from its recipe (load_config)
-preset      build(arch): a preset by name, randomly initialised; describe / write_sizes: its sizes
+preset      build(arch): a preset by name (an LM or an EncoderDecoder), randomly initialised;
+            describe / write_sizes: its sizes
 checkpoint  save_checkpoint / load_checkpoint, and the tokenizer beside a checkpoint
 linearize   a softmax model turned into a hybrid (LiZA) one
 hf          from_hf: a Hugging Face / flash-linear-attention directory as an edgemem model

@@ -79,12 +79,20 @@ def _metadata(path: Path, data: bytes | None = None) -> dict[str, str]:
         raise EdgememError(f"cannot read checkpoint {path}: {e}") from None
 
 
+_LAYERS = {"blocks": "n_layers", "encoder": "encoder_layers", "decoder": "decoder_layers"}  # weight prefix: count
+
+
 def _check_layers(config: object, tensors: dict) -> None:
-    """The layer count the config states is the one the weights hold (before a model of that many layers is made)."""
-    held = {int(k.split(".")[1]) for k in tensors if k.startswith("blocks.") and k.split(".")[1].isdigit()}
-    if not isinstance(config.n_layers, int) or len(held) != config.n_layers or held != set(range(len(held))):
-        layers = f"{len(held)} layer{'' if len(held) == 1 else 's'}"
-        raise ConfigError(f"its config says n_layers={config.n_layers!r} but it holds the weights of {layers}")
+    """The layer counts the config states are the ones the weights hold (before a model of that many layers
+    is made): an LM's `n_layers`, an encoder-decoder's `encoder_layers` and `decoder_layers`."""
+    for prefix, name in _LAYERS.items():
+        if not hasattr(config, name):
+            continue
+        stated = getattr(config, name)
+        held = {int(k.split(".")[1]) for k in tensors if k.startswith(f"{prefix}.") and k.split(".")[1].isdigit()}
+        if not isinstance(stated, int) or len(held) != stated or held != set(range(len(held))):
+            layers = f"{len(held)} {'' if prefix == 'blocks' else prefix + ' '}layer{'' if len(held) == 1 else 's'}"
+            raise ConfigError(f"its config says {name}={stated!r} but it holds the weights of {layers}")
 
 
 def load_checkpoint(path: str | Path) -> nn.Module:
@@ -102,8 +110,7 @@ def load_checkpoint(path: str | Path) -> nn.Module:
     kind = kinds.get(metadata.get("kind", kinds.DEFAULT))
     try:
         config = kind.config_class()(**json.loads(metadata["config"]))
-        if hasattr(config, "n_layers"):
-            _check_layers(config, tensors)
+        _check_layers(config, tensors)
         model = kind.model_class()(config)
         model.load_state_dict(tensors)
     except (TypeError, KeyError, ValueError, RuntimeError, AttributeError, ArithmeticError, ConfigError) as e:

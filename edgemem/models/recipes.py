@@ -1,9 +1,11 @@
 """Presets: one TOML recipe per `--arch` in `edgemem/presets/` (or a recipe file of the user's,
-such as the examples in the top-level `export/` folder), turned into an `LMConfig` with
-validated overrides."""
+such as the examples in the top-level `export/` folder), turned into a config with validated
+overrides: an `LMConfig` from `[model]` and `[mixer]`, or, for a recipe that says
+`kind = "encoder_decoder"`, a `Seq2SeqConfig` from `[model]` alone."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ from edgemem import presets
 from edgemem.config import check_settings, read_toml
 from edgemem.errors import ConfigError
 from edgemem.models.lm import MIXERS, LMConfig
+from edgemem.models.seq2seq import Seq2SeqConfig
 
 _MODEL_KEYS = ("d_model", "n_layers", "mlp_hidden", "vocab_size", "norm_eps")
 
@@ -42,8 +45,9 @@ def _check_type(key: str, value: Any, expected: Any) -> Any:
     return value
 
 
-def load_config(arch: str, **overrides: Any) -> LMConfig:
-    """The preset `arch` with `overrides` applied (model keys and the mixer's own options).
+def load_config(arch: str, **overrides: Any) -> LMConfig | Seq2SeqConfig:
+    """The preset `arch` with `overrides` applied (model keys and the mixer's own options; an
+    encoder-decoder's keys are the fields of `Seq2SeqConfig`).
 
     `arch` is a preset name or the path of a recipe file (`*.toml`, same format; its stem names it)."""
     files = presets.files()
@@ -56,6 +60,11 @@ def load_config(arch: str, **overrides: Any) -> LMConfig:
         recipe = read_toml(files[arch].read_text(), f"preset {arch}")
     else:
         raise ConfigError(f"unknown arch {arch!r}; known: {', '.join(sorted(files))} (or a recipe file, *.toml)")
+    kind = recipe.pop("kind", "lm")
+    if kind == "encoder_decoder":
+        return _seq2seq_config(arch, recipe, overrides)
+    if kind != "lm":
+        raise ConfigError(f"recipe {arch}: kind {kind!r} is not one of lm, encoder_decoder")
     unknown = set(recipe) - {"model", "mixer"}
     if unknown:
         raise ConfigError(
@@ -88,3 +97,33 @@ def load_config(arch: str, **overrides: Any) -> LMConfig:
         return LMConfig(arch=arch, mixer=mixer_type, mixer_options=mixer, **model)
     except TypeError as e:
         raise ConfigError(f"recipe {arch}: {e}") from None
+
+
+_SEQ2SEQ_FIXED = ("arch", "max_length")  # the name, and the KV cache (`edgemem export --max-length`)
+_EXAMPLES = {"int": 0, "float": 0.0, "bool": False, "list[int]": [0]}  # a value of each field type, for _check_type
+
+
+def _seq2seq_config(arch: str, recipe: dict[str, Any], overrides: dict[str, Any]) -> Seq2SeqConfig:
+    """An encoder-decoder's config: `[model]` holds `Seq2SeqConfig`'s fields, overrides any of them."""
+    unknown = set(recipe) - {"model"}
+    if unknown:
+        raise ConfigError(
+            f"recipe {arch}: unknown section(s) {', '.join(sorted(unknown))}; an encoder-decoder has [model] only"
+        )
+    fields = {k: f for k, f in Seq2SeqConfig.__dataclass_fields__.items() if k not in _SEQ2SEQ_FIXED}
+    model = dict(recipe.get("model", {}))
+    for key, value in [*model.items(), *overrides.items()]:
+        if key not in fields:
+            raise ConfigError(
+                f"unknown {'key' if key in model and key not in overrides else 'override'} {key!r} "
+                f"for arch {arch}; valid keys: {', '.join(fields)}"
+            )
+        model[key] = _check_type(key, value, _EXAMPLES[fields[key].type])
+    missing = [k for k, f in fields.items() if k not in model and f.default is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"recipe {arch}: [model] lacks {', '.join(missing)}")
+    check_settings(model, f"arch {arch}")
+    for key in ("pad_token_id", "decoder_start_token_id", "eos_token_id"):
+        if key in model and not model[key] < model["vocab_size"]:
+            raise ConfigError(f"{key} ({model[key]}) must be a token id below vocab_size ({model['vocab_size']})")
+    return Seq2SeqConfig(arch=arch, **model)

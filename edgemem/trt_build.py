@@ -1,7 +1,7 @@
 """`edgemem build`: TensorRT (or TensorRT for RTX) engines from the `trt` target of an export directory.
 
-    DIR/trt/{prefill,step}.onnx  ──TensorRT ONNX parser + libedgemem_trt_plugins.so──▶  OUT/{prefill,step}.engine
-                                                                                        OUT/engines.json
+    DIR/trt/{prefill,step,encoder}.onnx  ──TensorRT ONNX parser + libedgemem_trt_plugins.so──▶  OUT/{…}.engine
+                                                                                                OUT/engines.json
 
 The edgemem nodes of the trt target carry `plugin_namespace="edgemem"` and `plugin_version="1"`,
 so the parser takes them from the plugin library (built from plugins/ for the installed
@@ -19,9 +19,12 @@ export (`edgemem export --dtype fp16`: FP16 weights and activations, FP32 state)
 flag. `fp16=True` (`--fp16`) asks for FP16 engines and is refused unless the export is FP16.
 
 Dynamic dims get one optimisation profile: batch 1..max_batch, sequence 1..max_sequence,
-past_sequence 0..max_sequence. The engine set is written in a staged directory that replaces OUT at
-the end (an interrupted build leaves OUT as it was); OUT must be empty or, with `force`, hold only an
-earlier engine set (`edgemem.files.engine_files`), and may not hold the export's files.
+past_sequence 0..max_sequence, and an encoder-decoder's encoder_sequence (the encoder engine's input,
+the decoder engines' cross keys and values) 1..the encoder's positions (the manifest's
+`encoder.max_length`). The encoder engine's banded attention is edgemem's BandedAttention plugin.
+The engine set is written in a staged directory that replaces OUT at the end (an interrupted build
+leaves OUT as it was); OUT must be empty or, with `force`, hold only an earlier engine set
+(`edgemem.files.engine_files`), and may not hold the export's files.
 `engines.json` records what the runtime (`edgemem.runtime.trt`) checks before loading them: the library
 (tensorrt or tensorrt_rtx), its version and target compute capabilities, the plugin library's
 sha256, the export they come from (`Manifest.identity()`), each engine's sha256, profile and
@@ -44,17 +47,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from edgemem.errors import EdgememError, named
 from edgemem.files import check_output_dir, engine_files, staged_directory, write_atomic
 from edgemem.manifest import MANIFEST, Manifest, check_graph_file
 from edgemem.manifest import load as load_manifest
 from edgemem.opset import DOMAIN
 from edgemem.runtime import engines as engines_json
-from edgemem.runtime.state import is_growing
+from edgemem.runtime.state import ENCODED, GROWING, concrete_shape
 
 log = logging.getLogger(__name__)
 
-GRAPHS = ("step", "prefill")
+GRAPHS = ("step", "prefill", "encoder")
 RTX = "tensorrt_rtx"
 SHAPE_ONLY = ("Shape", "Size")  # ONNX ops that read a tensor's dims, never its values
 
@@ -85,7 +90,7 @@ VOLUME = 2**31 - 1  # TensorRT indexes a tensor's elements with 32-bit integers
 
 def _check_shapes(manifest: Manifest, max_batch: int, max_sequence: int) -> None:
     """Before any work: the engines can hold the largest shapes asked for, and the trt runtime can run them."""
-    growing = [s.input for s in manifest.state if is_growing(s)]
+    growing = [s.input for s in manifest.state if GROWING in s.shape]
     if growing:
         raise EdgememError(
             f"{manifest.arch}'s KV cache grows ({growing[0]}), and the trt runtime runs fixed-size state "
@@ -104,6 +109,18 @@ def _check_shapes(manifest: Manifest, max_batch: int, max_sequence: int) -> None
             f"--max-batch {max_batch} × --max-sequence {max_sequence:,} × a vocabulary of "
             f"{manifest.vocab_size:,} logits is past TensorRT's 2**31 elements per tensor; give {hint}"
         )
+    encoded = max_encoded(manifest)
+    for spec in manifest.state:
+        if ENCODED in spec.shape and max_batch * int(np.prod(concrete_shape(spec, 1, encoded=encoded))) > VOLUME:
+            raise EdgememError(
+                f"--max-batch {max_batch} × {spec.input} of an input of {encoded:,} tokens (the encoder's "
+                "positions) is past TensorRT's 2**31 elements per tensor; give a smaller --max-batch"
+            )
+
+
+def max_encoded(manifest: Manifest) -> int:
+    """The longest input an encoder-decoder's engines take: the encoder's positions (0: no encoder)."""
+    return manifest.encoder["max_length"] if manifest.encoder else 0
 
 
 def _import_library(module: str) -> Any:
@@ -141,23 +158,28 @@ def dim_names(model: Any) -> dict[str, list[str | int]]:
     return {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
 
 
-def _profile_range(name: str | int, max_batch: int, max_sequence: int) -> tuple[int, int, int]:
+def _profile_range(name: str | int, max_batch: int, max_sequence: int, max_encoded: int) -> tuple[int, int, int]:
     if isinstance(name, int) and name > 0:
         return name, name, name
     if name == "batch":
         return 1, max_batch, max_batch
-    if name == "past_sequence":
+    if name == GROWING:
         return 0, max_sequence // 2, max_sequence
+    if name == ENCODED:
+        return 1, min(64, max_encoded), max_encoded
     return 1, min(64, max_sequence), max_sequence  # sequence and any other symbolic dim
 
 
-def profile(dims: dict[str, list[str | int]], max_batch: int, max_sequence: int) -> dict[str, list[list[int]]]:
+def profile(
+    dims: dict[str, list[str | int]], max_batch: int, max_sequence: int, max_encoded: int = 0
+) -> dict[str, list[list[int]]]:
     """The optimisation profile: each input's [min, opt, max] shapes (inputs with symbolic dims only; every one
-    of them, even where min = max, as with max_batch 1: TensorRT builds nothing while a dynamic input has no range)."""
+    of them, even where min = max, as with max_batch 1: TensorRT builds nothing while a dynamic input has no range).
+    `max_encoded`: the longest encoder input (`encoder_sequence` dims)."""
     shapes = {}
     for name, names in dims.items():
         if any(not isinstance(d, int) or d < 1 for d in names):
-            ranges = [_profile_range(d, max_batch, max_sequence) for d in names]
+            ranges = [_profile_range(d, max_batch, max_sequence, max_encoded) for d in names]
             shapes[name] = [[r[k] for r in ranges] for k in range(3)]
     return shapes
 
@@ -249,7 +271,7 @@ def _build_graphs(
             for i, target in enumerate(targets):
                 config.set_compute_capability(target, i)
         model = onnx.load(str(onnx_path), load_external_data=False)
-        shapes = profile(dim_names(model), max_batch, max_sequence)
+        shapes = profile(dim_names(model), max_batch, max_sequence, max_encoded(manifest))
         optimisation = builder.create_optimization_profile()
         for name, (lo, opt, hi) in shapes.items():
             optimisation.set_shape(name, lo, opt, hi)

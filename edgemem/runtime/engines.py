@@ -8,12 +8,15 @@ it writes (`write`), and what backend 'trt' checks before it loads them (`read`)
      "max_batch": 1, "max_sequence": 2048,
      "engines": {"step": {"file": "step.engine", "sha256": ..., "profile": {input: [min, opt, max]},
                           "in_place": [state inputs bound to one buffer for input and output],
-                          "plugins": [{"op": "LinearAttention", "namespace": "edgemem", "version": "1"}, ...]}, ...}}
+                          "plugins": [{"op": "LinearAttention", "namespace": "edgemem", "version": "1"}, ...]},
+                 "prefill": {...}, "encoder": {...}}}
 
 "library" is the Python module that built the engines and must load them: "tensorrt" (compute
 capabilities empty: the engine is for the GPU it was built on) or "tensorrt_rtx" (TensorRT for RTX,
 built ahead of time for the listed compute capabilities). "plugins" per engine: the plugin layers
 the ONNX parser made, i.e. which library implements each edgemem node (edgemem's, namespace "edgemem").
+An encoder-decoder's engine set has an "encoder" engine too (no state: input ids and global mask in,
+the cross keys and values the manifest's `encoder.fills` names out).
 
 `read` refuses, before TensorRT is touched, engines built from another export, engine files that
 changed since, and (`plugin_library`) a plugin library other than the one they were built with.
@@ -171,8 +174,9 @@ def read(directory: Path, manifest: Manifest, engines: str | os.PathLike | None 
             f"{str(source.get('identity'))[:12]}); {directory} is {manifest.arch}, identity {manifest.identity()[:12]}: "  # noqa: E501
             f"rebuild with {build}"
         )
-    if "step" not in info["engines"]:
-        raise BackendError(f"{path} lists no step engine; rebuild with {build}")
+    for kind in ("step", *(["encoder"] if manifest.encoder else [])):
+        if kind not in info["engines"]:
+            raise BackendError(f"{path} lists no {kind} engine; rebuild with {build}")
     for kind, record in info["engines"].items():
         file = folder / record["file"]
         if not file.is_file():
@@ -189,7 +193,7 @@ def read(directory: Path, manifest: Manifest, engines: str | os.PathLike | None 
 
 
 def files(folder: Path, info: Mapping[str, Any]) -> dict[str, Path]:
-    """Graph kind ("step", "prefill") → its engine file."""
+    """Graph kind ("step", "prefill", "encoder") → its engine file."""
     return {kind: folder / record["file"] for kind, record in info["engines"].items()}
 
 

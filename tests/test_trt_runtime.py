@@ -31,7 +31,7 @@ from edgemem.runtime import BackendError, BatchError, Engine, engines
 from edgemem.runtime import trt as trt_runtime
 from edgemem.runtime.engines import ENGINES_JSON
 from edgemem.runtime.ort import ORT_TYPES
-from edgemem.trt_build import build_engines, dim_names, in_place_states, profile
+from edgemem.trt_build import build_engines, dim_names, in_place_states, max_encoded, profile
 
 RECURRENT = "past_key_values.0.recurrent_state"
 CONV = "past_key_values.0.conv_state"
@@ -66,16 +66,15 @@ def _fake_engines(
     library = folder / "libedgemem_trt_plugins.so"
     library.write_bytes(b"placeholder plugin library")
     entries = {}
-    for kind in ("step", "prefill"):
+    for kind in manifest.graphs_of("trt"):
         model = onnx.load(str(export / "trt" / f"{kind}.onnx"))
         path = folder / f"{kind}.engine"
         path.write_bytes(f"placeholder {kind} engine".encode())
         plugins = [
             {"op": n.op_type, "namespace": "edgemem", "version": "1"} for n in model.graph.node if n.domain == "edgemem"
         ]
-        entries[kind] = engines.entry(
-            path, profile(dim_names(model), max_batch, max_sequence), in_place_states(model, manifest), plugins
-        )
+        shapes = profile(dim_names(model), max_batch, max_sequence, max_encoded(manifest))
+        entries[kind] = engines.entry(path, shapes, in_place_states(model, manifest), plugins)
     engines.write(folder, manifest, toolkit, library, max_batch, max_sequence, entries)
     return library
 
@@ -137,6 +136,27 @@ def test_binding_plan_aliases_in_place_state_and_ping_pongs_the_rest():
     info = {"engines": {"step": {"in_place": [RECURRENT, CONV]}, "prefill": {"in_place": [RECURRENT]}}}
     assert engines.in_place(info, ["step"]) == {RECURRENT, CONV}
     assert engines.in_place(info, ["step", "prefill"]) == {RECURRENT}  # a stream's buffers serve both engines
+
+
+def test_binding_plan_binds_read_only_state_as_input_only():
+    """An encoder-decoder's cross keys (no output: filled by the encoder) have one buffer, bound as the input of
+    every run on both sides and never as an output; their shape follows the stream's input length."""
+    cross = StateSpec("past.0.cross_key", "", ["batch", 2, "encoder_sequence", 8], "float32", "0", "cross_key", "zeros")
+    key = StateSpec("past.0.key", "present.0.key", ["batch", 2, 16, 8], "float32", "0", "key", "zeros")
+    assert [trt_runtime.buffer_count(s, set()) for s in (cross, key)] == [1, 2]
+    for side in (0, 1):
+        plan = trt_runtime.binding_plan([cross, key], set(), side)
+        assert plan == {
+            "past.0.cross_key": ("past.0.cross_key", 0),
+            "past.0.key": ("past.0.key", side),
+            "present.0.key": ("past.0.key", 1 - side),
+        }
+    manifest = Manifest("led", {"vocab_size": 4}, 20, ["trt"], [cross, key], {"step": True})
+    shapes = trt_runtime.io_shapes(manifest, 3, 1, encoded=9)
+    assert shapes["past.0.cross_key"] == [3, 2, 9, 8] and "" not in shapes and shapes["present.0.key"] == [3, 2, 16, 8]
+    assert profile({"past.0.cross_key": ["batch", 2, "encoder_sequence", 8]}, 2, 16, 100) == {
+        "past.0.cross_key": [[1, 2, 1, 8], [2, 2, 64, 8], [2, 2, 100, 8]]
+    }
 
 
 def test_shapes_and_profile_limits(export_dir, tmp_path):
@@ -339,6 +359,9 @@ class HostDevice:
     def copy(self, dst, src, nbytes):
         self.copies += 1
         self.view(dst, nbytes)[:] = self.view(src, nbytes).copy()
+
+    def synchronize(self):
+        pass
 
 
 class OrtGraph:

@@ -356,7 +356,6 @@ def test_trt_encoder_writes_the_streams_read_only_state_in_place(trt_stand_in, t
 def test_forks_share_the_cross_keys_and_values(trt_stand_in):
     """A fork of a decoder stream shares the read-only cross keys and values (on onnxruntime and on 'trt'),
     copies the rest, and continues exactly as the stream; the shared buffers go with the last holder."""
-    import gc
     import weakref
 
     engine, reference, device = trt_stand_in
@@ -376,10 +375,8 @@ def test_forks_share_the_cross_keys_and_values(trt_stand_in):
     shared = weakref.ref(ours._encoded)
     pointers = list(ours._encoded.pointers.values())
     del ours
-    gc.collect()
     assert shared() is not None and all(p in device.blocks for p in pointers)  # the twin still reads them
     del twin
-    gc.collect()
     assert shared() is None and not any(p in device.blocks for p in pointers)
 
 

@@ -437,6 +437,10 @@ def test_trt_engine_set_needs_the_encoder(exported, tmp_path):
     (export / "engines" / "engines.json").write_text(json.dumps(info))
     with pytest.raises(BackendError, match=r"engines.json lists no encoder engine; rebuild with `edgemem build"):
         Engine.load(export, backend="trt", plugins=library)
+    from edgemem.trt_build import build_engines
+
+    with pytest.raises(EdgememError, match=r"^--max-batch 3000000 × past_key_values.0.cross_key of an input of 64 "):
+        build_engines(export, max_batch=3_000_000, max_sequence=1, plugins=library, force=True)  # 2**31 elements
 
 
 def test_real_trt_engines_encode_and_generate_like_onnxruntime(exported, tmp_path):

@@ -2,15 +2,17 @@
 
     DIR/trt/prefill.onnx  ──TensorRT ONNX parser + libedgemem_trt_plugins.so──▶  OUT/model.engine
     (DIR/trt/step.onnx: checked to be it at one token)                           OUT/engines.json
+    DIR/trt/encoder.onnx (an encoder-decoder's)  ──────────────────────────────▶  OUT/encoder.engine
 
-One engine serves every graph, so the engine set holds the weights once: it is built from the
+One engine serves every graph of the decoder, so the engine set holds its weights once: it is built from the
 prefill graph with one optimisation profile per graph kind, the step's (sequence 1..2, optimised
 for 1: `STEP_SEQUENCE`) first, then the prefill's; an execution context on the step profile runs
 steps. That is the step graph's computation: both graphs trace the same `prefill` of the model
 (`edgemem.export.graphs`), and `_check_step` refuses a step graph whose inputs and outputs are not
 the prefill graph's at one token. (Weight-stripped engines refitted at load, the other way to one
 weight file, would still hold a device copy per engine, and TensorRT for RTX 1.7 builds them only
-on a GPU.)
+on a GPU.) An encoder-decoder's encoder, with weights of its own, is an engine apart with one profile;
+its banded attention is edgemem's BandedAttention plugin.
 
 The edgemem nodes of the trt target carry `plugin_namespace="edgemem"` and `plugin_version="1"`,
 so the parser takes them from the plugin library (built from plugins/ for the installed
@@ -28,7 +30,9 @@ export (`edgemem export --dtype fp16`: FP16 weights and activations, FP32 state)
 flag. `fp16=True` (`--fp16`) asks for FP16 engines and is refused unless the export is FP16.
 
 Dynamic dims get their range in each profile: batch 1..max_batch, sequence 1..max_sequence (1..2 in
-the step profile), past_sequence 0..max_sequence. The engine set is written in a staged directory that replaces OUT at
+the step profile), past_sequence 0..max_sequence, and an encoder-decoder's encoder_sequence (the
+encoder engine's input, the decoder profiles' cross keys and values) 1..the encoder's positions (the
+manifest's `encoder.max_length`). The engine set is written in a staged directory that replaces OUT at
 the end (an interrupted build leaves OUT as it was); OUT must be empty or, with `force`, hold only an
 earlier engine set (`edgemem.files.engine_files`), and may not hold the export's files.
 `engines.json` records what the runtime (`edgemem.runtime.trt`) checks before loading them: the library
@@ -55,18 +59,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from edgemem.errors import EdgememError, named
 from edgemem.files import check_output_dir, engine_files, staged_directory, write_atomic
 from edgemem.manifest import MANIFEST, Manifest, check_graph_file
 from edgemem.manifest import load as load_manifest
 from edgemem.opset import DOMAIN
 from edgemem.runtime import engines as engines_json
-from edgemem.runtime.state import is_growing
+from edgemem.runtime.state import ENCODED, GROWING, concrete_shape
 
 log = logging.getLogger(__name__)
 
-GRAPHS = ("step", "prefill")  # the order of the engine's optimisation profiles
+GRAPHS = ("step", "prefill", engines_json.ENCODER)  # the decoder's in the order of its engine's profiles
 ENGINE = "model.engine"
+ENCODER_ENGINE = "encoder.engine"
 RTX = "tensorrt_rtx"
 SHAPE_ONLY = ("Shape", "Size")  # ONNX ops that read a tensor's dims, never its values
 
@@ -97,7 +104,7 @@ VOLUME = 2**31 - 1  # TensorRT indexes a tensor's elements with 32-bit integers
 
 def _check_shapes(manifest: Manifest, max_batch: int, max_sequence: int) -> None:
     """Before any work: the engines can hold the largest shapes asked for, and the trt runtime can run them."""
-    growing = [s.input for s in manifest.state if is_growing(s)]
+    growing = [s.input for s in manifest.state if GROWING in s.shape]
     if growing:
         raise EdgememError(
             f"{manifest.arch}'s KV cache grows ({growing[0]}), and the trt runtime runs fixed-size state "
@@ -116,6 +123,18 @@ def _check_shapes(manifest: Manifest, max_batch: int, max_sequence: int) -> None
             f"--max-batch {max_batch} × --max-sequence {max_sequence:,} × a vocabulary of "
             f"{manifest.vocab_size:,} logits is past TensorRT's 2**31 elements per tensor; give {hint}"
         )
+    encoded = max_encoded(manifest)
+    for spec in manifest.state:
+        if ENCODED in spec.shape and max_batch * int(np.prod(concrete_shape(spec, 1, encoded=encoded))) > VOLUME:
+            raise EdgememError(
+                f"--max-batch {max_batch} × {spec.input} of an input of {encoded:,} tokens (the encoder's "
+                "positions) is past TensorRT's 2**31 elements per tensor; give a smaller --max-batch"
+            )
+
+
+def max_encoded(manifest: Manifest) -> int:
+    """The longest input an encoder-decoder's engines take: the encoder's positions (0: no encoder)."""
+    return manifest.encoder["max_length"] if manifest.encoder else 0
 
 
 def _import_library(module: str) -> Any:
@@ -159,7 +178,7 @@ STEP_SEQUENCE = (1, 1, 2)
 
 
 def _profile_range(
-    name: str | int, max_batch: int, max_sequence: int, sequence: tuple[int, int, int] | None
+    name: str | int, max_batch: int, max_sequence: int, sequence: tuple[int, int, int] | None, max_encoded: int
 ) -> tuple[int, int, int]:
     if isinstance(name, int) and name > 0:
         return name, name, name
@@ -167,8 +186,10 @@ def _profile_range(
         return sequence
     if name == "batch":
         return 1, max_batch, max_batch
-    if name == "past_sequence":
+    if name == GROWING:
         return 0, max_sequence // 2, max_sequence
+    if name == ENCODED:
+        return 1, min(64, max_encoded), max_encoded
     return 1, min(64, max_sequence), max_sequence  # sequence and any other symbolic dim
 
 
@@ -177,14 +198,16 @@ def profile(
     max_batch: int,
     max_sequence: int,
     sequence: tuple[int, int, int] | None = None,
+    max_encoded: int = 0,
 ) -> dict[str, list[list[int]]]:
     """An optimisation profile: each input's [min, opt, max] shapes (inputs with symbolic dims only; every one
     of them, even where min = max, as with max_batch 1: TensorRT builds nothing while a dynamic input has no range).
-    `sequence`: the "sequence" dim's range instead of 1..max_sequence (the step profile's: STEP_SEQUENCE)."""
+    `sequence`: the "sequence" dim's range instead of 1..max_sequence (the step profile's: STEP_SEQUENCE).
+    `max_encoded`: the longest encoder input (`encoder_sequence` dims)."""
     shapes = {}
     for name, names in dims.items():
         if any(not isinstance(d, int) or d < 1 for d in names):
-            ranges = [_profile_range(d, max_batch, max_sequence, sequence) for d in names]
+            ranges = [_profile_range(d, max_batch, max_sequence, sequence, max_encoded) for d in names]
             shapes[name] = [[r[k] for r in ranges] for k in range(3)]
     return shapes
 
@@ -262,35 +285,11 @@ def _check_step(step: Any, prefill: Any, step_path: Path) -> None:
         )
 
 
-def _build_graphs(
-    module: str,
-    directory: Path,
-    graphs: Sequence[Path],
-    library: Path,
-    out_dir: Path,
-    max_batch: int,
-    max_sequence: int,
-    sm: Sequence[int],
-) -> dict[str, Any]:
-    """Build one engine with `module` (tensorrt or tensorrt_rtx) from the last of `graphs` (prefill, where the
-    export has one) with a profile per graph, write it; each graph kind's record."""
-    import onnx  # noqa: PLC0415
-
-    trt = _import_library(module)
-    manifest = load_manifest(directory, check_files=False)  # build_engines checked the files
-    models = {path.stem: onnx.load(str(path), load_external_data=False) for path in graphs}
-    source = graphs[-1]
-    for path in graphs[:-1]:
-        _check_step(models[path.stem], models[source.stem], path)
-    logger = trt.Logger(trt.Logger.WARNING)
-    engines_json.load_plugins(trt, library)
-    try:
-        builder = trt.Builder(logger)
-    except Exception as e:  # CUDA initialisation fails without a GPU/driver (TensorRT, not TensorRT for RTX)
-        raise EdgememError(f"TensorRT could not create a builder: no usable NVIDIA GPU or driver ({e})") from None
-    if builder is None:
-        raise EdgememError("TensorRT could not create a builder: no usable NVIDIA GPU or driver")
-    name = engines_json.LIBRARIES[module]
+def _parse(
+    trt: Any, name: str, builder: Any, logger: Any, source: Path, library: Path
+) -> tuple[Any, Any, list[dict[str, str]]]:
+    """`source` parsed by `name` (TensorRT or TensorRT for RTX) into a strongly typed network: the network, its
+    parser (which owns the weights until the build) and its plugin layers, every one edgemem's."""
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(source)):
@@ -303,28 +302,88 @@ def _build_graphs(
             f"{source}: {foreign[0]['op']} became another library's plugin (namespace "
             f"{foreign[0]['namespace']!r}), not edgemem's: is {library} the edgemem plugin library?"
         )
+    return network, parser, plugins
+
+
+def _build(
+    name: str,
+    builder: Any,
+    network: Any,
+    targets: Sequence[Any],
+    profiles: Sequence[dict[str, list[list[int]]]],
+    source: Path,
+    path: Path,
+) -> None:
+    """Build `network` with `profiles` (profile i: `profiles[i]`) for `targets`; write the engine to `path`."""
     config = builder.create_builder_config()
-    targets = compute_capabilities(trt, sm) if sm else []
     if targets:
         config.num_compute_capabilities = len(targets)
         for i, target in enumerate(targets):
             config.set_compute_capability(target, i)
-    dims = dim_names(models[source.stem])
-    shapes = {}
-    for path in graphs:  # profile i serves graphs[i]
-        shapes[path.stem] = profile(dims, max_batch, max_sequence, STEP_SEQUENCE if path.stem == "step" else None)
+    for shapes in profiles:
         optimisation = builder.create_optimization_profile()
-        for tensor, (lo, opt, hi) in shapes[path.stem].items():
+        for tensor, (lo, opt, hi) in shapes.items():
             optimisation.set_shape(tensor, lo, opt, hi)
         config.add_optimization_profile(optimisation)
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise EdgememError(f"{name} failed to build an engine from {source} (see its log above)")
-    path = out_dir / ENGINE
     write_atomic(path, bytes(serialized))
+
+
+def _build_graphs(
+    module: str,
+    directory: Path,
+    graphs: Sequence[Path],
+    library: Path,
+    out_dir: Path,
+    max_batch: int,
+    max_sequence: int,
+    sm: Sequence[int],
+) -> dict[str, Any]:
+    """Build with `module` (tensorrt or tensorrt_rtx) the decoder's engine from the last of its `graphs` (prefill,
+    where the export has one) with a profile per graph, and an encoder-decoder's encoder engine; write them;
+    each graph kind's record."""
+    import onnx  # noqa: PLC0415
+
+    trt = _import_library(module)
+    manifest = load_manifest(directory, check_files=False)  # build_engines checked the files
+    models = {path.stem: onnx.load(str(path), load_external_data=False) for path in graphs}
+    decoder = [path for path in graphs if path.stem != engines_json.ENCODER]
+    encoder = [path for path in graphs if path.stem == engines_json.ENCODER]
+    source = decoder[-1]
+    for path in decoder[:-1]:
+        _check_step(models[path.stem], models[source.stem], path)
+    logger = trt.Logger(trt.Logger.WARNING)
+    engines_json.load_plugins(trt, library)
+    try:
+        builder = trt.Builder(logger)
+    except Exception as e:  # CUDA initialisation fails without a GPU/driver (TensorRT, not TensorRT for RTX)
+        raise EdgememError(f"TensorRT could not create a builder: no usable NVIDIA GPU or driver ({e})") from None
+    if builder is None:
+        raise EdgememError("TensorRT could not create a builder: no usable NVIDIA GPU or driver")
+    name, targets = engines_json.LIBRARIES[module], compute_capabilities(trt, sm) if sm else []
+    encoded = max_encoded(manifest)
+    network, parser, plugins = _parse(trt, name, builder, logger, source, library)
+    dims = dim_names(models[source.stem])
+    shapes = {  # profile i serves decoder[i]
+        path.stem: profile(dims, max_batch, max_sequence, STEP_SEQUENCE if path.stem == "step" else None, encoded)
+        for path in decoder
+    }
+    path = out_dir / ENGINE
+    _build(name, builder, network, targets, list(shapes.values()), source, path)
     log.info("built %s from %s (profiles: %s)", path.name, source.name, ", ".join(shapes))
     in_place = in_place_states(models[source.stem], manifest)
-    return {kind: engines_json.entry(path, i, shapes[kind], in_place, plugins) for i, kind in enumerate(shapes)}
+    records = {kind: engines_json.entry(path, i, shapes[kind], in_place, plugins) for i, kind in enumerate(shapes)}
+    del network, parser  # the decoder's weights, before the encoder's are parsed
+    for source in encoder:
+        network, parser, plugins = _parse(trt, name, builder, logger, source, library)
+        shapes = profile(dim_names(models[source.stem]), max_batch, max_sequence, max_encoded=encoded)
+        path = out_dir / ENCODER_ENGINE
+        _build(name, builder, network, targets, [shapes], source, path)
+        log.info("built %s from %s", path.name, source.name)
+        records[source.stem] = engines_json.entry(path, 0, shapes, [], plugins)
+    return records
 
 
 def _rtx_environment(folder: Path) -> dict[str, str]:
@@ -426,7 +485,8 @@ def build_engines(
     sm: Sequence[int] = (),
     force: bool = False,
 ) -> list[Path]:
-    """Builds one serialized engine serving every ONNX graph of DIR/trt, then engines.json; returns the engine's path.
+    """Builds one serialized engine serving the decoder's ONNX graphs of DIR/trt (and an encoder-decoder's encoder
+    engine), then engines.json; returns the engines' paths.
 
     `rtx`: with TensorRT for RTX, for the compute capabilities `sm` (e.g. (86, 89, 120); empty: its default set).
     `force`: replace an earlier engine set in `out` (nothing else).

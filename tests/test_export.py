@@ -135,9 +135,9 @@ def test_trt_artifacts_carry_plugin_attributes_and_no_local_functions(small_expo
 
 def test_prefill_graph_at_one_token_is_the_step_graph(small_exports):
     """What lets one TensorRT engine, built from the prefill graph, serve steps on a one-token profile: for
-    every preset, the step graph's inputs and outputs are the prefill graph's with sequence 1 (trt target),
-    and from a mid-stream state the prefill graph given one token returns the step graph's logits and state
-    (generic target, onnxruntime)."""
+    every preset and the tiny LED, the step graph's inputs and outputs are the prefill graph's with sequence 1
+    (trt target), and from a mid-stream state the prefill graph given one token returns the step graph's logits
+    and state (generic target, onnxruntime)."""
     import onnxruntime as ort
 
     from edgemem.trt_build import _check_step
@@ -155,15 +155,22 @@ def test_prefill_graph_at_one_token_is_the_step_graph(small_exports):
             ort.InferenceSession(directory / "generic" / f"{k}.onnx", options) for k in ("step", "prefill")
         )
         state = initial_state(manifest, directory, 2)
+        if manifest.encoder:  # an encoder-decoder's read-only cross keys and values: the encoder's, of 6 tokens
+            encoder = ort.InferenceSession(directory / "generic" / "encoder.onnx", options)
+            names = manifest.encoder["inputs"]
+            ids = np.arange(6, 18).reshape(2, 6) % manifest.vocab_size
+            filled = encoder.run(None, {names["tokens"]: ids, names["global_attention_mask"]: np.zeros_like(ids)})
+            filled = dict(zip([o.name for o in encoder.get_outputs()], filled))
+            state.update({name: filled[out] for name, out in manifest.encoder["fills"].items()})
         outputs = [o.name for o in step.get_outputs()]
         for token in (3, 9):  # two steps in: a state that is not the initial one
             values = dict(zip(outputs, step.run(None, {"input_ids": np.array([[token], [token + 1]]), **state})))
-            state = {s.input: values[s.output] for s in manifest.state}
-        feeds = {"input_ids": np.array([[5], [200]]), **state}
+            state = {s.input: values[s.output] if s.output else state[s.input] for s in manifest.state}
+        feeds = {"input_ids": np.array([[5], [min(200, manifest.vocab_size - 1)]]), **state}
         for name, a, b in zip(outputs, step.run(None, feeds), prefill.run(None, feeds)):
             assert a.shape == b.shape and np.allclose(a, b, rtol=1e-5, atol=1e-6), (arch, name)
         checked.append(arch)
-    assert {"gated-deltanet", "titans-mag", "titans-mac", "longformer", "softmax"} <= set(checked)
+    assert {"gated-deltanet", "titans-mag", "titans-mac", "longformer", "softmax", "led"} <= set(checked)
     step = onnx.load(small_exports["deltanet"] / "trt" / "step.onnx", load_external_data=False)
     prefill = onnx.load(small_exports["deltanet"] / "trt" / "prefill.onnx", load_external_data=False)
     step.graph.output[0].name = "scores"

@@ -143,7 +143,7 @@ def test_bad_checkpoints_and_inputs(led, tmp_path: Path):
 
 @pytest.fixture(scope="module")
 def exported(led, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
-    """The LED checkpoint exported (generic and ort) with its source record; the transformers model."""
+    """The LED checkpoint exported (generic, ort and trt) with its source record; the transformers model."""
     from edgemem.export import export
     from edgemem.models.source import Source
 
@@ -153,7 +153,7 @@ def exported(led, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     reference.save_pretrained(directory)
     model = from_hf(directory)
     out = tmp_path_factory.mktemp("led-export") / "out"
-    export(model, out, targets=["generic", "ort"], source=Source.of(model, "hf", path=directory))
+    export(model, out, targets=["generic", "ort", "trt"], source=Source.of(model, "hf", path=directory))
     return out, reference
 
 
@@ -227,7 +227,7 @@ def test_verify_checks_the_encoder_and_the_decoder(exported):
 
     out, _ = exported
     checks, skipped = verify(out, batch=2, prompt=5, steps=3)
-    assert not skipped and all(c.ok for c in checks)
+    assert set(skipped) == {"trt"} and all(c.ok for c in checks)  # verify runs onnxruntime, never the trt target
     graphs = {(c.target, c.graph) for c in checks}
     assert {("generic", "encoder"), ("ort", "encoder"), ("ort", "step"), ("ort", "prefill≡step")} <= graphs
 
@@ -287,6 +287,8 @@ def test_runtime_bad_input(exported, small_exports):
     before = stream.state_dict()
     with pytest.raises(RuntimeConfigError, match="num_beams must be an integer >= 1"):
         stream.generate(max_new_tokens=4, num_beams=0)
+    with pytest.raises(RuntimeConfigError, match="is an encoder-decoder: a stream starts from its input, not empty"):
+        stream.reset()
     assert stream.position == 1 and all(np.array_equal(before[k], v) for k, v in stream.state_dict().items())
     with pytest.raises(RuntimeConfigError, match="is a lm export: encode needs an encoder-decoder"):
         Engine.load(small_exports["linear"]).encode([1, 2, 3])
@@ -311,3 +313,181 @@ def test_cli_run_encodes_the_input(exported):
     assert result.exit_code == 0 and result.stdout.split() == [str(t) for t in expected]
     result = CliRunner().invoke(main, ["run", str(out), "--max-new-tokens", "6"])
     assert result.exit_code == 2 and "is an encoder-decoder: give the input to encode (--prompt TEXT" in result.output
+
+
+# ---------------------------------------------------------------------- backend 'trt' (stand-in device and engines)
+@pytest.fixture(scope="module")
+def trt_stand_in(exported, tmp_path_factory):
+    """A TrtEngine of the LED export on test_trt_runtime's stand-in device (host memory addressed by integers),
+    whose "engines" run the export's generic graphs, the encoder's included, at the addresses the runtime binds;
+    and the onnxruntime engine of the same export."""
+    from test_trt_runtime import HostDevice, OrtGraph, _fake_engines
+
+    from edgemem.manifest import load as load_manifest
+    from edgemem.runtime import Engine
+    from edgemem.runtime import trt as trt_runtime
+
+    out, _ = exported
+    folder = tmp_path_factory.mktemp("led-engines")
+    _fake_engines(out, folder, max_batch=4, max_sequence=5)
+    info = json.loads((folder / "engines.json").read_text())
+    device = HostDevice()
+    graphs = {kind: OrtGraph(out / "generic" / f"{kind}.onnx", device) for kind in ("encoder", "step", "prefill")}
+    engine = trt_runtime.TrtEngine(out, load_manifest(out), info, graphs, device, chunk_size=512)
+    return engine, Engine.load(out, target="generic", threads=1), device
+
+
+def test_trt_encoder_writes_the_streams_read_only_state_in_place(trt_stand_in, tmp_path):
+    """Engine.encode on backend 'trt': the encoder engine writes the cross keys and values into the stream's
+    own buffers; the decoder engines bind those as inputs only, at one address on both sides, with no copy
+    or allocation per step; logits, state, checkpoints and generation (greedy and 4 beams) equal onnxruntime's."""
+    engine, reference, device = trt_stand_in
+    length = 11
+    ids, mask = np.arange(3, 3 + length), global_rows(length)[3].numpy()
+    ours, theirs = engine.encode(ids, mask), reference.encode(ids, mask)
+    assert relative(ours.logits, theirs.logits) <= TOLERANCE
+    fills = engine.manifest.encoder["fills"]
+    encoder_call = engine._graphs["encoder"].calls[-1]
+    assert {name: encoder_call[out] for name, out in fills.items()} == ours._encoded.pointers
+    blocks, copies, step = len(device.blocks), device.copies, engine._graphs["step"]
+    before = len(step.calls)
+    for token in (5, 6, 7):
+        assert relative(ours.step(token), theirs.step(token)) <= TOLERANCE
+    calls = step.calls[before:]
+    for name, pointer in ours._encoded.pointers.items():
+        assert [c[name] for c in calls] == [pointer] * 3  # the same buffer, whichever side is current
+    assert not any(name in c for c in calls for name in fills.values())  # never an output
+    assert (len(device.blocks), device.copies) == (blocks, copies)  # nothing allocated or copied per step
+    assert relative(ours.prefill([8, 9, 10, 11, 12, 13, 14]), theirs.prefill([8, 9, 10, 11, 12, 13, 14])) <= TOLERANCE
+    state = ours.state_dict()
+    for name, value in theirs.state_dict().items():
+        assert state[name].shape == value.shape and relative(state[name], value) <= TOLERANCE, name
+    assert ours.state_bytes == theirs.state_bytes
+    ours.save(tmp_path / "trt.safetensors")  # one checkpoint format for both backends
+    assert relative(reference.load_stream(tmp_path / "trt.safetensors").step(4), ours.step(4)) <= TOLERANCE
+    assert relative(engine.load_stream(tmp_path / "trt.safetensors").step(4), theirs.step(4)) <= TOLERANCE
+    for beams in (1, 4):
+        fresh = engine.encode(ids, mask)
+        assert fresh.generate(max_new_tokens=8, num_beams=beams) == reference.encode(ids, mask).generate(
+            max_new_tokens=8, num_beams=beams
+        )
+
+
+def test_forks_share_the_cross_keys_and_values(trt_stand_in):
+    """A fork of a decoder stream shares the read-only cross keys and values (on onnxruntime and on 'trt'),
+    copies the rest, and continues exactly as the stream; the shared buffers go with the last holder."""
+    import weakref
+
+    engine, reference, device = trt_stand_in
+    ids = np.arange(3, 16)
+    cross = [s.input for s in engine.manifest.state if not s.output]
+    stream = reference.encode(ids)
+    fork = stream.fork()
+    assert all(fork._grown[name] is stream._grown[name] for name in cross)
+    assert fork.step(9).tolist() == stream.step(9).tolist()
+    ours = engine.encode(ids)
+    blocks = set(device.blocks)
+    twin = ours.fork()
+    assert twin._encoded is ours._encoded
+    added = sum(device.blocks[p].size for p in set(device.blocks) - blocks)
+    assert added == sum(b.size for p, b in device.blocks.items() if p in _owned(twin))  # its own buffers only
+    assert twin.step(9).tolist() == ours.step(9).tolist()
+    shared = weakref.ref(ours._encoded)
+    pointers = list(ours._encoded.pointers.values())
+    del ours
+    assert shared() is not None and all(p in device.blocks for p in pointers)  # the twin still reads them
+    del twin
+    assert shared() is None and not any(p in device.blocks for p in pointers)
+
+
+def _owned(stream) -> set[int]:
+    buffers = stream._buffers
+    return {p for pointers in buffers.state.values() for p in pointers} | {buffers.ids, buffers.logits}
+
+
+def test_batches_take_streams_of_one_input_length(trt_stand_in):
+    """step_batch over decoder streams encoded from inputs of one length equals single steps, and the same
+    streams batched again copy nothing; streams of different input lengths are refused with one line (both
+    backends: one run takes cross keys and values of one shape), and nothing changes."""
+    from edgemem.runtime import BatchError
+
+    engine, reference, device = trt_stand_in
+    for backend in (engine, reference):
+        a, b, c = backend.encode(np.arange(3, 12)), backend.encode(np.arange(20, 29)), backend.encode(np.arange(3, 16))
+        twins = [s.fork() for s in (a, b)]
+        for tokens in ([4, 5], [6, 7]):
+            copies = device.copies
+            got = backend.step_batch([a, b], tokens)
+            assert relative(got, np.stack([t.step(k) for t, k in zip(twins, tokens)])) <= TOLERANCE
+        assert device.copies == copies  # the second batch of the same streams: no copy
+        with pytest.raises(BatchError, match=r"^step_batch: these streams were encoded from inputs of 9, 13 tokens"):
+            backend.step_batch([a, c], [4, 4])
+        assert (a.position, c.position) == (3, 1)
+
+
+def test_trt_engine_set_needs_the_encoder(exported, tmp_path):
+    """An encoder-decoder's engines.json lists the encoder engine beside step and prefill; one missing from
+    engines.json, missing on disk or changed since the build is refused with one line before TensorRT loads."""
+    import shutil
+
+    from test_trt_runtime import _fake_engines
+
+    from edgemem.runtime import BackendError, Engine
+
+    export = tmp_path / "export"
+    shutil.copytree(exported[0], export)
+    library = _fake_engines(export, export / "engines", max_sequence=5)
+    info = json.loads((export / "engines" / "engines.json").read_text())
+    assert set(info["engines"]) == {"encoder", "prefill", "step"} and info["shared"] == "profiles"
+    assert {k: (r["file"], r["profile_index"]) for k, r in info["engines"].items()} == {
+        "step": ("model.engine", 0),
+        "prefill": ("model.engine", 1),
+        "encoder": ("encoder.engine", 0),
+    }  # the decoder's one engine (two profiles), the encoder's apart
+    encoder = info["engines"]["encoder"]
+    assert encoder["profile"] == {name: [[1, 1], [4, 64], [4, 64]] for name in ("input_ids", "global_attention_mask")}
+    assert [p["op"] for p in encoder["plugins"]] == ["BandedAttention"] * 4 and encoder["in_place"] == []
+    for kind in ("step", "prefill"):  # both profiles of the decoder's engine
+        assert info["engines"][kind]["profile"]["past_key_values.0.cross_key"] == [
+            [1, 2, 1, 8],
+            [4, 2, 64, 8],
+            [4, 2, 64, 8],
+        ]
+    (export / "engines" / "encoder.engine").write_bytes(b"changed")
+    with pytest.raises(BackendError, match=r"^\S+encoder.engine does not match its sha256 in engines.json"):
+        Engine.load(export, backend="trt", plugins=library)
+    (export / "engines" / "encoder.engine").unlink()
+    with pytest.raises(BackendError, match=r"the encoder engine encoder.engine listed in engines.json is missing"):
+        Engine.load(export, backend="trt", plugins=library)
+    del info["engines"]["encoder"]
+    (export / "engines" / "engines.json").write_text(json.dumps(info))
+    with pytest.raises(BackendError, match=r"engines.json lists no encoder engine; rebuild with `edgemem build"):
+        Engine.load(export, backend="trt", plugins=library)
+    from edgemem.trt_build import build_engines
+
+    with pytest.raises(EdgememError, match=r"^--max-batch 3000000 × past_key_values.0.cross_key of an input of 64 "):
+        build_engines(export, max_batch=3_000_000, max_sequence=1, plugins=library, force=True)  # 2**31 elements
+
+
+def test_real_trt_engines_encode_and_generate_like_onnxruntime(exported, tmp_path):
+    """On a GPU: `edgemem build` engines (encoder included) give onnxruntime's logits and beams."""
+    import shutil
+
+    from test_trt_runtime import _gpu_reason
+
+    from edgemem.runtime import Engine
+    from edgemem.trt_build import build_engines
+
+    reason = _gpu_reason()
+    if reason is not None:
+        pytest.skip(f"needs TensorRT, cuda-python, a GPU and the plugins: {reason}")
+    export = tmp_path / "export"
+    shutil.copytree(exported[0], export)
+    build_engines(export, max_batch=4, max_sequence=32)
+    engine, reference = Engine.load(export, backend="trt"), Engine.load(export, target="generic", threads=1)
+    ids, mask = np.arange(3, 16), global_rows(13)[3].numpy()
+    ours, theirs = engine.encode(ids, mask), reference.encode(ids, mask)
+    assert relative(ours.logits, theirs.logits) <= TOLERANCE
+    for token in range(4, 12):
+        assert relative(ours.step(token), theirs.step(token)) <= TOLERANCE
+    assert ours.fork().generate(max_new_tokens=8, num_beams=4) == theirs.generate(max_new_tokens=8, num_beams=4)

@@ -529,3 +529,63 @@ def test_one_engine_holds_the_weights_once(edgemem_plugins, name_fix, small_expo
     # each weight tensor once per engine: twice in the engine set as it was, once in the one engine
     assert report["step"]["copies"] == report["prefill"]["copies"] == report["shared"]["copies"] == [1]
     assert report["shared"]["bytes"] == engine.stat().st_size < apart
+
+
+def test_build_command_makes_an_encoder_decoders_encoder_engine(edgemem_plugins, small_exports, tmp_path):
+    """`edgemem build --rtx` on an encoder-decoder (conftest's tiny LED) builds its encoder engine, a file of its own
+    with one profile, beside the decoder's one engine (step and prefill profiles): the encoder's BandedAttention
+    nodes became edgemem's plugin, its inputs and both decoder profiles' cross keys and values take any input
+    length up to the encoder's positions; engines.json lists it, the runtime's checks accept the set and refuse it
+    with one line once the encoder engine changes or goes; every engine passes the GPU-free checks."""
+    import onnx
+    from click.testing import CliRunner
+
+    from edgemem.cli import main
+    from edgemem.manifest import load
+    from edgemem.runtime import engines
+    from edgemem.runtime.errors import BackendError
+    from edgemem.trt_build import STEP_SEQUENCE, dim_names, profile
+
+    export, out = small_exports["led"], tmp_path / "led"
+    manifest = load(export)
+    options = ["--rtx", "--sm", ",".join(map(str, SM)), "--plugins", str(edgemem_plugins), "--out", str(out)]
+    result = CliRunner().invoke(main, ["build", str(export), *options, "--max-batch", "2", "--max-sequence", "16"])
+    assert result.exit_code == 0, result.output
+    info = json.loads((out / "engines.json").read_text())
+    assert set(info["engines"]) == {"encoder", "prefill", "step"} == set(manifest.graphs_of("trt"))
+    assert info["format"] == "edgemem-engines/3" and info["shared"] == "profiles"
+    assert {k: (r["file"], r["profile_index"]) for k, r in info["engines"].items()} == {
+        "step": ("model.engine", 0),
+        "prefill": ("model.engine", 1),
+        "encoder": ("encoder.engine", 0),
+    }
+    encoder = info["engines"]["encoder"]
+    nodes = _edgemem_nodes(export / "trt" / "encoder.onnx")
+    assert nodes and {op for op, _ in nodes} == {"BandedAttention"}
+    assert encoder["plugins"] == [{"op": op, "namespace": "edgemem", "version": "1"} for op, _ in nodes]
+    longest = manifest.encoder["max_length"]
+    assert encoder["profile"] == {
+        n: [[1, 1], [2, min(64, longest)], [2, longest]] for n in manifest.encoder["inputs"].values()
+    }
+    dims = dim_names(onnx.load(str(export / "trt" / "prefill.onnx"), load_external_data=False))
+    for kind in ("step", "prefill"):
+        sequence = STEP_SEQUENCE if kind == "step" else None
+        assert info["engines"][kind]["profile"] == profile(dims, 2, 16, sequence, max_encoded=longest)
+        for spec in manifest.state:
+            if not spec.output:  # read only: the decoder engines take them at the input's length
+                assert [shape[2] for shape in info["engines"][kind]["profile"][spec.input]] == [
+                    1,
+                    min(64, longest),
+                    longest,
+                ]
+    assert engines.read(export, manifest, out)[1] == info
+    built = [out / "model.engine", out / "encoder.engine"]
+    reports = json.loads(_run([sys.executable, "-c", RTX_CHECK, *map(str, built)]).stdout.strip().splitlines()[-1])
+    for engine in built:
+        _check_engine(reports[str(engine)], engine)
+    (out / "encoder.engine").write_bytes((out / "encoder.engine").read_bytes()[:-1])
+    with pytest.raises(BackendError, match=r"encoder.engine does not match its sha256 in engines.json"):
+        engines.read(export, manifest, out)
+    (out / "encoder.engine").unlink()
+    with pytest.raises(BackendError, match=r"the encoder engine encoder.engine listed in engines.json is missing"):
+        engines.read(export, manifest, out)

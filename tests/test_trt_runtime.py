@@ -32,7 +32,16 @@ from edgemem.runtime import BackendError, BatchError, Engine, engines
 from edgemem.runtime import trt as trt_runtime
 from edgemem.runtime.engines import ENGINES_JSON
 from edgemem.runtime.ort import ORT_TYPES
-from edgemem.trt_build import ENGINE, STEP_SEQUENCE, build_engines, dim_names, in_place_states, profile
+from edgemem.trt_build import (
+    ENCODER_ENGINE,
+    ENGINE,
+    STEP_SEQUENCE,
+    build_engines,
+    dim_names,
+    in_place_states,
+    max_encoded,
+    profile,
+)
 
 RECURRENT = "past_key_values.0.recurrent_state"
 CONV = "past_key_values.0.conv_state"
@@ -61,30 +70,40 @@ RTX = engines.Toolkit("tensorrt_rtx", "1.7.1.116", ["SM86", "SM120"])
 def _fake_engines(
     export: Path, folder: Path, max_batch: int = 4, max_sequence: int = 5, toolkit: engines.Toolkit = TENSORRT
 ) -> Path:
-    """engines.json as `edgemem build` writes it (one engine from the prefill graph, a profile per graph), over a
-    placeholder engine file and a placeholder plugin library."""
+    """engines.json as `edgemem build` writes it (one engine from the prefill graph, a profile per graph; an
+    encoder-decoder's encoder engine apart), over placeholder engine files and a placeholder plugin library."""
     folder.mkdir(parents=True, exist_ok=True)
     manifest = load_manifest(export)
     library = folder / "libedgemem_trt_plugins.so"
     library.write_bytes(b"placeholder plugin library")
+    encoded = max_encoded(manifest)
     model = onnx.load(str(export / "trt" / "prefill.onnx"))
     path = folder / ENGINE
     path.write_bytes(b"placeholder engine")
-    plugins = [
-        {"op": n.op_type, "namespace": "edgemem", "version": "1"} for n in model.graph.node if n.domain == "edgemem"
-    ]
     entries = {
         kind: engines.entry(
             path,
             index,
-            profile(dim_names(model), max_batch, max_sequence, STEP_SEQUENCE if kind == "step" else None),
+            profile(dim_names(model), max_batch, max_sequence, STEP_SEQUENCE if kind == "step" else None, encoded),
             in_place_states(model, manifest),
-            plugins,
+            _plugins(model),
         )
         for index, kind in enumerate(("step", "prefill"))
     }
+    if "encoder" in manifest.graphs_of("trt"):  # an engine of its own, one profile
+        model = onnx.load(str(export / "trt" / "encoder.onnx"))
+        path = folder / ENCODER_ENGINE
+        path.write_bytes(b"placeholder encoder engine")
+        shapes = profile(dim_names(model), max_batch, max_sequence, max_encoded=encoded)
+        entries["encoder"] = engines.entry(path, 0, shapes, [], _plugins(model))
     engines.write(folder, manifest, toolkit, library, max_batch, max_sequence, entries)
     return library
+
+
+def _plugins(model: onnx.ModelProto) -> list[dict[str, str]]:
+    return [
+        {"op": n.op_type, "namespace": "edgemem", "version": "1"} for n in model.graph.node if n.domain == "edgemem"
+    ]
 
 
 def _separate_engines(export: Path, folder: Path) -> None:
@@ -164,6 +183,27 @@ def test_binding_plan_aliases_in_place_state_and_ping_pongs_the_rest():
     info = {"engines": {"step": {"in_place": [RECURRENT, CONV]}, "prefill": {"in_place": [RECURRENT]}}}
     assert engines.in_place(info, ["step"]) == {RECURRENT, CONV}
     assert engines.in_place(info, ["step", "prefill"]) == {RECURRENT}  # a stream's buffers serve both engines
+
+
+def test_binding_plan_binds_read_only_state_as_input_only():
+    """An encoder-decoder's cross keys (no output: filled by the encoder) have one buffer, bound as the input of
+    every run on both sides and never as an output; their shape follows the stream's input length."""
+    cross = StateSpec("past.0.cross_key", "", ["batch", 2, "encoder_sequence", 8], "float32", "0", "cross_key", "zeros")
+    key = StateSpec("past.0.key", "present.0.key", ["batch", 2, 16, 8], "float32", "0", "key", "zeros")
+    assert [trt_runtime.buffer_count(s, set()) for s in (cross, key)] == [1, 2]
+    for side in (0, 1):
+        plan = trt_runtime.binding_plan([cross, key], set(), side)
+        assert plan == {
+            "past.0.cross_key": ("past.0.cross_key", 0),
+            "past.0.key": ("past.0.key", side),
+            "present.0.key": ("past.0.key", 1 - side),
+        }
+    manifest = Manifest("led", {"vocab_size": 4}, 20, ["trt"], [cross, key], {"step": True})
+    shapes = trt_runtime.io_shapes(manifest, 3, 1, encoded=9)
+    assert shapes["past.0.cross_key"] == [3, 2, 9, 8] and "" not in shapes and shapes["present.0.key"] == [3, 2, 16, 8]
+    assert profile({"past.0.cross_key": ["batch", 2, "encoder_sequence", 8]}, 2, 16, max_encoded=100) == {
+        "past.0.cross_key": [[1, 2, 1, 8], [2, 2, 64, 8], [2, 2, 100, 8]]
+    }
 
 
 def test_shapes_and_profile_limits(export_dir, tmp_path):
@@ -366,6 +406,9 @@ class HostDevice:
     def copy(self, dst, src, nbytes):
         self.copies += 1
         self.view(dst, nbytes)[:] = self.view(src, nbytes).copy()
+
+    def synchronize(self):
+        pass
 
 
 class OrtGraph:
@@ -583,6 +626,10 @@ def test_engines_json_names_one_profile_per_graph_of_an_engine(export_dir, tmp_p
         (lambda i: i["engines"]["prefill"].update(profile_index=0), "graphs that model.engine serves need distinct"),
         (lambda i: i["engines"]["prefill"].pop("profile_index"), "engine 'prefill' needs a profile_index"),
         (lambda i: i.update(shared="none"), "'shared' is 'none' for 1 engine file"),
+        (
+            lambda i: i["engines"].update(encoder={**i["engines"]["step"], "profile_index": 2}),
+            "the encoder's engine model.engine serves other graphs too",
+        ),
         (lambda i: i.update(format="edgemem-engines/1"), "format 'edgemem-engines/1', expected 'edgemem-engines/3'"),
     ]
     for change, message in cases:

@@ -111,6 +111,7 @@ class Engine:
         self._fixed = [s for s in self._specs if not is_growing(s)]
         self._growing = [s for s in self._specs if is_growing(s)]
         self._written = [s for s in self._growing if s.output]  # a read-only state has no output
+        self._read_only = [s for s in self._specs if not s.output]  # filled by the encoder, never written by a run
         self.grows = bool(self._growing)
         self._initial = initial_state(manifest, directory, 1)
         self._fixed_bytes = sum(self._initial[s.input].nbytes for s in self._fixed)
@@ -201,6 +202,12 @@ class Engine:
         """Run the encoder graph on one input ([1, S] each); the states it fills by input name."""
         raise BackendError(f"backend {self.backend!r} does not run encoder graphs; load the export with backend 'ort'")
 
+    def _encoded_stream(self, input_ids: np.ndarray, global_attention_mask: np.ndarray) -> Stream:
+        """A stream at position 0 whose read-only states are the encoder's outputs for one input ([1, S] each).
+        Here: `_encode`'s arrays copied into a new stream; a backend may have the encoder write them in place."""
+        fills = self._encode(input_ids, global_attention_mask)
+        return self._new({s.input: fills.get(s.input, self._initial[s.input]) for s in self._specs}, 0, None)
+
     def new_stream(self) -> Stream:
         """A fresh stream at position 0 (Titans' memory starts from `state_init.safetensors`)."""
         if self.kind.streams == "encode":
@@ -239,8 +246,7 @@ class Engine:
                     f"{mask.dtype} of shape {list(mask.shape)}"
                 )
             mask = mask.astype(np.int64)
-        fills = self._encode(ids[None], mask[None])
-        stream = self._new({s.input: fills.get(s.input, self._initial[s.input]) for s in self._specs}, 0, None)
+        stream = self._encoded_stream(ids[None], mask[None])
         stream.step(int(self.manifest.config["decoder_start_token_id"]))
         return stream
 
@@ -354,6 +360,14 @@ class Engine:
         tokens = self._tokens(token_ids, "batch's token ids")
         if tokens.size != n:
             raise BatchError(f"step_batch: {n} streams but {tokens.size} token ids")
+        if self._read_only:
+            lengths = sorted({s._input_length() for s in streams})
+            if len(lengths) > 1:
+                raise BatchError(
+                    f"step_batch: these streams were encoded from inputs of {', '.join(map(str, lengths[:6]))}"
+                    f"{'…' if len(lengths) > 6 else ''} tokens, and one run takes the cross keys and values of one "
+                    "input length (the decoder graphs have no mask for padding); batch streams of equal input length"
+                )
         return streams, tokens
 
     # ------------------------------------------------------------------ tokens
@@ -492,6 +506,15 @@ class Stream:
         """Run the prefill graph on `ids` from the current side to the other; logits [T, V], or with `last_only`
         the last row [1, V] (a chunk's logits are T·V floats: 0.5 GB at T 512, V 248K, too many to copy unread)."""
         raise NotImplementedError
+
+    def _input_length(self) -> int:
+        """The length of the input an encoder-decoder stream was encoded from (its cross keys' encoder_sequence)."""
+        raise NotImplementedError
+
+    def _share(self, name: str) -> Any:
+        """Read-only state `name` as a fork takes it: here a copy; a backend hands over its buffer instead,
+        which `_assign` then keeps (no run writes a read-only state, so streams may share it)."""
+        return np.array(self._read(name), copy=True)
 
     # ------------------------------------------------------------------ state
     def _read(self, name: str) -> np.ndarray:
@@ -667,11 +690,24 @@ class Stream:
 
     # ------------------------------------------------------------------ lifecycle
     def fork(self) -> Stream:
-        """An independent copy: same state, position and next-token logits, its own buffers."""
-        return self._engine._new(*self._snapshot())
+        """An independent copy: same state, position and next-token logits, its own buffers. Read-only states
+        (an encoder-decoder's cross keys and values, which no run writes) are shared with the fork (`_share`)."""
+        engine = self._engine
+        with self._lock, engine._lock:
+            state = {
+                s.input: np.array(self._read(s.input), copy=True) if s.output else self._share(s.input)
+                for s in engine._specs
+            }
+            position, logits = self._position, self.logits
+        return engine._new(state, position, logits)
 
     def reset(self) -> None:
         """Back to a fresh stream at position 0 (buffers are reused)."""
+        if self._engine.kind.streams == "encode":
+            raise ConfigError(
+                f"{self._engine.manifest.arch} is an encoder-decoder: a stream starts from its input, not empty; "
+                "start another with engine.encode(input_ids)"
+            )
         with self._lock, self._engine._lock:
             self._assign(self._engine._initial, 0, None)
             self._fresh = True

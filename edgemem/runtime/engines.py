@@ -11,19 +11,23 @@ it writes (`write`), and what backend 'trt' checks before it loads them (`read`)
                           "profile": {input: [min, opt, max]},
                           "in_place": [state inputs bound to one buffer for input and output],
                           "plugins": [{"op": "LinearAttention", "namespace": "edgemem", "version": "1"}, ...]},
-                 "prefill": {"file": "model.engine", "sha256": ..., "profile_index": 1, ...}}}
+                 "prefill": {"file": "model.engine", "sha256": ..., "profile_index": 1, ...},
+                 "encoder": {"file": "encoder.engine", "sha256": ..., "profile_index": 0, ...}}}
 
 "library" is the Python module that built the engines and must load them: "tensorrt" (compute
 capabilities empty: the engine is for the GPU it was built on) or "tensorrt_rtx" (TensorRT for RTX,
 built ahead of time for the listed compute capabilities). "plugins" per engine: the plugin layers
 the ONNX parser made, i.e. which library implements each edgemem node (edgemem's, namespace "edgemem").
+An encoder-decoder's engine set has an "encoder" engine too (no state: input ids and global mask in,
+the cross keys and values the manifest's `encoder.fills` names out), in a file of its own (profile 0).
 
 "engines" maps each graph kind to the engine file that serves it and the optimisation profile
 (`profile_index`, with its shapes in "profile") a context must select to run it. "shared":
-"profiles" when every kind names the same file: one engine, so one copy of the weights, whose
-execution contexts (one per kind, each on its profile) serve every graph; "none" when each kind
-has an engine of its own. A reader deserializes each distinct file once and creates one
-execution context per kind on that kind's profile. Format edgemem-engines/2 (one engine per
+"profiles" when the decoder's kinds (step, prefill) name the same file: one engine, so one copy of
+the weights, whose execution contexts (one per kind, each on its profile) serve both graphs; "none"
+when each has an engine of its own. The encoder, with weights of its own, is always a file apart. A
+reader deserializes each distinct file once and creates one execution context per kind on that
+kind's profile. Format edgemem-engines/2 (one engine per
 graph, one profile each, before "shared" and "profile_index") still reads, as "shared": "none"
 with every profile_index 0.
 
@@ -48,6 +52,7 @@ from edgemem.runtime.errors import BackendError
 ENGINES_DIR = "engines"
 ENGINES_JSON = "engines.json"
 FORMAT = "edgemem-engines/3"
+ENCODER = "encoder"  # an encoder-decoder's encoder graph kind: an engine file of its own
 SEPARATE_FORMAT = "edgemem-engines/2"  # one engine per graph: read as "shared": "none"
 LIBRARIES = {"tensorrt": "TensorRT", "tensorrt_rtx": "TensorRT for RTX"}  # module → name
 PLUGINS_ENV = "EDGEMEM_TRT_PLUGINS"
@@ -126,7 +131,7 @@ def write(
     """Write FOLDER/engines.json atomically, after the engines (`entry` per graph kind)."""
     if toolkit.module not in LIBRARIES:
         raise ValueError(f"library {toolkit.module!r} is none of {', '.join(LIBRARIES)}")
-    shared = "profiles" if len({record["file"] for record in engines.values()}) == 1 else "none"
+    shared = "profiles" if len({record["file"] for record in decoder(engines).values()}) == 1 else "none"
     info = {
         "format": FORMAT,
         "library": {
@@ -148,6 +153,11 @@ def write(
     path = folder / ENGINES_JSON
     write_atomic(path, (json.dumps(info, indent=2) + "\n").encode())
     return path
+
+
+def decoder(engines: Mapping[str, Any]) -> dict[str, Any]:
+    """The records of the decoder's graph kinds (step, prefill): all but an encoder-decoder's encoder."""
+    return {kind: record for kind, record in engines.items() if kind != ENCODER}
 
 
 def _check_format(info: Any) -> None:
@@ -178,8 +188,12 @@ def _check_format(info: Any) -> None:
     for file, served in by_file.items():
         if len({r["profile_index"] for r in served}) < len(served) or len({r["sha256"] for r in served}) > 1:
             raise ValueError(f"the graphs that {file} serves need distinct profile_index values and one sha256")
-    if info.get("shared") != ("profiles" if len(by_file) == 1 else "none"):
-        raise ValueError(f"'shared' is {info.get('shared')!r} for {len(by_file)} engine file(s)")
+    encoder = info["engines"].get(ENCODER)
+    if encoder is not None and len(by_file[encoder["file"]]) > 1:
+        raise ValueError(f"the encoder's engine {encoder['file']} serves other graphs too")
+    files = {r["file"] for r in decoder(info["engines"]).values()}
+    if info.get("shared") != ("profiles" if len(files) == 1 else "none"):
+        raise ValueError(f"'shared' is {info.get('shared')!r} for {len(files)} engine file(s)")
 
 
 def read(directory: Path, manifest: Manifest, engines: str | os.PathLike | None = None) -> tuple[Path, dict[str, Any]]:
@@ -206,8 +220,9 @@ def read(directory: Path, manifest: Manifest, engines: str | os.PathLike | None 
             f"{str(source.get('identity'))[:12]}); {directory} is {manifest.arch}, identity {manifest.identity()[:12]}: "  # noqa: E501
             f"rebuild with {build}"
         )
-    if "step" not in info["engines"]:
-        raise BackendError(f"{path} lists no step engine; rebuild with {build}")
+    for kind in ("step", *([ENCODER] if manifest.encoder else [])):
+        if kind not in info["engines"]:
+            raise BackendError(f"{path} lists no {kind} engine; rebuild with {build}")
     checked = set()
     for kind, record in info["engines"].items():
         file = folder / record["file"]

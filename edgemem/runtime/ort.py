@@ -413,7 +413,7 @@ class OrtEngine(Engine):
 
     def _check_batch(self, streams: Sequence[Stream], token_ids: Any) -> tuple[list[Stream], np.ndarray]:
         streams, tokens = super()._check_batch(streams, token_ids)
-        if self.grows:
+        if self._written:
             lengths = sorted({s._past_length() for s in streams})
             if len(lengths) > 1:
                 raise BatchError(
@@ -546,10 +546,21 @@ class OrtStream(Stream):
         else:
             self._engine._memory.write(self._bufs[self._side][name], value)
 
-    def _assign(self, state: Mapping[str, np.ndarray], position: int, logits: np.ndarray | None) -> None:
+    def _assign(self, state: Mapping[str, Any], position: int, logits: np.ndarray | None) -> None:
         super()._assign(state, position, logits)
         memory = self._engine._memory
-        self._grown = {s.input: memory.new(np.ascontiguousarray(state[s.input])) for s in self._engine._growing}
+        self._grown = {}
+        for spec in self._engine._growing:
+            value = state[spec.input]  # a read-only state's buffer handed over by `_share` is kept, not copied
+            shared = isinstance(value, (ort.OrtValue, _Row))
+            self._grown[spec.input] = value if shared else memory.new(np.ascontiguousarray(value))
+
+    def _share(self, name: str) -> ort.OrtValue | _Row:
+        return self._grown[name]
+
+    def _input_length(self) -> int:
+        spec = self._engine._read_only[0]
+        return self._grown[spec.input].shape()[variable_dim(spec)]
 
     def _mark(self, tokens: int, one_run: bool) -> Any:
         """One run from side A writes side B only: the state before it stays in A, and flipping back restores it.
@@ -570,7 +581,7 @@ class OrtStream(Stream):
             self._logits_view[0, 0] = mark.logits
 
     def _past_length(self) -> int:
-        spec = self._engine._growing[0]
+        spec = self._engine._written[0]
         return self._grown[spec.input].shape()[variable_dim(spec)]  # OrtValue or _Row
 
     @property

@@ -29,12 +29,19 @@ engines.json's "profile_index" says (`edgemem.runtime.engines`). `open_graphs` d
 engine file once and gives each graph kind an execution context of its own on its profile; the
 contexts share the engine's weights and each holds the scratch of its own profile. Engine sets
 of format edgemem-engines/2 (a step engine and a prefill engine) load the same way, with two
-copies of the weights.
+copies of the weights. An encoder-decoder's encoder engine is a file of its own (one profile).
 
-Runs. One execution context per graph kind (step, prefill) serves every stream: a run sets the input
-shapes and the tensor addresses of the stream, then `execute_async_v3` on the engine's CUDA stream,
-under a lock. Token ids go up and logits come down through pageable host memory (the logits copy
-synchronises the stream). Prefill runs in chunks of at most the profile's longest sequence, each
+Encoder-decoders. `Engine.encode` runs the encoder engine, which writes the cross keys and values
+(the manifest's `encoder.fills`) straight into the new stream's read-only state buffers on the GPU
+(`_ReadOnly`: sized by the input's length); the decoder's step and prefill engines then bind them as
+inputs only, one buffer each: never ping-ponged, never copied per run. A fork shares them (no run
+writes them; they are freed with the last stream that holds them). A batch slot copies its members'
+rows in once, when it takes them; streams encoded from inputs of different lengths do not batch.
+
+Runs. One execution context per graph kind (step, prefill, encoder) serves every stream: a run sets
+the input shapes and the tensor addresses of the stream, then `execute_async_v3` on the engine's
+CUDA stream, under a lock. Token ids go up and logits come down through pageable host memory (the
+logits copy synchronises the stream). Prefill runs in chunks of at most the profile's longest sequence, each
 with its own token and logits blocks on the device. Models whose state grows (the softmax
 baseline's KV cache) are refused: the engine's outputs would change size at every step.
 """
@@ -52,8 +59,8 @@ from edgemem.errors import ConfigError, EdgememError, named
 from edgemem.manifest import Manifest, StateSpec
 from edgemem.runtime import engines
 from edgemem.runtime.base import BatchSlot, Engine, Stream
-from edgemem.runtime.errors import BackendError
-from edgemem.runtime.state import concrete_shape, is_growing
+from edgemem.runtime.errors import BackendError, StateFileError
+from edgemem.runtime.state import concrete_shape, is_growing, variable_dim
 
 INSTALL = (
     "pip install 'edgemem-toolkit[gpu]' (TensorRT and cuda-python; on Jetson, JetPack's python3-libnvinfer and "
@@ -69,7 +76,7 @@ def check_model(manifest: Manifest, directory: Path) -> None:
             f"{directory} has no trt target (it has {', '.join(manifest.targets)}); export with "
             "`edgemem export --target trt`, then `edgemem build`"
         )
-    growing = [s.input for s in manifest.state if is_growing(s)]
+    growing = [s.input for s in manifest.state if is_growing(s) and s.output]  # read-only states are sized per stream
     if growing:
         raise BackendError(
             f"{manifest.arch}'s state grows ({', '.join(growing[:2])}: a KV cache); backend 'trt' "
@@ -79,33 +86,49 @@ def check_model(manifest: Manifest, directory: Path) -> None:
 
 # ---------------------------------------------------------------------- the binding plan (pure)
 def buffer_count(spec: StateSpec, shared: Collection[str]) -> int:
-    """Device buffers a stream keeps for one state tensor: 1 in place, 2 ping-ponged."""
-    return 1 if spec.input in shared else 2
+    """Device buffers a stream keeps for one state tensor: 1 in place or read only, 2 ping-ponged."""
+    return 1 if spec.input in shared or not spec.output else 2
 
 
 def binding_plan(specs: Sequence[StateSpec], shared: Collection[str], side: int) -> dict[str, tuple[str, int]]:
     """Tensor name → (state input owning the buffers, buffer index) for a run that reads side `side`.
 
-    In place: input and output name buffer 0. Ping-pong: the input reads buffer `side`, the output
-    writes buffer `1 - side`; after the run the stream's side flips.
+    In place: input and output name buffer 0. Read only (no output): the input names buffer 0 on
+    both sides. Ping-pong: the input reads buffer `side`, the output writes buffer `1 - side`; after
+    the run the stream's side flips.
     """
     plan = {}
     for spec in specs:
-        if spec.input in shared:
+        if not spec.output:
+            plan[spec.input] = (spec.input, 0)
+        elif spec.input in shared:
             plan[spec.input] = plan[spec.output] = (spec.input, 0)
         else:
             plan[spec.input], plan[spec.output] = (spec.input, side), (spec.input, 1 - side)
     return plan
 
 
-def io_shapes(manifest: Manifest, batch: int, tokens: int) -> dict[str, list[int]]:
-    """The shape of every input and output of a run over `batch` streams and `tokens` tokens each."""
+def io_shapes(manifest: Manifest, batch: int, tokens: int, encoded: int = 0) -> dict[str, list[int]]:
+    """The shape of every input and output of a run over `batch` streams and `tokens` tokens each (streams
+    encoded from inputs of `encoded` tokens, for an encoder-decoder)."""
     shapes = {
         manifest.inputs["tokens"]: [batch, tokens],
         manifest.outputs["logits"]: [batch, tokens, manifest.vocab_size],
     }
     for spec in manifest.state:
-        shapes[spec.input] = shapes[spec.output] = concrete_shape(spec, batch)
+        shapes[spec.input] = concrete_shape(spec, batch, encoded=encoded)
+        if spec.output:
+            shapes[spec.output] = shapes[spec.input]
+    return shapes
+
+
+def encoder_shapes(manifest: Manifest, batch: int, encoded: int) -> dict[str, list[int]]:
+    """The shape of every input and output of an encoder run over `batch` inputs of `encoded` tokens."""
+    encoder = manifest.encoder
+    shapes = {name: [batch, encoded] for name in encoder["inputs"].values()}
+    for spec in manifest.state:
+        if spec.input in encoder["fills"]:
+            shapes[encoder["fills"][spec.input]] = concrete_shape(spec, batch, encoded=encoded)
     return shapes
 
 
@@ -120,6 +143,7 @@ class Device(Protocol):
     def upload(self, pointer: int, array: np.ndarray) -> None: ...
     def download(self, array: np.ndarray, pointer: int) -> None: ...
     def copy(self, dst: int, src: int, nbytes: int) -> None: ...
+    def synchronize(self) -> None: ...
 
 
 class EngineContext(Protocol):
@@ -172,6 +196,9 @@ class _Cuda:
 
     def copy(self, dst: int, src: int, nbytes: int) -> None:
         self._copy(dst, src, nbytes, self._rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice)
+
+    def synchronize(self) -> None:
+        self._call(self._rt.cudaStreamSynchronize(self._stream), "cudaStreamSynchronize")
 
 
 class _TrtGraph:
@@ -252,14 +279,23 @@ class TrtEngine(Engine):
         self.info = info
         self._graphs, self._device = dict(graphs), device
         self._tokens_name, self._logits_name = manifest.inputs["tokens"], manifest.outputs["logits"]
-        want = {self._tokens_name, self._logits_name, *(s.input for s in self._specs), *(s.output for s in self._specs)}
+        if self._read_only and "encoder" not in graphs:
+            raise BackendError(f"{manifest.arch} is an encoder-decoder and its engines lack the encoder; rebuild them")
+        fills = manifest.encoder["fills"] if manifest.encoder else {}
         for kind, graph in graphs.items():
+            if kind == "encoder":
+                want = {*manifest.encoder["inputs"].values(), *fills.values()}
+                typed = {fills[s.input]: s for s in self._read_only}
+            else:
+                want = {self._tokens_name, self._logits_name, *(s.input for s in self._specs)}
+                want |= {s.output for s in self._specs if s.output}
+                typed = {s.input: s for s in self._specs}
             if set(graph.inputs) | set(graph.outputs) != want:
                 raise BackendError(
                     f"the {kind} engine does not match edgemem.json: tensors "
                     f"{sorted(want ^ (set(graph.inputs) | set(graph.outputs)))} differ; rebuild it"
                 )
-            wrong = [s.input for s in self._specs if graph.dtypes[s.input] != np.dtype(s.dtype)]
+            wrong = [name for name, s in typed.items() if graph.dtypes[name] != np.dtype(s.dtype)]
             if wrong:
                 raise BackendError(
                     f"the {kind} engine's state {', '.join(wrong)} has not edgemem.json's dtype; rebuild it"
@@ -267,11 +303,10 @@ class TrtEngine(Engine):
         step = graphs["step"]
         self.logits_dtype = step.dtypes[self._logits_name]
         self._token_dtype = step.dtypes[self._tokens_name]
-        self._shared = engines.in_place(info, graphs)
+        self._shared = engines.in_place(info, [k for k in graphs if k != "encoder"])
         self._plans = [binding_plan(self._specs, self._shared, side) for side in (0, 1)]
         self._max_tokens = engines.max_tokens(info, "prefill", self._tokens_name) if self.has_prefill else 1
-        self._step_shapes = io_shapes(manifest, 1, 1)
-        engines.check_profile(info, "step", self._step_shapes)
+        engines.check_profile(info, "step", io_shapes(manifest, 1, 1, 1 if self._read_only else 0))
         self._keep: tuple = ()  # what the graphs must not outlive (TensorRT's runtime, logger, plugin library)
 
     @classmethod
@@ -318,21 +353,47 @@ class TrtEngine(Engine):
         with self._lock:
             self._graphs[kind].run(shapes, addresses, self._device.handle)
 
-    def _new(self, state: Mapping[str, np.ndarray], position: int, logits: np.ndarray | None) -> TrtStream:
+    def _new(self, state: Mapping[str, Any], position: int, logits: np.ndarray | None) -> TrtStream:
         return TrtStream(self, state, position, logits)
+
+    def _encoded_stream(self, input_ids: np.ndarray, global_attention_mask: np.ndarray) -> TrtStream:
+        """The encoder engine writes the cross keys and values into a new stream's read-only buffers."""
+        length, device, graph = input_ids.shape[1], self._device, self._graphs["encoder"]
+        shapes = encoder_shapes(self.manifest, 1, length)
+        engines.check_profile(self.info, "encoder", shapes)
+        engines.check_profile(self.info, "step", io_shapes(self.manifest, 1, 1, length))
+        encoded = _ReadOnly(self, 1, length)
+        names = self.manifest.encoder["inputs"]
+        feeds = {names["tokens"]: input_ids, names["global_attention_mask"]: global_attention_mask}
+        fills = self.manifest.encoder["fills"]
+        addresses = {fills[name]: pointer for name, pointer in encoded.pointers.items()}
+        pointers: list[int] = []
+        try:
+            for name, array in feeds.items():
+                array = np.ascontiguousarray(array, dtype=graph.dtypes[name])
+                pointers.append(device.alloc(array.nbytes))
+                device.upload(pointers[-1], array)
+                addresses[name] = pointers[-1]
+            self._run("encoder", shapes, addresses)
+            device.synchronize()  # before the inputs are freed
+        finally:
+            device.free(pointers)
+        return TrtStream(self, {**self._initial, **dict.fromkeys(encoded.pointers, encoded)}, 0, None)
 
     def _new_slot(self, n: int) -> _TrtSlot:
         return _TrtSlot(self, n)
 
     def _check_batch(self, streams: Sequence[Stream], token_ids: Any) -> tuple[list[Stream], np.ndarray]:
         streams, tokens = super()._check_batch(streams, token_ids)
-        engines.check_profile(self.info, "step", io_shapes(self.manifest, len(streams), 1))
+        encoded = streams[0]._input_length() if self._read_only else 0
+        engines.check_profile(self.info, "step", io_shapes(self.manifest, len(streams), 1, encoded))
         return streams, tokens
 
     def _run_batch(self, slot: _TrtSlot, streams: list[Stream], tokens: np.ndarray) -> np.ndarray:
         n, buffers, device = len(streams), slot.buffers, self._device
         device.upload(buffers.ids, tokens.astype(self._token_dtype).reshape(n, 1))
-        self._run("step", io_shapes(self.manifest, n, 1), buffers.addresses[slot.side])
+        encoded = slot.encoded.length if slot.encoded else 0
+        self._run("step", io_shapes(self.manifest, n, 1, encoded), slot.addresses[slot.side])
         logits = np.empty((n, 1, self.vocab_size), self.logits_dtype)
         device.download(logits, buffers.logits)
         return logits[:, 0]
@@ -342,11 +403,12 @@ class TrtEngine(Engine):
 
 
 class _Buffers:
-    """Device buffers of `rows` streams, freed when `owner` is collected: per state tensor one buffer (in
-    place) or two (sides), token ids and logits; `addresses[side]`: every tensor of a run reading `side`."""
+    """Device buffers of `rows` streams, freed when `owner` is collected: per written state tensor one buffer
+    (in place) or two (sides), token ids and logits; `addresses[side]`: every tensor of a run reading `side`
+    but the read-only states (`_ReadOnly`)."""
 
     def __init__(self, engine: TrtEngine, rows: int, owner: object):
-        specs, device = engine._specs, engine._device
+        specs, device = engine._fixed, engine._device
         counts = [buffer_count(s, engine._shared) for s in specs]
         self.row_bytes = {s.input: engine._initial[s.input].nbytes for s in specs}
         sizes = [rows * self.row_bytes[s.input] for s, c in zip(specs, counts) for _ in range(c)]
@@ -364,7 +426,7 @@ class _Buffers:
         self.ids, self.logits = next(it), next(it)
         self.addresses = [
             {
-                **{t: self.state[name][i] for t, (name, i) in plan.items()},
+                **{t: self.state[name][i] for t, (name, i) in plan.items() if name in self.state},
                 engine._tokens_name: self.ids,
                 engine._logits_name: self.logits,
             }
@@ -377,12 +439,57 @@ class _Buffers:
         return buffers[side if len(buffers) == 2 else 0] + row * self.row_bytes[name]
 
 
+class _ReadOnly:
+    """Device buffers of the read-only states of `rows` streams encoded from inputs of `length` tokens (an
+    encoder-decoder's cross keys and values), one per tensor, freed with the last holder: written once (by
+    the encoder engine, or uploaded from a checkpoint), then bound as inputs only. Forks share it."""
+
+    def __init__(self, engine: TrtEngine, rows: int, length: int):
+        device = engine._device
+        self.length = length
+        self.shapes = {s.input: concrete_shape(s, 1, encoded=length) for s in engine._read_only}
+        self.row_bytes = {
+            s.input: int(np.prod(self.shapes[s.input])) * np.dtype(s.dtype).itemsize for s in engine._read_only
+        }
+        pointers: list[int] = []
+        try:
+            for size in self.row_bytes.values():
+                pointers.append(device.alloc(rows * size))
+        except BaseException:
+            device.free(pointers)
+            raise
+        weakref.finalize(self, device.free, pointers)
+        self.pointers = dict(zip(self.row_bytes, pointers))
+
+    @classmethod
+    def of(cls, engine: TrtEngine, state: Mapping[str, Any]) -> _ReadOnly:
+        """The read-only states in `state`: a stream's `_ReadOnly` itself (a fork's), or arrays uploaded anew."""
+        first = state[engine._read_only[0].input]
+        if isinstance(first, _ReadOnly):
+            return first
+        lengths = {int(np.shape(state[s.input])[variable_dim(s)]) for s in engine._read_only}
+        if len(lengths) != 1:
+            raise StateFileError(
+                f"the cross keys and values come from inputs of {', '.join(map(str, sorted(lengths)))} tokens; "
+                "a stream's are all of one input"
+            )
+        length = lengths.pop()
+        engines.check_profile(engine.info, "step", io_shapes(engine.manifest, 1, 1, length))
+        encoded = cls(engine, 1, length)
+        for spec in engine._read_only:
+            engine._device.upload(encoded.pointers[spec.input], np.ascontiguousarray(state[spec.input], spec.dtype))
+        return encoded
+
+
 class _TrtSlot(BatchSlot):
-    """[n, ...] device buffers of the streams' binding plan; rows move by device-to-device copies."""
+    """[n, ...] device buffers of the streams' binding plan; rows move by device-to-device copies. The
+    members' read-only states are copied in once, when the slot takes them (`_gather`), never given back."""
 
     def __init__(self, engine: TrtEngine, n: int):
         super().__init__(engine, n)
         self.buffers = _Buffers(engine, n, self)
+        self.encoded: _ReadOnly | None = None
+        self.addresses = self.buffers.addresses
 
     def row(self, name: str, index: int) -> np.ndarray:
         array = np.empty_like(self.engine._initial[name])
@@ -390,11 +497,18 @@ class _TrtSlot(BatchSlot):
         return array
 
     def _gather(self, streams: list[TrtStream]) -> None:
+        device = self.engine._device
         for name, size in self.buffers.row_bytes.items():
             for i, s in enumerate(streams):
-                self.engine._device.copy(
-                    self.buffers.pointer(name, self.side, i), s._buffers.pointer(name, s._side), size
-                )
+                device.copy(self.buffers.pointer(name, self.side, i), s._buffers.pointer(name, s._side), size)
+        if self.engine._read_only:
+            length = streams[0]._encoded.length
+            if self.encoded is None or self.encoded.length != length:
+                self.encoded = _ReadOnly(self.engine, self.n, length)
+            for name, size in self.encoded.row_bytes.items():
+                for i, s in enumerate(streams):
+                    device.copy(self.encoded.pointers[name] + i * size, s._encoded.pointers[name], size)
+            self.addresses = [{**a, **self.encoded.pointers} for a in self.buffers.addresses]
 
     def _restore(self, stream: TrtStream, index: int) -> None:
         for name, size in self.buffers.row_bytes.items():
@@ -406,18 +520,48 @@ class _TrtSlot(BatchSlot):
 class TrtStream(Stream):
     """A stream whose state is resident on the GPU (see the module docstring)."""
 
-    def __init__(self, engine: TrtEngine, state: Mapping[str, np.ndarray], position: int, logits: np.ndarray | None):
+    def __init__(self, engine: TrtEngine, state: Mapping[str, Any], position: int, logits: np.ndarray | None):
         super().__init__(engine)
         self._buffers = _Buffers(engine, 1, self)
+        self._encoded: _ReadOnly | None = None  # an encoder-decoder's cross keys and values
         self._ids = np.zeros((1, 1), engine._token_dtype)
         self._logits_view = np.zeros((1, 1, engine.vocab_size), engine.logits_dtype)
         self._assign(state, position, logits)
 
+    def _assign(self, state: Mapping[str, Any], position: int, logits: np.ndarray | None) -> None:
+        engine = self._engine
+        if engine._read_only:
+            self._encoded = _ReadOnly.of(engine, state)
+            self._addresses = [{**a, **self._encoded.pointers} for a in self._buffers.addresses]
+        else:
+            self._addresses = self._buffers.addresses
+        self._step_shapes = io_shapes(engine.manifest, 1, 1, self._encoded.length if self._encoded else 0)
+        super()._assign(state, position, logits)
+
     def _own(self, name: str) -> np.ndarray:
         """A host copy."""
+        if self._encoded is not None and name in self._encoded.pointers:
+            array = np.empty(self._encoded.shapes[name], self._engine._initial[name].dtype)
+            self._engine._device.download(array, self._encoded.pointers[name])
+            return array
         array = np.empty_like(self._engine._initial[name])
         self._engine._device.download(array, self._buffers.pointer(name, self._side))
         return array
+
+    def _read(self, name: str) -> np.ndarray:
+        if self._encoded is not None and name in self._encoded.pointers:
+            return self._own(name)  # the stream's own, whether or not a batch slot holds a copy
+        return super()._read(name)
+
+    def _share(self, name: str) -> _ReadOnly:
+        return self._encoded
+
+    def _input_length(self) -> int:
+        return self._encoded.length
+
+    @property
+    def state_bytes(self) -> int:
+        return self._engine._fixed_bytes + (sum(self._encoded.row_bytes.values()) if self._encoded else 0)
 
     def _write(self, name: str, value: np.ndarray) -> None:
         dtype = self._engine._initial[name].dtype
@@ -427,7 +571,7 @@ class TrtStream(Stream):
         engine, device = self._engine, self._engine._device
         self._ids[0, 0] = token
         device.upload(self._buffers.ids, self._ids)
-        engine._run("step", engine._step_shapes, self._buffers.addresses[self._side])
+        engine._run("step", self._step_shapes, self._addresses[self._side])
         device.download(self._logits_view, self._buffers.logits)
 
     def _prefill_chunk(self, ids: np.ndarray, last_only: bool) -> np.ndarray:
@@ -442,11 +586,12 @@ class TrtStream(Stream):
             pointers.append(device.alloc(nbytes))
             device.upload(pointers[0], tokens)
             addresses = {
-                **self._buffers.addresses[self._side],
+                **self._addresses[self._side],
                 engine._tokens_name: pointers[0],
                 engine._logits_name: pointers[1],
             }
-            engine._run("prefill", io_shapes(engine.manifest, 1, ids.size), addresses)
+            encoded = self._encoded.length if self._encoded else 0
+            engine._run("prefill", io_shapes(engine.manifest, 1, ids.size, encoded), addresses)
             device.download(logits, pointers[1] + nbytes - logits.nbytes)  # the last rows
         finally:
             device.free(pointers)

@@ -35,36 +35,12 @@ SMALL_SEQ2SEQ = {  # an untied head: with start token = end token, a random tied
 }
 TARGETS = ["generic", "ort", "onnx27", "trt"]
 
-# a tiny encoder-decoder (LED's shape), exported with the presets while no preset of its kind exists
-LED = {
-    "kind": "encoder_decoder",
-    "arch": "led",
-    "vocab_size": 64,
-    "d_model": 16,
-    "encoder_layers": 1,
-    "decoder_layers": 1,
-    "encoder_heads": 2,
-    "decoder_heads": 2,
-    "encoder_ffn": 16,
-    "decoder_ffn": 16,
-    "windows": [2],
-    "max_encoder_positions": 64,
-    "max_decoder_positions": 16,
-}
-
 _EXPORT = textwrap.dedent("""
     import json, sys
-    import torch
-    from edgemem import kinds
     from edgemem.export import export
     from edgemem.models import build
     for arch, out, overrides, targets in json.loads(sys.argv[1]):
-        if "kind" in overrides:
-            torch.manual_seed(0)
-            model = kinds.get(overrides.pop("kind")).build(overrides)
-        else:
-            model = build(arch, seed=0, **overrides)
-        export(model, out, targets=targets, extra_config={"seed": 0})
+        export(build(arch, seed=0, **overrides), out, targets=targets, extra_config={"seed": 0})
 """)
 
 
@@ -127,10 +103,9 @@ def _export(root: Path, jobs: dict[str, tuple[dict, list[str]]]) -> dict[str, Pa
 
 @pytest.fixture(scope="session")
 def small_exports(request, tmp_path_factory) -> dict[str, Path]:
-    """{arch: directory}: every preset, one layer of width 64, and "led" (`LED`, unless a preset has that
-    name), exported to all four targets."""
+    """{arch: directory}: every preset (the `led` encoder-decoder included), one layer of width 64, exported to
+    all four targets."""
     jobs = {arch: (small(arch), TARGETS) for arch in archs()}
-    jobs.setdefault("led", (LED, TARGETS))
     return export_presets(request, tmp_path_factory, "small-exports", jobs)
 
 

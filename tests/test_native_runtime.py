@@ -340,6 +340,15 @@ def test_trt_backend_refuses_what_the_python_backend_refuses_before_tensorrt(
         Engine.load(small_exports["softmax"], backend="trt")
 
 
+def test_an_encoder_decoder_export_is_refused_with_one_line(em_check, small_exports):
+    """libedgemem streams decoder-only exports: an LED export, whose streams start from its encoder, is refused at
+    load on either backend, not read as a model whose cross keys and values are never filled."""
+    for backend in ("ort", "trt"):
+        refused = _load(em_check, small_exports["led"], backend)
+        assert refused.splitlines()[0] == "code 3" and "led is an encoder-decoder" in refused, refused
+        assert "use the Python runtime" in refused and len(refused.splitlines()) == 2
+
+
 def test_trt_backend_without_tensorrt_or_a_gpu_is_one_line_naming_what_to_install(em_check, small_exports, tmp_path):
     """Every check passed, the library engines.json names is opened at run time: missing, it is one line naming
     the package; present (the tensorrt_rtx wheel's libtensorrt_rtx.so.1), another version is refused, and the

@@ -97,6 +97,9 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
         if (!vocab_size.is_number_integer() || vocab_size.get<int64_t>() < 1)
             fail(EM_ERR_MANIFEST, path + ": config.vocab_size must be a positive integer; got " + vocab_size.dump());
         vocab = vocab_size.get<int64_t>();
+        if (m.contains("encoder"))
+            fail(EM_ERR_BACKEND, dir + ": " + arch + " is an encoder-decoder, whose streams start from its encoder "
+                                 "(Engine.encode); libedgemem streams decoder-only exports: use the Python runtime");
         tokens_name = m.contains("inputs") ? m["inputs"].at("tokens").get<std::string>() : "input_ids";
         logits_name = m.contains("outputs") ? m["outputs"].at("logits").get<std::string>() : "logits";
         std::set<std::string> caches, in_place_targets;

@@ -102,9 +102,15 @@ std::string format_problem(json &info) {
         if (indices.size() < served[file].size() || digests.size() > 1)
             return "the graphs that " + text((*served[file][0])["file"]) + " serves need distinct profile_index values and one sha256";
     }
-    const char *shared = order.size() == 1 ? "profiles" : "none";
+    // an encoder-decoder's encoder is an engine file of its own; "shared" says whether the decoder's graphs share one
+    if (info["engines"].contains("encoder") && served[info["engines"]["encoder"]["file"].dump()].size() > 1)
+        return "the encoder's engine " + text(info["engines"]["encoder"]["file"]) + " serves other graphs too";
+    std::set<std::string> decoder;
+    for (auto it = info["engines"].begin(); it != info["engines"].end(); ++it)
+        if (it.key() != "encoder") decoder.insert((*it)["file"].dump());
+    const char *shared = decoder.size() == 1 ? "profiles" : "none";
     if (info.value("shared", json()) != shared)
-        return "'shared' is " + repr(info.value("shared", json())) + " for " + std::to_string(order.size()) + " engine file(s)";
+        return "'shared' is " + repr(info.value("shared", json())) + " for " + std::to_string(decoder.size()) + " engine file(s)";
     return "";
 }
 

@@ -22,11 +22,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-PROBE = r"""
-import json, sys
-import numpy as np
-from edgemem.runtime import Engine
-
+# Both probes, once their imports are done: the resident set before the engine loads, and the peak (VmHWM) reset
+# to it.
+MEASURE = r"""
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
@@ -34,6 +32,16 @@ def status(key):
 base = status("VmRSS:")
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # resets the peak (VmHWM) to the current resident set
+"""
+
+PROBE = (
+    r"""
+import json, sys
+import numpy as np
+from edgemem.runtime import Engine
+"""
+    + MEASURE
+    + r"""
 engine = Engine.load(sys.argv[1], threads=2)
 loaded = status("VmRSS:")
 stream = engine.new_stream()
@@ -46,18 +54,15 @@ for _ in range(64):
     logits = stream.step(token)
 print(json.dumps({"load": loaded - base, "peak": status("VmHWM:") - base, "tokens": tokens}))
 """
+)
 
-NATIVE_PROBE = r"""
+NATIVE_PROBE = (
+    r"""
 import ctypes, json, sys
 import numpy as np
-
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
-base = status("VmRSS:")
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
+"""
+    + MEASURE
+    + r"""
 lib = ctypes.CDLL(sys.argv[2])
 lib.em_engine_load.restype = lib.em_stream_new.restype = ctypes.c_void_p
 lib.em_engine_load.argtypes = [ctypes.c_char_p, ctypes.c_int]
@@ -79,6 +84,7 @@ for _ in range(64):
     assert lib.em_stream_step(stream, token, logits.ctypes.data) == 0
 print(json.dumps({"load": loaded - base, "peak": status("VmHWM:") - base, "tokens": tokens}))
 """
+)
 
 
 def build_model(path: Path) -> int:

@@ -117,7 +117,7 @@ COMMANDS: dict[str, object] = {
     'python -m pytest -q -n 2 --dist loadfile -m "not slow" && python -m pytest -q -n 2 --dist loadfile -m slow': SameAsCI(),  # noqa: E501
     # README.md: export
     "edgemem export --arch A --out DIR [--target generic,ort,onnx27,trt] [--seed N] [--checkpoint PATH] "
-    "[--set key=value]... [--dtype fp32|fp16] [--force] [--max-length N [--sinks S]]": Help(
+    "[--set key=value]... [--dtype fp32|fp16|bf16] [--force] [--max-length N [--sinks S]]": Help(
         "a synopsis; the exports below run it"
     ),
     "edgemem verify DIR": Help("a synopsis; the verifications below run it"),
@@ -144,7 +144,8 @@ COMMANDS: dict[str, object] = {
     "cmake --build build/sample": Elsewhere(NATIVE, "--build"),
     "build/sample/generate out/gdn s.safetensors 72 101 108 108 111 --tokens 16": Elsewhere(NATIVE, "--tokens"),
     # README.md: your own model (path/to/model is a tiny Qwen3.5 with a tokenizer, made by the test)
-    "edgemem export --hf path/to/model --out out/mine [--target generic,ort,trt] [--dtype fp32|fp16] [--force]": Help(
+    "edgemem export --hf path/to/model --out out/mine [--target generic,ort,trt] "
+    "[--dtype fp32|fp16|bf16] [--force]": Help(
         "a synopsis", instance="edgemem export --hf path/to/model --out out/mine --target generic,ort"
     ),
     "edgemem verify out/mine": Run(),

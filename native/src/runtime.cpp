@@ -49,16 +49,6 @@ std::vector<int64_t> shape_of(const OrtValue *value) {
     return Ort::TensorTypeAndShapeInfo(info).GetShape();
 }
 
-bool is_dir(const std::string &path) {
-    struct stat info {};
-    return ::stat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode);
-}
-
-bool is_file(const std::string &path) {
-    struct stat info {};
-    return ::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode);
-}
-
 std::string join(const std::vector<std::string> &items) {
     std::string out;
     for (const auto &item : items) out += (out.empty() ? "" : ", ") + item;

@@ -2,7 +2,6 @@
 
 #include <cuda.h>
 #include <dlfcn.h>
-#include <sys/stat.h>
 
 #include <algorithm>
 #include <array>
@@ -26,16 +25,6 @@ constexpr const char *FORMAT = "edgemem-engines/3";
 constexpr const char *SEPARATE_FORMAT = "edgemem-engines/2";  // one engine per graph: read as "shared": "none"
 constexpr const char *PLUGINS_ENV = "EDGEMEM_TRT_PLUGINS";
 constexpr size_t BATCH_SLOTS = 4;
-
-bool is_dir(const std::string &path) {
-    struct stat info {};
-    return ::stat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode);
-}
-
-bool is_file(const std::string &path) {
-    struct stat info {};
-    return ::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode);
-}
 
 [[noreturn]] void backend(const std::string &message) { fail(EM_ERR_BACKEND, message); }
 

@@ -71,6 +71,16 @@ float half_to_float(uint16_t h) {
 }
 }  // namespace
 
+bool is_dir(const std::string &path) {
+    struct stat info {};
+    return ::stat(path.c_str(), &info) == 0 && S_ISDIR(info.st_mode);
+}
+
+bool is_file(const std::string &path) {
+    struct stat info {};
+    return ::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode);
+}
+
 void to_float(const uint8_t *src, const DType *dtype, size_t n, float *dst) {
     if (dtype->onnx == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) {
         std::memcpy(dst, src, n * 4);

@@ -58,6 +58,8 @@ bool all_finite(const Blob &blob);  // float dtypes: no NaN or infinity; others:
 
 std::vector<uint8_t> read_file(const std::string &path, int code, const std::string &what);
 void write_atomic(const std::string &path, const std::vector<uint8_t> &data);  // temp beside, fsync, rename
+bool is_dir(const std::string &path);
+bool is_file(const std::string &path);
 std::string sha256_hex(const void *data, size_t size);
 std::string sha256_file(const std::string &path);  // "" if unreadable
 

@@ -342,7 +342,7 @@ def test_trt_backend_refuses_what_the_python_backend_refuses_before_tensorrt(
 
 def test_an_encoder_decoder_export_is_refused_with_one_line(em_check, small_exports):
     """libedgemem streams decoder-only exports: an LED export, whose streams start from its encoder, is refused at
-    load on either backend, not read as a model whose cross keys and values are never filled."""
+    load on either backend, naming what it is and what runs it."""
     for backend in ("ort", "trt"):
         refused = _load(em_check, small_exports["led"], backend)
         assert refused.splitlines()[0] == "code 3" and "led is an encoder-decoder" in refused, refused

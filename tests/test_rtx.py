@@ -486,16 +486,30 @@ def test_build_command_makes_rtx_engines_with_edgemem_plugins(edgemem_plugins, s
 
 
 def test_bf16_export_builds_rtx_engines_through_the_plugins_in_bfloat16(edgemem_plugins, tmp_path):
-    """A bf16 gated DeltaNet (`edgemem export --dtype bf16 --target trt`) builds with TensorRT for RTX: the engines
-    are strongly typed, so the build succeeds only if LinearAttention's plugin takes bfloat16 I/O beside its
-    float32 state; engines.json records the export's dtype."""
+    """A bf16 gated DeltaNet (`edgemem export --dtype bf16 --target trt`): its graphs keep bfloat16 weights and
+    activations (LinearAttention's query, key and value included), float32 state, and widen the logits to float32
+    for the host; TensorRT for RTX builds them, and as the engines are strongly typed, the build succeeds only if
+    the plugin takes bfloat16 I/O beside its float32 state. engines.json records the export's dtype."""
+    import onnx
     from click.testing import CliRunner
 
     from edgemem.cli import main
     from edgemem.export import export
+    from edgemem.manifest import load
     from edgemem.models import build
 
     export(build("gated-deltanet", seed=0, d_model=32, mlp_hidden=32), tmp_path / "bf16", targets=["trt"], dtype="bf16")
+    manifest = load(tmp_path / "bf16")
+    assert manifest.config["dtype"] == "bf16" and {s.dtype for s in manifest.state} == {"float32"}
+    bf16, fp32 = onnx.TensorProto.BFLOAT16, onnx.TensorProto.FLOAT
+    for kind in ("prefill", "step"):
+        graph = onnx.shape_inference.infer_shapes(onnx.load(tmp_path / "bf16" / "trt" / f"{kind}.onnx")).graph
+        types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.output, *graph.value_info]}
+        assert types["logits"] == fp32
+        assert all(types[s.input] == types[s.output] == fp32 for s in manifest.state)
+        assert any(t.data_type == bf16 and len(t.dims) == 2 for t in graph.initializer)
+        nodes = [n for n in graph.node if n.op_type == "LinearAttention"]
+        assert nodes and all([types[name] for name in n.input[:3]] == [bf16] * 3 for n in nodes)
     args = ["build", str(tmp_path / "bf16"), "--rtx", "--sm", "86", "--plugins", str(edgemem_plugins)]
     result = CliRunner().invoke(main, [*args, "--max-sequence", "16", "--out", str(tmp_path / "engines")])
     assert result.exit_code == 0, result.output

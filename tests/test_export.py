@@ -275,6 +275,18 @@ def test_cli_errors_are_one_line(tmp_path):
     assert result.exit_code == 2 and "is not an edgemem export" in result.output
 
 
+def test_verify_that_runs_nothing_says_so_instead_of_all_checks_passing(small_exports, monkeypatch):
+    """A trt-only export (a bf16 one, say) where TensorRT is not installed: verify lists the target as skipped and
+    says nothing was checked, not "all 0 checks within tolerance"."""
+    import edgemem.export.verify
+
+    monkeypatch.setattr(edgemem.export.verify, "verify", lambda *a, **k: ([], {"trt": "TensorRT is not installed"}))
+    result = _invoke("verify", str(small_exports["deltanet"]))
+    assert result.exit_code == 0, result.output
+    assert "trt: skipped (TensorRT is not installed)" in result.output and "nothing was checked" in result.output
+    assert "within tolerance" not in result.output
+
+
 def test_checkpoint_export_verifies_against_the_checkpoint(tmp_path):
     model = build("deltanet", seed=3, d_model=32, mlp_hidden=32)
     with torch.no_grad():

@@ -12,7 +12,9 @@ Pure Python (json, hashlib): the runtime reads it without torch or onnx.
      "kv_cache": {"max_length": 4096, "overflow": "error" | "sink_window", "sinks": 4,
                   "states": ["past_key_values.3.key", ...], "in_place": ["ort"]},   (only with one)
      "weights": {"ort": {"file": "ort/weights.data",
-                         "tensors": {"step": {"<initializer>": [offset, "float32", [512, 1024]], ...}, ...}}},
+                         "tensors": {"step": {"<initializer>": [offset, "float32", [512, 1024]], ...}, ...},
+                         "packed": {"step": ["<initializer>", ...], ...}}},
+     "steps": "prefill_last" | "step",
      "kind": "lm" | "encoder" | "encoder_decoder",
      "source": {"origin": "preset" | "checkpoint" | "hf", "path", "seed", "kind", "kv_cache"},
      "encoder": {"inputs": {"input_ids": ..., "global_attention_mask": ...}, "max_length": 16384,
@@ -25,7 +27,12 @@ write these states in place (the runtime binds one buffer as their input and out
 on the last position only (logits [batch, 1, vocab]), which the runtime runs when it needs only the next
 token's logits; its weights are the prefill graph's, in the same store.
 `weights`: per target, the one file its graphs' initializers live in and where each graph's are
-(edgemem.weights); exports written before it have none, their graphs hold their weights.
+(edgemem.weights); exports written before it have none, their graphs hold their weights. `packed`
+(optional): the initializers of each graph that only pre-packing kernels read (MatMul/Gemm weights,
+MatMulNBits blocks), which a session that pre-packs loads from the file itself (edgemem.runtime.ort).
+`steps`: "prefill_last" where that graph at T = 1 costs about what the step graph does (every layer's
+prefill form, `StatefulLayer.prefill_steps`): a runtime may then serve steps with it, one session
+holding one packed copy of the weights (edgemem.runtime.ort); "step" otherwise.
 `kind`: the model kind (`edgemem.kinds`: which graphs exist, how a stream starts); `source`: where
 the model came from (`edgemem.models.source`). `encoder`: an encoder-decoder's `encoder.onnx`
 takes `inputs` of up to `max_length` tokens and outputs the states of `fills` (state input → its
@@ -100,6 +107,7 @@ class Manifest:
     kind: str = kinds.DEFAULT  # the model kind (edgemem.kinds)
     source: dict[str, Any] | None = None  # where the model came from (edgemem.models.source)
     encoder: dict[str, Any] | None = None  # an encoder-decoder's encoder graph (module docstring)
+    steps: str = "step"  # the graph one CPU session serves steps with: "step" or PREFILL_LAST (module docstring)
 
     @property
     def vocab_size(self) -> int:
@@ -186,6 +194,12 @@ def load(directory: str | Path, *, check_files: bool = True) -> Manifest:
                 f"{path}: state {spec.input} has shape {spec.shape!r}; expected non-negative sizes, "
                 "or one of " + ", ".join(map(repr, SYMBOLIC_DIMS))
             )
+    if manifest.steps not in ("step", PREFILL_LAST) or (
+        manifest.steps == PREFILL_LAST and not manifest.graphs.get(PREFILL_LAST)
+    ):
+        raise ManifestError(
+            f"{path}: steps is {manifest.steps!r}; expected 'step', or {PREFILL_LAST!r} where graphs has it"
+        )
     kv = manifest.kv_cache
     if kv is not None:
         inputs = {s.input for s in manifest.state}
@@ -237,12 +251,17 @@ def load(directory: str | Path, *, check_files: bool = True) -> Manifest:
                 )
                 for t in w["tensors"].values()
             )
+            and isinstance(w.get("packed", {}), dict)
+            and all(
+                isinstance(names, list) and all(isinstance(n, str) and n in w["tensors"].get(g, {}) for n in names)
+                for g, names in w.get("packed", {}).items()
+            )
             for w in stores.values()
         )
     ):
         raise ManifestError(
             f"{path}: weights is not a map of target to {{file (one of files), tensors: {{graph: "
-            "{initializer: [offset, dtype, shape]}}}}}"
+            "{initializer: [offset, dtype, shape]}}, packed: {graph: [initializer of tensors]}}}"
         )
     if check_files:
         for name, digest in manifest.files.items():

@@ -30,15 +30,38 @@ def _raw(tensor: TensorProto) -> bytes:
     return tensor.raw_data if tensor.HasField("raw_data") else numpy_helper.to_array(tensor).tobytes()
 
 
+# The weight inputs onnxruntime's CPU kernels pre-pack (a packed copy in their own layout).
+PACKED_INPUTS = {"MatMul": (1,), "Gemm": (1,), "MatMulNBits": (1, 2, 3)}
+
+
+def _packed(model: onnx.ModelProto) -> list[str]:
+    """The initializers of `model` that only pre-packing kernels read (as the inputs PACKED_INPUTS names)."""
+    readers: dict[str, list[bool]] = {}
+
+    def walk(graph: onnx.GraphProto) -> None:
+        for node in graph.node:
+            for i, name in enumerate(node.input):
+                readers.setdefault(name, []).append(i in PACKED_INPUTS.get(node.op_type, ()))
+            for attribute in node.attribute:
+                for sub in [attribute.g] if attribute.HasField("g") else attribute.graphs:
+                    walk(sub)
+
+    walk(model.graph)
+    return [t.name for t in model.graph.initializer if all(readers.get(t.name, [False]))]
+
+
 def share(folder: Path, graphs: list[Path]) -> dict[str, Any] | None:
     """Move the main-graph initializers of `graphs` (ONNX files in `folder`, external data beside them
     allowed) into `folder/weights.data` and rewrite the graphs to read it, one graph in memory at a time
     (tensors of equal bytes and dtype are stored once, also under different shapes: a tied 4-bit head and
     the embedding lookup read the same blocks);
     their old data files are removed. Returns the index {"file", "tensors": {graph stem: {name: [offset,
-    dtype, shape]}}}, or None when no initializer is large enough to move."""
-    offsets: dict[tuple[str, int, tuple[int, ...]], int] = {}
+    dtype, shape]}}, "packed": {graph stem: [name, ...]}} ("packed": the moved initializers that only
+    pre-packing kernels read, which a session that pre-packs may load from the file itself), or None when
+    no initializer is large enough to move."""
+    offsets: dict[tuple[str, int], int] = {}
     index: dict[str, dict[str, list]] = {}
+    packed: dict[str, list[str]] = {}
     data = folder / WEIGHTS
     tmp = data.with_name(data.name + ".partial")
     size = 0
@@ -46,6 +69,7 @@ def share(folder: Path, graphs: list[Path]) -> dict[str, Any] | None:
         for path in graphs:
             model = onnx.load(str(path))
             entries = index.setdefault(path.name.removesuffix(".onnx"), {})
+            only_packed = set(_packed(model))
             for tensor in model.graph.initializer:
                 raw = _raw(tensor)
                 if len(raw) < SMALLEST:
@@ -66,6 +90,8 @@ def share(folder: Path, graphs: list[Path]) -> dict[str, Any] | None:
                     entry.key, entry.value = k, v
                 dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type).name
                 entries[tensor.name] = [offsets[key], dtype, list(tensor.dims)]
+                if tensor.name in only_packed:
+                    packed.setdefault(path.name.removesuffix(".onnx"), []).append(tensor.name)
             path.with_name(path.name + ".data").unlink(missing_ok=True)  # edgemem.files.save_onnx's, now inside
             onnx.save(model, str(path))
     if not offsets:
@@ -73,4 +99,4 @@ def share(folder: Path, graphs: list[Path]) -> dict[str, Any] | None:
         return None
     tmp.chmod(0o666 & ~umask())
     tmp.replace(data)
-    return {"file": f"{folder.name}/{WEIGHTS}", "tensors": index}
+    return {"file": f"{folder.name}/{WEIGHTS}", "tensors": index, "packed": packed}

@@ -85,6 +85,60 @@ def test_each_target_keeps_its_weights_once_in_one_file_the_graphs_read(exported
             assert external == set(manifest["weights"][target]["tensors"][kind])
 
 
+def test_the_store_names_the_weights_only_pre_packing_kernels_read(exported):
+    """`packed`: per graph, the stored initializers whose every reader is a MatMul or Gemm weight input;
+    the embedding table (a Gather reads it) and the norms are not among them."""
+    out, _ = exported
+    store = json.loads((out / MANIFEST).read_text())["weights"]["ort"]
+    for kind in ("prefill", "prefill_last", "step"):
+        graph = onnx.load(str(out / "ort" / f"{kind}.onnx"), load_external_data=False).graph
+        weights = {n.input[1] for n in graph.node if n.op_type in ("MatMul", "Gemm")}
+        others = {i for n in graph.node if n.op_type not in ("MatMul", "Gemm") for i in n.input}
+        packed = set(store["packed"][kind])
+        assert packed and packed <= set(store["tensors"][kind])
+        assert packed == (weights - others) & set(store["tensors"][kind])
+        gather = next(n for n in graph.node if n.op_type == "Gather")
+        assert gather.input[0] in store["tensors"][kind] and gather.input[0] not in packed
+
+
+def test_one_cpu_session_serves_prefill_and_steps(exported, tmp_path):
+    """On the CPU the last-position prefill graph serves steps (one session, one packed copy) where the
+    manifest says it may (`steps`); its steps equal the step graph's, which runs where it says "step"."""
+    out, _ = exported
+    engine = Engine.load(out, threads=1)
+    assert engine.manifest.steps == "prefill_last"
+    assert engine._sessions["step"] is engine._sessions["prefill_last"]
+    import shutil
+
+    shutil.copytree(out, tmp_path / "two")
+    manifest = json.loads((tmp_path / "two" / MANIFEST).read_text())
+    manifest["steps"] = "step"
+    (tmp_path / "two" / MANIFEST).write_text(json.dumps(manifest))
+    two = Engine.load(tmp_path / "two", threads=1, check_files=False)
+    assert two._sessions["step"] is not two._sessions["prefill_last"]
+    ids = np.random.default_rng(1).integers(0, 256, 24)
+    a, b = engine.new_stream(), two.new_stream()
+    np.testing.assert_allclose(
+        a.prefill(ids[:11], all_logits=False), b.prefill(ids[:11], all_logits=False), rtol=1e-5, atol=1e-5
+    )
+    for token in ids[11:]:
+        np.testing.assert_allclose(a.step(int(token)), b.step(int(token)), rtol=1e-5, atol=1e-5)
+    for x, y in zip(a.state_dict().values(), b.state_dict().values()):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_a_layer_whose_prefill_costs_more_than_a_step_keeps_the_step_graph(tmp_path):
+    """AFT's prefill form is a prefix scan: its export says "step", and the runtime steps with the step graph."""
+    export(build("aft", seed=0, d_model=32, n_layers=1), tmp_path / "aft", targets=("ort",))
+    engine = Engine.load(tmp_path / "aft", threads=1)
+    assert engine.manifest.steps == "step" and engine._sessions["step"] is not engine._sessions["prefill_last"]
+    manifest = json.loads((tmp_path / "aft" / MANIFEST).read_text())
+    manifest["steps"] = "prefill"
+    (tmp_path / "aft" / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(Exception, match="steps is 'prefill'; expected 'step', or 'prefill_last'"):
+        Engine.load(tmp_path / "aft", check_files=False)
+
+
 def test_both_sessions_read_one_mapping_of_the_store(exported):
     """Every initializer of the prefill and the step graph is handed to onnxruntime as a view into the one
     read-only mapping of weights.data, and a tensor the two graphs share is the same buffer in both."""

@@ -149,14 +149,14 @@ def test_a_checkpoint_whose_metadata_cannot_be_built_is_refused(tmp_path, edit, 
 
 # ------------------------------------------------------------------ exports that are broken or edited by hand
 def test_verify_refuses_a_truncated_graph_whose_sha256_was_rerecorded(export_dir, tmp_path):
-    def truncate(manifest):
-        graph = tmp_path / "t" / "ort" / "step.onnx"
+    def truncate(manifest):  # the graph `run` loads on the CPU (its steps too)
+        graph = tmp_path / "t" / "ort" / "prefill_last.onnx"
         data = graph.read_bytes()[:1000]
         graph.write_bytes(data)
-        manifest["files"]["ort/step.onnx"] = hashlib.sha256(data).hexdigest()
+        manifest["files"]["ort/prefill_last.onnx"] = hashlib.sha256(data).hexdigest()
 
     target = edited(export_dir, tmp_path / "t", truncate)
-    refused(run("verify", target), "ort/step.onnx is not a readable ONNX graph")
+    refused(run("verify", target), "ort/prefill_last.onnx is not a readable ONNX graph")
     refused(run("run", target, "--prompt", "a"), "onnxruntime cannot load")
 
 

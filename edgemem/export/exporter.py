@@ -105,6 +105,11 @@ def _config(model: nn.Module) -> dict[str, Any]:
     return {**data, "vocab_size": config.vocab_size}
 
 
+def _prefill_steps(model: nn.Module) -> bool:
+    """Whether every layer's prefill form costs about a step on one token (`StatefulLayer.prefill_steps`)."""
+    return all(getattr(m, "prefill_steps", True) for m in model.modules())
+
+
 def _kv_cache(model: nn.Module, targets: Sequence[str]) -> dict[str, Any] | None:
     """The manifest's `kv_cache` entry from the model's (`model.kv_cache`, e.g. `LM.kv_cache`)."""
     kv = getattr(model, "kv_cache", None)
@@ -312,6 +317,7 @@ def export(
             kind=kind.name,
             source=source.to_dict() if source else None,
             encoder=_encoder_entry(model) if graphs.get("encoder") else None,
+            steps=PREFILL_LAST if graphs.get(PREFILL_LAST) and _prefill_steps(model) else "step",
         )
         manifest.genai, genai_config = genai.entry(manifest)
         if genai_config is not None:

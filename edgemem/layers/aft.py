@@ -68,6 +68,8 @@ class AFT(StatefulLayer):
     for AFT-local, the window terms (O(T · window · d)); no T×T matrix.
     """
 
+    prefill_steps = False  # its prefix scan (`_prefix`) costs several steps at T = 1 (benchmarks/README.md)
+
     def __init__(self, d_model: int, mode: str = "simple", window: int | None = None):
         super().__init__()
         positive_int(d_model, "AFT d_model")

@@ -23,6 +23,9 @@ class StatefulLayer(nn.Module):
     # this many positions (segments aligned to the stream start; a traced prefill is such a block);
     # the exported prefill graph loops over segments (edgemem.export.segments)
     prefill_segment = 0
+    # False when the prefill form does much more work than `step` on one token: a runtime that serves steps
+    # with the last-position prefill graph (one session, one packed copy of the weights) keeps the step graph
+    prefill_steps = True
 
     def init_state(self, batch: int, device: torch.device | None = None, dtype: torch.dtype | None = None) -> State:
         """Fixed-size state of a fresh stream (fp32 unless the layer runs in fp64)."""

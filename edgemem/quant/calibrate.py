@@ -486,6 +486,7 @@ def calibrate(
             outputs=manifest.outputs,
             kv_cache=manifest.kv_cache,
             weights=stores or None,
+            steps=manifest.steps,
             quantization=_record(
                 directory, manifest, method, recipe, found, selected, counts, block_size, embeddings, tables
             ),

@@ -41,13 +41,19 @@ initializer of every graph is handed to its session as an `OrtValue` viewing the
 so the prefill and step sessions share one copy, which the page cache may also share between
 processes. Pre-packing (MLAS's packed copy of a MatMul/Gemm/MatMulNBits weight) is per session, and
 onnxruntime's Python API cannot share one packed copy between sessions (libedgemem does, through
-onnxruntime's PrepackedWeightsContainer). So the step session pre-packs (decode reads the packed
-copy) and a prefill session reads the mapped weights in place, except where the graph holds 4-bit
-MatMulNBits: unpacked, that kernel dequantizes each whole matrix to float in every run, which costs
-more memory at the peak than a second packed copy and is slower, so there every session pre-packs.
-Once the sessions are made, the pages their set-up read are dropped from the mapping; what runs
-later faults back only what it reads. A prefill run ends with arena shrinkage: the arena gives back
-what it holds beyond the live tensors (benchmarks/README.md, "Footprint", measures each choice).
+onnxruntime's PrepackedWeightsContainer). So on the CPU, where the export has the last-position
+prefill graph and no growing cache, one session serves both: that graph at T = 1 is the step graph
+(the stateful protocol), it pre-packs, and the weights only its pre-packing kernels read (the
+store's `packed`) it loads from the file itself, one tensor at a time, so that neither the mapping
+nor a second copy is resident beside the packed one. Otherwise the step session pre-packs (decode
+reads the packed copy) and a prefill session reads the mapped weights in place. A session that
+opens later (the full prefill graph, an encoder) reads the mapping in place, except where the graph
+holds 4-bit MatMulNBits: unpacked, that kernel dequantizes each whole matrix to float in every run,
+which costs more memory at the peak than a packed copy and is slower, so there every session
+pre-packs. Once the sessions are made, the pages their set-up read are dropped from the mapping;
+what runs later faults back only what it reads. A prefill run ends with arena shrinkage: the arena
+gives back what it holds beyond the live tensors (benchmarks/README.md, "Footprint", measures each
+choice).
 """
 
 from __future__ import annotations
@@ -159,8 +165,15 @@ class _Weights:
 
     DTYPES = frozenset({"float32", "float16", "float64", "int64", "int32", "int8", "uint8", "bool"})
 
-    def __init__(self, path: Path, mapped: mmap.mmap, tensors: Mapping[str, Mapping[str, list]]):
+    def __init__(
+        self,
+        path: Path,
+        mapped: mmap.mmap,
+        tensors: Mapping[str, Mapping[str, list]],
+        packed: Mapping[str, Sequence[str]],
+    ):
         self.path, self._mapped = path, mapped
+        self.packed = {kind: frozenset(names) for kind, names in packed.items()}  # read by pre-packing kernels only
         self._arrays: list[np.ndarray] = []  # the views the OrtValues point into, kept alive with them
         self._values: dict[str, dict[str, ort.OrtValue]] = {}
         shared: dict[tuple, ort.OrtValue] = {}
@@ -192,7 +205,7 @@ class _Weights:
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError) as e:  # ValueError: an empty file
             raise BackendError(f"cannot map {path}: {e}") from None
-        return cls(path, mapped, store["tensors"])
+        return cls(path, mapped, store["tensors"], store.get("packed", {}))
 
     def graph(self, kind: str) -> dict[str, ort.OrtValue]:
         return self._values.get(kind, {})
@@ -230,9 +243,20 @@ class OrtEngine(Engine):
         self._shrink = ort.RunOptions()  # a prefill run's arena gives back what it holds past the live tensors
         self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         self._sessions: dict[str, ort.InferenceSession] = {}
-        for kind in ("step", self._last):
-            if manifest.graphs.get(kind):
-                self._open_session(kind)
+        # one session on the CPU: the last-position prefill graph serves steps (the module docstring)
+        self._one = (
+            self._memory.host
+            and self._last == PREFILL_LAST
+            and manifest.steps == PREFILL_LAST
+            and not self.grows
+            and self._weights is not None
+        )
+        if self._one:
+            self._sessions["step"] = self._sessions[self._open_session(PREFILL_LAST)]
+        else:
+            for kind in ("step", self._last):
+                if manifest.graphs.get(kind):
+                    self._open_session(kind)
         self._step_session = self._sessions["step"]
         self._encoder = (
             self._session("encoder", self._options("encoder", arena=True)) if manifest.graphs.get("encoder") else None
@@ -295,10 +319,15 @@ class OrtEngine(Engine):
         options.log_severity_level = 3
         options.enable_cpu_mem_arena = arena
         if self._weights is not None:
-            if kind != "step" and not self._blocks:
+            primary = kind == (PREFILL_LAST if self._one else "step")
+            if not primary and not self._blocks:
                 options.add_session_config_entry("session.disable_prepacking", "1")
+            # the one session loads what only its pre-packing kernels read from the file itself: it maps, packs
+            # and lets go of one tensor at a time, where the engine's mapping would hold every page it packed
+            packed = self._weights.packed.get(kind, frozenset()) if primary and self._one else frozenset()
             for name, value in self._weights.graph(kind).items():
-                options.add_initializer(name, value)
+                if name not in packed:
+                    options.add_initializer(name, value)
         return options
 
     def _session(self, kind: str, options: ort.SessionOptions) -> ort.InferenceSession:

@@ -180,6 +180,12 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
         // A prefill here returns the last position's logits only: the graph that projects only that row serves it.
         if (graphs.value("prefill", false)) prefill_kind_ = graphs.value("prefill_last", false) ? PREFILL_LAST : PREFILL;
         const json stores = m.value("weights", json());
+        // On the CPU the last-position prefill graph serves steps too where the export allows it (`steps`): one
+        // session, which loads what only its pre-packing kernels read (the store's `packed`) from the file itself,
+        // one tensor at a time, so that neither the mapping nor a second copy is resident beside the packed one.
+        one_session_ = backend == "ort" && prefill_kind_ == PREFILL_LAST && m.value("steps", "step") == "prefill_last" &&
+                       std::none_of(specs.begin(), specs.end(), [](const Spec &s) { return s.growing; }) && stores.is_object() &&
+                       stores.contains(target);
         if (backend != "trt" && stores.is_object() && stores.contains(target)) {
             const json &store = stores[target];
             const std::string file = dir + "/" + store.at("file").get<std::string>();
@@ -195,8 +201,13 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
             mapping.data = mapped;
             mapping.size = size_t(info.st_size);
             std::map<std::tuple<int64_t, std::string, std::vector<int64_t>>, size_t> shared;
-            for (int kind : {int(STEP), prefill_kind_}) {
+            std::vector<int> kinds{one_session_ ? prefill_kind_ : int(STEP)};
+            if (!one_session_ && prefill_kind_ >= 0) kinds.push_back(prefill_kind_);
+            for (int kind : kinds) {
                 if (!store.at("tensors").contains(KINDS[kind])) continue;
+                std::set<std::string> packed_only;
+                if (one_session_ && store.contains("packed") && store["packed"].contains(KINDS[kind]))
+                    packed_only = store["packed"][KINDS[kind]].get<std::set<std::string>>();
                 for (auto it = store["tensors"][KINDS[kind]].begin(); it != store["tensors"][KINDS[kind]].end(); ++it) {
                     const int64_t offset = it->at(0).get<int64_t>();
                     const std::string dtype = it->at(1).get<std::string>();
@@ -207,7 +218,7 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
                         {"int32", {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, 4}}, {"int8", {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8, 1}},
                         {"uint8", {ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, 1}}, {"bool", {ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL, 1}}};
                     const auto type = types.find(dtype);
-                    if (type == types.end()) continue;  // onnxruntime reads it from the file itself
+                    if (type == types.end() || packed_only.count(it.key())) continue;  // onnxruntime reads it from the file itself
                     const auto key = std::make_tuple(offset, dtype, shape);
                     auto found = shared.find(key);
                     if (found == shared.end()) {
@@ -279,8 +290,9 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
                                  "not have (it has " + join(providers) + "): link onnxruntime-gpu's library, or use backend 'ort'");
     }
     const bool grows = !growing.empty();
-    step = open(STEP, true, options.threads, cuda);
     if (prefill_kind_ >= 0) prefill = open(prefill_kind_, !grows, options.threads, cuda);
+    if (!one_session_) step_graph = open(STEP, true, options.threads, cuda);
+    step = one_session_ ? prefill.get() : step_graph.get();
     if (prefill && !grows) {
         shrink = std::make_unique<Ort::RunOptions>();
         shrink->AddConfigEntry("memory.enable_memory_arena_shrinkage", "cpu:0");
@@ -318,7 +330,7 @@ std::unique_ptr<Ort::Session> Engine::open(int kind, bool arena, int threads, bo
             options.AppendExecutionProvider_CUDA_V2(*cuda_options);
         }
         // Sessions given the mapped weights pack each of them once, into `packed`, and read that one copy.
-        session = mapping.data ? std::make_unique<Ort::Session>(env(), path.c_str(), options, packed)
+        session = mapping.data && !one_session_ ? std::make_unique<Ort::Session>(env(), path.c_str(), options, packed)
                                : std::make_unique<Ort::Session>(env(), path.c_str(), options);
     } catch (const Ort::Exception &e) {
         fail(EM_ERR_BACKEND, "onnxruntime cannot load " + path + ": " + e.what());
@@ -449,7 +461,7 @@ void Engine::check_room(int64_t position, int64_t tokens) const {
 
 void Engine::run(Ort::Session &session, std::vector<OrtValue *> &inputs, std::vector<OrtValue *> &outputs, const char *kind) {
     // A prefill's arena gives back what it holds beyond the live tensors once the run ends (benchmarks/README.md).
-    const OrtRunOptions *options = &session == prefill.get() && shrink ? static_cast<const OrtRunOptions *>(*shrink) : nullptr;
+    const OrtRunOptions *options = std::strcmp(kind, "prefill") == 0 && shrink ? static_cast<const OrtRunOptions *>(*shrink) : nullptr;
     OrtStatus *status = Ort::GetApi().Run(session, options, in_names.data(), inputs.data(), inputs.size(), out_names.data(),
                                           outputs.size(), outputs.data());
     if (status) {

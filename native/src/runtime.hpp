@@ -98,7 +98,8 @@ struct Engine {
     Ort::MemoryInfo host = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
     std::vector<Ort::Value> weights;
     Ort::PrepackedWeightsContainer packed;  // MLAS's packed copy of each weight, one for both sessions
-    std::unique_ptr<Ort::Session> step, prefill;
+    std::unique_ptr<Ort::Session> step_graph, prefill;
+    Ort::Session *step = nullptr;  // the step graph's session, or the prefill's where one session serves both
     std::unique_ptr<Ort::RunOptions> shrink;  // prefill runs: arena shrinkage (null where the prefill has no arena)
     std::unique_ptr<TrtBackend> trt;          // backend "trt" (then no sessions)
 
@@ -126,6 +127,7 @@ struct Engine {
     std::vector<std::vector<std::pair<std::string, size_t>>> graph_weights_;  // step, prefill: (name, index in weights)
     bool static_int8_ = false;
     int prefill_kind_ = -1;  // the prefill graph opened (prefill or prefill_last); -1: none
+    bool one_session_ = false;  // the prefill_last session serves steps (the constructor says when)
     std::unique_ptr<Ort::Session> open(int kind, bool arena, int threads, bool cuda);
     void run(Ort::Session &session, std::vector<OrtValue *> &inputs, std::vector<OrtValue *> &outputs, const char *kind);
 };

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from edgemem import __version__
-from edgemem.config import MAX_THREADS, finite, parse_overrides, seed, threads
+from edgemem.config import DEFAULT_CHUNK, MAX_THREADS, finite, parse_overrides, seed, threads
 from edgemem.errors import EdgememError, cli_names
 
 # optional modules → the extra that installs them (pyproject.toml)
@@ -671,7 +671,7 @@ def run_command(
 @click.option("--target", help="Lowered graphs to run (default: ort if exported, else generic).")
 @click.option(
     "--chunk-size",
-    default=512,
+    default=DEFAULT_CHUNK,
     show_default=True,
     type=click.IntRange(min=1),
     help="Prefill chunk to reach a position.",

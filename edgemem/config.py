@@ -69,6 +69,7 @@ def seed(value: Any, name: str = "seed", error: type[ConfigError] = ConfigError)
 
 
 MAX_THREADS = 256  # past this a thread pool only adds start-up and contention, whatever the machine
+DEFAULT_CHUNK = 128  # tokens per prefill-graph run (benchmarks/README.md, "Figures behind choices in the code")
 
 
 def thread_limit() -> int:

@@ -6,7 +6,7 @@ stepping the same prompt token by token.
 
 Exports the `titans-mac` preset (random weights, seed 0; ort target) to a temporary directory, loads
 it with `Engine.load(..., threads=N)` and for every prompt length times, on fresh streams, one
-`stream.prefill(ids)` (in the engine's chunks of 512 tokens) and `stream.step` over the same ids.
+`stream.prefill(ids)` (in the engine's chunks of 128 tokens) and `stream.step` over the same ids.
 Reports the best of `--repeats` wall times of each, tokens/s, the speed-up and the largest
 difference between the two runs' logits; prints a JSON document and saves it with `--json`.
 """

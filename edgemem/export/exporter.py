@@ -262,9 +262,6 @@ def export(
             proto = (
                 export_encoder(model, OPSET) if graph == "encoder" else export_graph(model, graph, OPSET, state_dtype)
             )
-            # the prefill graph with the head on the last position only, for the runtime's next-token prefill
-            streams = graph == "prefill" and graphs["step"] and not segment and kind.name == "lm"  # one-pass LM prefill
-            last = last_position_logits(proto, graph_io(model)[1]) if streams else None
             for target in targets:
                 path = tmp / target / f"{graph}.onnx"
                 path.parent.mkdir(exist_ok=True)
@@ -273,11 +270,19 @@ def export(
                     lowered = loop_over_segments(lowered, segment, position, ["input_ids", *graph_io(model)[0]])
                 save_onnx(lowered, path)
                 written[target].append(path)
-                if last is not None and target != "trt":  # TensorRT's prefill engine stays the one prefill graph
-                    save_onnx(lower(last, target), path.with_name(f"{PREFILL_LAST}.onnx"))
-                    written[target].append(path.with_name(f"{PREFILL_LAST}.onnx"))
+                del lowered  # each in-memory copy of the graph holds the weights: one at a time beside `proto`
+            # the prefill graph with the head on the last position only, for the runtime's next-token prefill
+            streams = graph == "prefill" and graphs["step"] and not segment and kind.name == "lm"  # one-pass LM prefill
+            last = last_position_logits(proto, graph_io(model)[1]) if streams else None
+            del proto
             if last is not None and any(t != "trt" for t in targets):
+                for target in targets:
+                    if target != "trt":  # TensorRT's prefill engine stays the one prefill graph
+                        path = tmp / target / f"{PREFILL_LAST}.onnx"
+                        save_onnx(lower(last, target), path)
+                        written[target].append(path)
                 graphs[PREFILL_LAST] = True
+            del last
         stores = {}
         for target, paths in written.items():
             if (store := weights.share(tmp / target, paths)) is not None:

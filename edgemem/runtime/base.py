@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 
 from edgemem import kinds
-from edgemem.config import finite, positive_int
+from edgemem.config import DEFAULT_CHUNK, finite, positive_int
 from edgemem.config import seed as check_seed
 from edgemem.errors import CacheFullError, ConfigError, named
 from edgemem.files import as_path
@@ -86,7 +86,6 @@ BACKENDS = {
     "ort-cuda": "edgemem.runtime.ort:OrtEngine",
     "trt": "edgemem.runtime.trt:TrtEngine",
 }
-DEFAULT_CHUNK = 512  # tokens per prefill-graph run
 LONG_PREFILL = 16  # chunks past which a prefill without a progress callback logs its progress
 BATCH_SLOTS = 4  # batch sizes whose [n, ...] buffers an engine keeps
 

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from edgemem.config import DEFAULT_CHUNK
 from edgemem.errors import EdgememError
 from edgemem.files import save_figure
 from edgemem.runtime.base import Engine, Stream
@@ -109,7 +110,7 @@ def run(
     time_limit: float = 2.0,
     threads: int | None = 1,
     target: str | None = None,
-    chunk_size: int = 512,
+    chunk_size: int = DEFAULT_CHUNK,
     seed: int = 0,
     checkpoints: Path | None = None,
     progress: Progress | None = None,

@@ -82,7 +82,7 @@ em_engine *em_engine_load_ex(const char *dir, const em_engine_options *options) 
         need(dir, "the export directory");
         const em_engine_options chosen = options ? *options : em_engine_default_options();
         if (chosen.threads < 0) em::fail(EM_ERR_ARGUMENT, "threads must be >= 0 (0: onnxruntime's choice)");
-        if (chosen.chunk_size < 0) em::fail(EM_ERR_ARGUMENT, "chunk_size must be >= 0 (0: 512)");
+        if (chosen.chunk_size < 0) em::fail(EM_ERR_ARGUMENT, "chunk_size must be >= 0 (0: 128)");
         auto handle = std::make_unique<em_engine>();
         handle->engine = std::make_unique<em::Engine>(dir, chosen);
         return handle.release();

@@ -234,7 +234,7 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
                 }
             }
         }
-        chunk = options.chunk_size > 0 ? options.chunk_size : 512;
+        chunk = options.chunk_size > 0 ? options.chunk_size : 128;
         for (size_t i = 0; i < specs.size(); ++i) (specs[i].growing ? growing : fixed).push_back(i);
         // a fresh stream's state
         std::map<std::string, Blob> stored;

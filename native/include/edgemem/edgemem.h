@@ -60,7 +60,7 @@ typedef struct em_engine_options {
                             (the TensorRT engines of `edgemem build`, state on the GPU); NULL: "ort" */
     const char *target;  /* which lowered graphs; NULL: "ort" if the export has it, else "generic", else "onnx27"
                             (backend "trt": "trt") */
-    int chunk_size;      /* tokens per prefill-graph run; 0: 512 (backend "trt": at most the prefill engine's profile) */
+    int chunk_size;      /* tokens per prefill-graph run; 0: 128 (backend "trt": at most the prefill engine's profile) */
     int check_files;     /* nonzero (the default): check every file's sha256 */
     const char *engines; /* backend "trt": the folder of engines.json; NULL: DIR/engines */
     const char *plugins; /* backend "trt": libedgemem_trt_plugins.so the engines were built with; NULL: $EDGEMEM_TRT_PLUGINS */

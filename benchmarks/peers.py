@@ -20,8 +20,9 @@ the cache folder. From that one directory:
 
 Each engine × precision runs in its own subprocess (so its peak RSS is its own) and is fed the same
 random token ids. A stream is brought from position 0 to each position (ascending) by a real chunked
-prefill (512-token chunks), which gives prefill tokens/s; transformers alone reaches the positions after
-the first by appending random rows to its attention caches (its eager 16K prefill would take longer than
+prefill (128-token chunks, edgemem's default; llama.cpp's batch and micro-batch too), which gives
+prefill tokens/s; transformers alone reaches the positions after the first by appending random rows to
+its attention caches (its eager 16K prefill would take longer than
 everything else together; a decode step costs the same whatever the values). At each position batch-1
 decode is timed over `--steps` tokens (median). The weight-bandwidth floor is the bytes of weights a decode
 step reads (the step graph's initializers except those only gathered from, i.e. the embedding table unless
@@ -59,7 +60,7 @@ GRAPHS = {  # what each engine runs
     "transformers": "Qwen3_5ForCausalLM, DynamicCache",
 }
 PRECISIONS = ("fp32", "int4")
-CHUNK = 512
+CHUNK = 128
 CONFIGS: dict[str, dict[str, Any]] = {
     # Qwen3.5-0.8B's text model (see benchmarks/README.md for the sources of these numbers)
     "qwen3.5-0.8b": dict(

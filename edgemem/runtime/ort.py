@@ -40,11 +40,11 @@ initializer of every graph is handed to its session as an `OrtValue` viewing the
 (`SessionOptions.add_initializer` uses the caller's buffer; `add_external_initializers` copies it),
 so the prefill and step sessions share one copy, which the page cache may also share between
 processes. Pre-packing (MLAS's packed copy of a MatMul/Gemm/MatMulNBits weight) is per session, and
-onnxruntime's Python API cannot share one packed copy between sessions (libedgemem does, through
-onnxruntime's PrepackedWeightsContainer). So on the CPU, where the export has the last-position
-prefill graph and no growing cache, one session serves both: that graph at T = 1 is the step graph
-(the stateful protocol), it pre-packs, and the weights only its pre-packing kernels read (the
-store's `packed`) it loads from the file itself, one tensor at a time, so that neither the mapping
+onnxruntime's Python API cannot share one packed copy between sessions. So on the CPU, where the
+export has the last-position prefill graph, no growing cache, and a manifest whose `steps` says that
+graph serves steps, one session serves both (as in libedgemem): that graph at T = 1 is the step
+graph (the stateful protocol), it pre-packs, and it loads the weights only its pre-packing kernels
+read (the store's `packed`) from the file itself, one tensor at a time, so that neither the mapping
 nor a second copy is resident beside the packed one. Otherwise the step session pre-packs (decode
 reads the packed copy) and a prefill session reads the mapped weights in place. A session that
 opens later (the full prefill graph, an encoder) reads the mapping in place, except where the graph

@@ -127,11 +127,14 @@ def test_one_cpu_session_serves_prefill_and_steps(exported, tmp_path):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 
 
-def test_a_layer_whose_prefill_costs_more_than_a_step_keeps_the_step_graph(tmp_path):
+def test_a_layer_whose_prefill_costs_more_than_a_step_keeps_the_step_graph(small_exports, tmp_path):
     """AFT's prefill form is a prefix scan: its export says "step", and the runtime steps with the step graph."""
-    export(build("aft", seed=0, d_model=32, n_layers=1), tmp_path / "aft", targets=("ort",))
-    engine = Engine.load(tmp_path / "aft", threads=1)
+    import shutil
+
+    engine = Engine.load(small_exports["aft"], threads=1)
     assert engine.manifest.steps == "step" and engine._sessions["step"] is not engine._sessions["prefill_last"]
+    assert Engine.load(small_exports["gated-deltanet"], threads=1).manifest.steps == "prefill_last"
+    shutil.copytree(small_exports["aft"], tmp_path / "aft")
     manifest = json.loads((tmp_path / "aft" / MANIFEST).read_text())
     manifest["steps"] = "prefill"
     (tmp_path / "aft" / MANIFEST).write_text(json.dumps(manifest))

@@ -51,6 +51,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's edgemem, whatever else is installed
+from edgemem.config import DEFAULT_CHUNK  # noqa: E402 — after the path above
+
 ENGINES = ("edgemem", "edgemem-growing", "genai", "llama.cpp", "transformers")
 GRAPHS = {  # what each engine runs
     "edgemem": "edgemem export --max-length (preallocated KV cache written in place)",
@@ -60,7 +62,7 @@ GRAPHS = {  # what each engine runs
     "transformers": "Qwen3_5ForCausalLM, DynamicCache",
 }
 PRECISIONS = ("fp32", "int4")
-CHUNK = 128
+CHUNK = DEFAULT_CHUNK  # every engine's prefill chunk: edgemem's default (llama.cpp's batch and micro-batch)
 CONFIGS: dict[str, dict[str, Any]] = {
     # Qwen3.5-0.8B's text model (see benchmarks/README.md for the sources of these numbers)
     "qwen3.5-0.8b": dict(

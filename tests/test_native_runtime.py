@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 from conftest import _sources_key
 
+from edgemem.manifest import MANIFEST, ManifestError
 from edgemem.runtime import Engine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -347,6 +348,21 @@ def test_an_encoder_decoder_export_is_refused_with_one_line(em_check, small_expo
         refused = _load(em_check, small_exports["led"], backend)
         assert refused.splitlines()[0] == "code 3" and "led is an encoder-decoder" in refused, refused
         assert "use the Python runtime" in refused and len(refused.splitlines()) == 2
+
+
+def test_a_manifest_steps_value_it_does_not_know_is_refused_as_python_refuses_it(em_check, small_exports, tmp_path):
+    """`steps` other than "step", or "prefill_last" where the export has that graph: the line
+    `edgemem.manifest.load` gives (the value in JSON quotes), with code EM_ERR_MANIFEST."""
+    shutil.copytree(small_exports["gated-deltanet"], tmp_path / "x")
+    manifest = json.loads((tmp_path / "x" / MANIFEST).read_text())
+    manifest["steps"] = "prefill"
+    (tmp_path / "x" / MANIFEST).write_text(json.dumps(manifest))
+    refused = _load(em_check, tmp_path / "x", "ort")
+    assert refused.splitlines()[0] == "code 2", refused
+    expected = "expected 'step', or 'prefill_last' where graphs has it"
+    assert f'steps is "prefill"; {expected}' in refused
+    with pytest.raises(ManifestError, match=f"steps is 'prefill'; {expected}"):
+        Engine.load(tmp_path / "x", check_files=False)
 
 
 def test_trt_backend_without_tensorrt_or_a_gpu_is_one_line_naming_what_to_install(em_check, small_exports, tmp_path):

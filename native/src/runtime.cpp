@@ -183,7 +183,10 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
         // On the CPU the last-position prefill graph serves steps too where the export allows it (`steps`): one
         // session, which loads what only its pre-packing kernels read (the store's `packed`) from the file itself,
         // one tensor at a time, so that neither the mapping nor a second copy is resident beside the packed one.
-        one_session_ = backend == "ort" && prefill_kind_ == PREFILL_LAST && m.value("steps", "step") == "prefill_last" &&
+        const json steps = m.value("steps", json("step"));
+        if (steps != "step" && !(steps == "prefill_last" && graphs.value("prefill_last", false)))
+            fail(EM_ERR_MANIFEST, path + ": steps is " + steps.dump() + "; expected 'step', or 'prefill_last' where graphs has it");
+        one_session_ = backend == "ort" && prefill_kind_ == PREFILL_LAST && steps == "prefill_last" &&
                        std::none_of(specs.begin(), specs.end(), [](const Spec &s) { return s.growing; }) && stores.is_object() &&
                        stores.contains(target);
         if (backend != "trt" && stores.is_object() && stores.contains(target)) {

@@ -7,8 +7,10 @@
 The model: a Qwen3.5 text model (hidden 512, 8 layers of 3 gated-DeltaNet : 1 attention, vocab 32000,
 tied embeddings, about 45M parameters) with random weights, saved with `save_pretrained` and imported
 with `edgemem export --hf DIR --target ort --max-length 1024`, then `edgemem calibrate --method int4`.
-Per export: the files' bytes, the resident memory `Engine.load` adds, and the peak after a 256-token
-prefill and 64 steps, each as a multiple of the fp32 weight bytes (what llama.cpp holds once).
+Per export: the files' bytes, the resident memory `Engine.load` adds, the peak after a 256-token
+prefill and 64 steps, and how much of what is resident at the end is mapped file pages (clean page
+cache the kernel may reclaim: the embedding rows the lookups read, in the page cache's folios), each as a
+multiple of the fp32 weight bytes (what llama.cpp holds once).
 Greedy tokens of the fp32 export are compared with transformers' `generate`. With `--native LIB`, the
 same probe runs through libedgemem (`em_engine_load`, `em_stream_prefill`, `em_stream_step`) by ctypes.
 """
@@ -29,7 +31,7 @@ def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
             return int(line.split()[1]) * 1024
-base = status("VmRSS:")
+base, file_base = status("VmRSS:"), status("RssFile:")
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # resets the peak (VmHWM) to the current resident set
 """
@@ -52,7 +54,8 @@ for _ in range(64):
     token = int(np.argmax(logits))
     tokens.append(token)
     logits = stream.step(token)
-print(json.dumps({"load": loaded - base, "peak": status("VmHWM:") - base, "tokens": tokens}))
+print(json.dumps({"load": loaded - base, "peak": status("VmHWM:") - base, "file": status("RssFile:") - file_base,
+                  "tokens": tokens}))
 """
 )
 
@@ -82,7 +85,8 @@ for _ in range(64):
     token = int(np.argmax(logits))
     tokens.append(token)
     assert lib.em_stream_step(stream, token, logits.ctypes.data) == 0
-print(json.dumps({"load": loaded - base, "peak": status("VmHWM:") - base, "tokens": tokens}))
+print(json.dumps({"load": loaded - base, "peak": status("VmHWM:") - base, "file": status("RssFile:") - file_base,
+                  "tokens": tokens}))
 """
 )
 
@@ -181,9 +185,9 @@ def main() -> int:
         reference = reference_tokens(tmp / "hf")
         same = all(r["tokens"] == reference for name, r in rows.items() if name.startswith("fp32"))
     print(f"fp32 weights: {weights / 1e6:.1f} MB; greedy tokens (fp32) equal transformers' generate: {same}")
-    print(f"{'export':<16}{'files':>19}{'load':>19}{'peak':>19}   (× fp32 weight bytes)")
+    print(f"{'export':<16}{'files':>19}{'load':>19}{'peak':>19}{'mapped at end':>19}   (× fp32 weight bytes)")
     for name, r in rows.items():
-        cells = "".join(f"{r[k] / 1e6:>9.1f} MB {r[k] / weights:>4.2f}×" for k in ("files", "load", "peak"))
+        cells = "".join(f"{r[k] / 1e6:>9.1f} MB {r[k] / weights:>4.2f}×" for k in ("files", "load", "peak", "file"))
         print(f"{name:<16}{cells}")
     if args.json:
         result = {

@@ -57,8 +57,8 @@ def share(folder: Path, graphs: list[Path]) -> dict[str, Any] | None:
     the embedding lookup read the same blocks);
     their old data files are removed. Returns the index {"file", "tensors": {graph stem: {name: [offset,
     dtype, shape]}}, "packed": {graph stem: [name, ...]}} ("packed": the moved initializers that only
-    pre-packing kernels read, which a session that pre-packs may load from the file itself), or None when
-    no initializer is large enough to move."""
+    pre-packing kernels read and whose bytes no other reader of the graph shares, which a session that
+    pre-packs may load from the file itself), or None when no initializer is large enough to move."""
     offsets: dict[tuple[str, int], int] = {}
     index: dict[str, dict[str, list]] = {}
     packed: dict[str, list[str]] = {}
@@ -90,8 +90,11 @@ def share(folder: Path, graphs: list[Path]) -> dict[str, Any] | None:
                     entry.key, entry.value = k, v
                 dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type).name
                 entries[tensor.name] = [offsets[key], dtype, list(tensor.dims)]
-                if tensor.name in only_packed:
-                    packed.setdefault(path.name.removesuffix(".onnx"), []).append(tensor.name)
+            # bytes that another reader of this graph shares (a tied 4-bit head's blocks, which the lookup reads)
+            # come from the one mapping of the file, not from a second one of onnxruntime's
+            shared = {entries[name][0] for name in entries if name not in only_packed}
+            if names := [name for name in entries if name in only_packed and entries[name][0] not in shared]:
+                packed[path.name.removesuffix(".onnx")] = names
             path.with_name(path.name + ".data").unlink(missing_ok=True)  # edgemem.files.save_onnx's, now inside
             onnx.save(model, str(path))
     if not offsets:

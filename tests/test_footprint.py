@@ -48,6 +48,25 @@ for token in range(4):
 print(sorted(engine._sessions), anon() - before)
 """
 
+LOAD_PEAK = r"""
+import sys
+import onnxruntime  # its own pages are not the engine's
+from edgemem.runtime import Engine
+from edgemem.runtime.ort import _Weights
+
+if sys.argv[2] == "kept":
+    _Weights.DROP_EVERY = None
+
+def status(key):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
+
+before = status("VmRSS:")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak (VmHWM) from here
+engine = Engine.load(sys.argv[1], threads=1, check_files=False)
+print(status("VmHWM:") - status("VmRSS:"))
+"""
+
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
@@ -171,6 +190,25 @@ def test_loading_keeps_a_copy_fewer_than_each_session_reading_its_own(exported, 
     assert plain - shared > 0.8 * weight_bytes, (plain, shared, weight_bytes)
 
 
+def test_loading_drops_the_mapped_pages_a_session_packs_from_as_it_goes(exported, tmp_path):
+    """Where the step session packs every weight from the mapping (two sessions: `steps` "step"), the peak
+    during `Engine.load` stays within half the weights of what is resident after it, in a fresh process; with
+    the pages kept until the session is made, the peak holds the whole mapped source beside the packed copy."""
+    out, weight_bytes = exported
+    import shutil
+
+    shutil.copytree(out, tmp_path / "two")
+    manifest = json.loads((tmp_path / "two" / MANIFEST).read_text())
+    manifest["steps"] = "step"
+    (tmp_path / "two" / MANIFEST).write_text(json.dumps(manifest))
+    command = [sys.executable, "-c", LOAD_PEAK, str(tmp_path / "two")]
+    dropped, kept = (
+        int(subprocess.run([*command, how], capture_output=True, text=True, check=True).stdout)
+        for how in ("dropped", "kept")
+    )
+    assert dropped < 0.5 * weight_bytes < 0.8 * weight_bytes < kept, (dropped, kept, weight_bytes)
+
+
 def test_no_session_of_an_engine_holds_a_copy_of_the_weights_of_its_own(exported):
     """Memory no file backs (RssAnon), added in a fresh process by loading, prefilling through both prefill
     graphs and stepping: the one packed copy the step session makes (MLAS's layout of each MatMul weight)
@@ -212,7 +250,8 @@ def test_a_truncated_weight_file_is_refused_at_load_naming_it(exported, tmp_path
 def test_int4_stores_a_tied_embedding_once_in_4_bits_for_lookup_and_head(tmp_path):
     """`calibrate --method int4` on a model whose head reads the embedding table: the lookup becomes a
     GatherBlockQuantized and the head a MatMulNBits over the same bytes, one copy in the weight store; no
-    float table is left in either graph, and the logits stay close to fp32."""
+    float table is left in either graph, and the logits stay close to fp32. The head's names for those bytes are
+    not among what only pre-packing kernels read: the lookup reads them too, from the one mapping."""
     import dataclasses
 
     import torch
@@ -227,13 +266,16 @@ def test_int4_stores_a_tied_embedding_once_in_4_bits_for_lookup_and_head(tmp_pat
     model = LM(dataclasses.replace(config, tie_embeddings=True))  # as an imported model with tied embeddings
     export(model, tmp_path / "fp32", targets=("ort",))
     calibrate(tmp_path / "fp32", "int4", out=tmp_path / "int4")
-    store = json.loads((tmp_path / "int4" / MANIFEST).read_text())["weights"]["ort"]["tensors"]
+    index = json.loads((tmp_path / "int4" / MANIFEST).read_text())["weights"]["ort"]
+    store = index["tensors"]
     for kind in ("prefill", "step"):
         nodes = onnx.load(str(tmp_path / "int4" / "ort" / f"{kind}.onnx"), load_external_data=False).graph.node
         (gather,) = [n for n in nodes if n.op_type == "GatherBlockQuantized"]
         (head,) = [n for n in nodes if n.op_type == "MatMulNBits" and n.output[0].startswith("logits")]
         assert store[kind][gather.input[0]][0] == store[kind][head.input[1]][0]  # one offset: the same bytes
         assert store[kind][gather.input[2]][0] == store[kind][head.input[2]][0]  # scales too
+        assert not set(head.input[1:]) & set(index["packed"][kind])
+        assert any(n.op_type == "MatMulNBits" and n.input[1] in index["packed"][kind] for n in nodes)  # the others
         assert not [
             name
             for name, (_, dtype, shape) in store[kind].items()

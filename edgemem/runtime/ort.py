@@ -50,17 +50,19 @@ reads the packed copy) and a prefill session reads the mapped weights in place. 
 opens later (the full prefill graph, an encoder) reads the mapping in place, except where the graph
 holds 4-bit MatMulNBits: unpacked, that kernel dequantizes each whole matrix to float in every run,
 which costs more memory at the peak than a packed copy and is slower, so there every session
-pre-packs. Once the sessions are made, the pages their set-up read are dropped from the mapping;
-what runs later faults back only what it reads. A prefill run ends with arena shrinkage: the arena
-gives back what it holds beyond the live tensors (benchmarks/README.md, "Footprint", measures each
-choice).
+pre-packs. While a session is made, the pages it has read are dropped from the mapping every few
+milliseconds, so that the pages a packed copy was made from are not all resident beside it, and once
+more when the sessions are made; what runs later faults back only what it reads. A prefill run ends
+with arena shrinkage: the arena gives back what it holds beyond the live tensors (benchmarks/README.md,
+"Footprint", measures each choice).
 """
 
 from __future__ import annotations
 
 import mmap
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -215,6 +217,34 @@ class _Weights:
         if hasattr(mmap, "MADV_DONTNEED"):
             self._mapped.madvise(mmap.MADV_DONTNEED)
 
+    DROP_EVERY = 0.001  # seconds between drops while a session is made; None: never
+
+    @contextmanager
+    def streamed(self) -> Iterator[None]:
+        """While a session is made, drop the pages it has read from the mapping every few milliseconds.
+
+        A session packs each weight it is handed from the mapping into a copy of its own, and the pages it read
+        would otherwise stay resident until it is made: the source of every packed weight beside all of the
+        packed copies. Dropped as it goes, what is resident of the source is what the last few milliseconds
+        read. The mapping is read-only: a page dropped while it is still being read faults back from the page
+        cache."""
+        if self.DROP_EVERY is None or not hasattr(mmap, "MADV_DONTNEED"):
+            yield
+            return
+        done = threading.Event()
+
+        def drop() -> None:
+            while not done.wait(self.DROP_EVERY):
+                self.release()
+
+        dropper = threading.Thread(target=drop, name="edgemem-weights", daemon=True)
+        dropper.start()
+        try:
+            yield
+        finally:
+            done.set()
+            dropper.join()
+
 
 class OrtEngine(Engine):
     """An export's graphs in onnxruntime sessions. Use `Engine.load(directory)` (backend "ort" or "ort-cuda")."""
@@ -341,7 +371,8 @@ class OrtEngine(Engine):
         static_int8 = (self.manifest.quantization or {}).get("method") == "static"
         disabled = ["CommonSubexpressionElimination"] if static_int8 else None
         try:
-            session = ort.InferenceSession(str(path), options, providers=providers, disabled_optimizers=disabled)
+            with self._weights.streamed() if self._weights is not None else nullcontext():
+                session = ort.InferenceSession(str(path), options, providers=providers, disabled_optimizers=disabled)
         except Exception as e:  # noqa: BLE001 — onnxruntime raises its own, varied exception types
             raise BackendError(f"onnxruntime cannot load {path}: {_summary(e)}") from None
         if self.backend == "ort-cuda" and "CUDAExecutionProvider" not in session.get_providers():

@@ -6,9 +6,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <thread>
 
 namespace em {
 
@@ -300,7 +304,7 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
         shrink = std::make_unique<Ort::RunOptions>();
         shrink->AddConfigEntry("memory.enable_memory_arena_shrinkage", "cpu:0");
     }
-    if (mapping.data) ::madvise(mapping.data, mapping.size, MADV_DONTNEED);  // set-up's reads; later runs fault back what they read
+    mapping.drop();  // set-up's reads; later runs fault back what they read
     size_t index = 0;
     for (size_t i = 0; i < step->GetOutputCount(); ++i) {
         Ort::AllocatorWithDefaultOptions allocator;
@@ -310,6 +314,42 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
     if (!logits_dtype || (logits_dtype->name != "float32" && logits_dtype->name != "float16"))
         fail(EM_ERR_BACKEND, "the step graph's logits are neither float32 nor float16");
 }
+
+namespace {
+
+// While a session is made, the pages it has read from the mapping are dropped every few milliseconds: it packs
+// each weight it is handed into a copy of its own, and the pages it read would otherwise stay resident until it
+// is made, the source of every packed weight beside all of the packed copies. The mapping is read-only: a page
+// dropped while it is still being read faults back from the page cache.
+class Dropping {
+  public:
+    explicit Dropping(const Engine::Mapping &mapping) {
+        if (!mapping.data) return;
+        thread_ = std::thread([this, &mapping] {
+            std::unique_lock<std::mutex> lock(mutex_);
+            while (!done_changed_.wait_for(lock, std::chrono::milliseconds(1), [this] { return done_; })) mapping.drop();
+        });
+    }
+    Dropping(const Dropping &) = delete;
+    Dropping &operator=(const Dropping &) = delete;
+    ~Dropping() {
+        if (!thread_.joinable()) return;
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            done_ = true;
+        }
+        done_changed_.notify_one();
+        thread_.join();
+    }
+
+  private:
+    std::mutex mutex_;
+    std::condition_variable done_changed_;
+    bool done_ = false;
+    std::thread thread_;
+};
+
+}  // namespace
 
 std::unique_ptr<Ort::Session> Engine::open(int kind, bool arena, int threads, bool cuda) {
     const std::string path = directory + "/" + target + "/" + KINDS[kind] + ".onnx";
@@ -333,6 +373,7 @@ std::unique_ptr<Ort::Session> Engine::open(int kind, bool arena, int threads, bo
             options.AppendExecutionProvider_CUDA_V2(*cuda_options);
         }
         // Sessions given the mapped weights pack each of them once, into `packed`, and read that one copy.
+        const Dropping dropping(mapping);
         session = mapping.data && !one_session_ ? std::make_unique<Ort::Session>(env(), path.c_str(), options, packed)
                                : std::make_unique<Ort::Session>(env(), path.c_str(), options);
     } catch (const Ort::Exception &e) {
@@ -349,6 +390,10 @@ std::unique_ptr<Ort::Session> Engine::open(int kind, bool arena, int threads, bo
 
 Engine::Mapping::~Mapping() {
     if (data) ::munmap(data, size);
+}
+
+void Engine::Mapping::drop() const {
+    if (data) ::madvise(data, size, MADV_DONTNEED);
 }
 
 // ---------------------------------------------------------------- streams

@@ -94,6 +94,7 @@ struct Engine {
         Mapping(const Mapping &) = delete;
         Mapping &operator=(const Mapping &) = delete;
         ~Mapping();
+        void drop() const;  // the mapped pages leave this process (the page cache keeps them; a read faults back)
     } mapping;
     Ort::MemoryInfo host = Ort::MemoryInfo::CreateCpu(OrtArenaAllocator, OrtMemTypeDefault);
     std::vector<Ort::Value> weights;

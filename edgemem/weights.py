@@ -19,11 +19,25 @@ from typing import Any
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from edgemem.errors import EdgememError
 from edgemem.files import umask
 
 WEIGHTS = "weights.data"
 ALIGN = 4096  # a page: the runtime maps the file and views each tensor in place
 SMALLEST = 1024  # bytes; smaller initializers stay inside their graph
+
+
+def check_single_link(folder: Path) -> None:
+    """Refuse, in one line, a `folder/weights.data` with more than one hard link: onnx will not read external
+    data from such a file (a guard against hard-link attacks), so loading the folder's graphs with onnx would
+    fail deep inside it."""
+    data = folder / WEIGHTS
+    links = data.stat().st_nlink if data.is_file() else 1
+    if links > 1:
+        raise EdgememError(
+            f"{data} has {links} hard links, and onnx refuses to read weights from a file with more than one; "
+            f"give this export its own copy (cp {data} {data}.copy && mv {data}.copy {data}) and run again"
+        )
 
 
 def _raw(tensor: TensorProto) -> bytes:

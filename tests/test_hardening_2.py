@@ -421,6 +421,20 @@ def test_calibration_recipes_that_quantize_nothing_or_cannot_fit_are_refused(
     assert not (tmp_path / "q").exists()
 
 
+def test_an_export_whose_weight_file_is_hard_linked_elsewhere_is_refused_before_onnx_reads_it(export_dir, tmp_path):
+    """onnx will not read external data from a file with more than one hard link (as `cp -al` leaves): calibrate
+    and triton say so in one line naming the file, and write nothing."""
+    import os
+
+    copy = tmp_path / "copy"
+    shutil.copytree(export_dir, copy)
+    for i, data in enumerate(copy.glob("*/weights.data")):
+        os.link(data, tmp_path / f"elsewhere-{i}.data")
+    refused(run("calibrate", copy, "--method", "dynamic", "--no-drift", "--out", tmp_path / "q"), "hard links")
+    refused(run("triton", copy, "--out", tmp_path / "repo"), "hard links", "weights.data")
+    assert not (tmp_path / "q").exists() and not (tmp_path / "repo").exists()
+
+
 # ------------------------------------------------------------------ no silent waits
 def test_a_long_prefill_reports_progress_as_log_lines(export_dir, caplog):
     from edgemem.runtime import Engine

@@ -405,6 +405,8 @@ def calibrate(
     out = check_output_dir(out, force=force, inputs=[directory])
 
     state_names = {n for s in manifest.state for n in (s.input, s.output)}
+    for target in targets:
+        weights.check_single_link(directory / target)
     sources = {(t, k): directory / t / f"{k}.onnx" for t in targets for k in kinds if k in manifest.graphs_of(t)}
     found, selected = _select(
         sources, state_names, recipe, matmul_only=method == "int4", subgraphs=method in SUBGRAPH_METHODS

@@ -38,6 +38,7 @@ from edgemem.errors import EdgememError, named
 from edgemem.files import check_output_dir, export_files, one_name, staged_directory, write_atomic
 from edgemem.manifest import MANIFEST, STATE_INIT, Manifest, StateSpec, load
 from edgemem.runtime import Engine
+from edgemem.weights import check_single_link
 
 TRITON_TYPES = {
     "float32": "TYPE_FP32",
@@ -162,6 +163,8 @@ def write_repository(
     out = check_output_dir(out, force=force, inputs=[export_dir], what=named("out", "--out"), own=repository_files)
     skipped = onnx_reasons(manifest)
     onnx_name = None if skipped else f"{name}-onnx"
+    if onnx_name:
+        check_single_link((export_dir / _graph(manifest)).parent)  # the ONNX model is written with onnx
     with staged_directory(out) as tmp:
         model = tmp / name
         (model / "1").mkdir(parents=True)

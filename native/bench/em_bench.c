@@ -2,8 +2,8 @@
  *
  *   em_bench DIR STEPS [EVERY]
  *
- * Prints JSON: the resident set size before and after loading, the median and mean microseconds of a batch-1 step over STEPS steps after a 40-token
- * prefill, and the resident set size (bytes, /proc/self/statm) every EVERY steps.
+ * Prints JSON: the resident set size before and after loading, the median and mean microseconds of a batch-1 step over STEPS steps after a
+ * 40-token prefill, and the resident set size (bytes, /proc/self/statm) every EVERY steps.
  */
 #include <edgemem/edgemem.h>
 #include <stdio.h>
@@ -48,7 +48,7 @@ int main(int argc, char **argv) {
     const int64_t vocab = em_engine_vocab_size(engine);
     float *logits = malloc((size_t)vocab * sizeof(float));
     double *times = malloc((size_t)steps * sizeof(double) + 1);
-    memset(times, 0, (size_t)steps * sizeof(double));  /* resident before the stream starts: not counted as its growth */
+    memset(times, 0, (size_t)steps * sizeof(double)); /* resident before the stream starts: not counted as its growth */
     int64_t prompt[40];
     for (int i = 0; i < 40; ++i) prompt[i] = (i * 7 + 3) % vocab;
     em_stream *stream = em_stream_new(engine);
@@ -72,8 +72,8 @@ int main(int argc, char **argv) {
             printf("%s[%lld, %lld]", (i + 1) / every > 1 ? ", " : "", (long long)em_stream_position(stream), rss_bytes());
     }
     qsort(times, (size_t)steps, sizeof(double), by_value);
-    printf("], \"steps\": %ld, \"median_us\": %.3f, \"mean_us\": %.3f, \"state_bytes\": %lld}\n", steps,
-           steps ? times[steps / 2] : 0.0, steps ? total / steps : 0.0, (long long)em_stream_state_bytes(stream));
+    printf("], \"steps\": %ld, \"median_us\": %.3f, \"mean_us\": %.3f, \"state_bytes\": %lld}\n", steps, steps ? times[steps / 2] : 0.0,
+           steps ? total / steps : 0.0, (long long)em_stream_state_bytes(stream));
     em_stream_free(stream);
     em_engine_free(engine);
     free(times);

@@ -19,8 +19,7 @@ void set_error(int code, const std::string &message) {
 }
 
 // Runs `body`; returns its result, or `failed` with the error recorded.
-template <typename T, typename F>
-T guard(T failed, F &&body) noexcept {
+template <typename T, typename F> T guard(T failed, F &&body) noexcept {
     try {
         return body();
     } catch (const em::Error &e) {
@@ -38,8 +37,7 @@ T guard(T failed, F &&body) noexcept {
 }
 
 // Runs `body` (which returns EM_OK); on failure the error's code.
-template <typename F>
-int status(F &&body) noexcept {
+template <typename F> int status(F &&body) noexcept {
     const int failed = guard<int>(-1, body);
     return failed == -1 ? last_code : failed;
 }

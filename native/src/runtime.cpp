@@ -34,8 +34,7 @@ Ort::Env &env() {
 
 Ort::Value alloc(const std::vector<int64_t> &shape, const DType *dtype) {
     Ort::AllocatorWithDefaultOptions allocator;
-    Ort::Value value = Ort::Value::CreateTensor(allocator, shape.data(), shape.size(),
-                                                static_cast<ONNXTensorElementDataType>(dtype->onnx));
+    Ort::Value value = Ort::Value::CreateTensor(allocator, shape.data(), shape.size(), static_cast<ONNXTensorElementDataType>(dtype->onnx));
     const size_t bytes = size_t(elements(shape)) * dtype->size;
     if (bytes) std::memset(value.GetTensorMutableRawData(), 0, bytes);  // an empty KV cache has no data pointer
     return value;
@@ -84,7 +83,8 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
     const json m = json::parse(text.begin(), text.end(), nullptr, false);
     const std::string bad = path + " is not a valid edgemem manifest: ";
     if (m.is_discarded() || !m.is_object()) fail(EM_ERR_MANIFEST, bad + "not a JSON object");
-    if (m.value("format", json()) != FORMAT) fail(EM_ERR_MANIFEST, path + ": format is " + m.value("format", json()).dump() + ", expected \"" + FORMAT + "\"");
+    if (m.value("format", json()) != FORMAT)
+        fail(EM_ERR_MANIFEST, path + ": format is " + m.value("format", json()).dump() + ", expected \"" + FORMAT + "\"");
     try {
         arch = m.at("arch").get<std::string>();
         const json &vocab_size = m.at("config").at("vocab_size");
@@ -92,8 +92,9 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
             fail(EM_ERR_MANIFEST, path + ": config.vocab_size must be a positive integer; got " + vocab_size.dump());
         vocab = vocab_size.get<int64_t>();
         if (m.contains("encoder"))
-            fail(EM_ERR_BACKEND, dir + ": " + arch + " is an encoder-decoder, whose streams start from its encoder "
-                                 "(Engine.encode); libedgemem streams decoder-only exports: use the Python runtime");
+            fail(EM_ERR_BACKEND, dir + ": " + arch +
+                                     " is an encoder-decoder, whose streams start from its encoder "
+                                     "(Engine.encode); libedgemem streams decoder-only exports: use the Python runtime");
         tokens_name = m.contains("inputs") ? m["inputs"].at("tokens").get<std::string>() : "input_ids";
         logits_name = m.contains("outputs") ? m["outputs"].at("logits").get<std::string>() : "logits";
         std::set<std::string> caches, in_place_targets;
@@ -102,8 +103,9 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
             if (!kv.is_object() || !kv.value("max_length", json()).is_number_integer() || kv["max_length"].get<int64_t>() < 1 ||
                 !kv.value("states", json()).is_array() || !kv.value("in_place", json()).is_array() ||
                 !(kv.value("overflow", json()) == "error" || kv.value("overflow", json()) == "sink_window"))
-                fail(EM_ERR_MANIFEST, path + ": kv_cache is " + kv.dump() + "; expected max_length (a positive integer), overflow "
-                                      "('error' or 'sink_window'), sinks, states (state inputs) and in_place (targets)");
+                fail(EM_ERR_MANIFEST, path + ": kv_cache is " + kv.dump() +
+                                          "; expected max_length (a positive integer), overflow "
+                                          "('error' or 'sink_window'), sinks, states (state inputs) and in_place (targets)");
             filled_limit = kv["max_length"].get<int64_t>();
             if (kv["overflow"] == "error") max_length = filled_limit;
             for (const auto &s : kv["states"]) caches.insert(s.get<std::string>());
@@ -115,13 +117,15 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
             spec.output = s.at("output").get<std::string>();
             spec.dtype = dtype_named(s.at("dtype").get<std::string>());
             if (!spec.dtype)
-                fail(EM_ERR_MANIFEST, path + ": state " + spec.input + " has dtype " + s["dtype"].dump() + "; expected one of float32, float16, float64, int64");
+                fail(EM_ERR_MANIFEST, path + ": state " + spec.input + " has dtype " + s["dtype"].dump() +
+                                          "; expected one of float32, float16, float64, int64");
             for (const json &d : s.at("shape")) {
                 if (d == "batch") spec.dims.push_back(-1);
                 else if (d == "past_sequence") spec.dims.push_back(-2), spec.growing = true;
                 else if (d.is_number_integer() && d.get<int64_t>() >= 0) spec.dims.push_back(d.get<int64_t>());
-                else fail(EM_ERR_MANIFEST, path + ": state " + spec.input + " has shape " + s["shape"].dump() +
-                                               "; expected non-negative sizes, 'batch' or 'past_sequence'");
+                else
+                    fail(EM_ERR_MANIFEST, path + ": state " + spec.input + " has shape " + s["shape"].dump() +
+                                              "; expected non-negative sizes, 'batch' or 'past_sequence'");
             }
             spec.from_file = s.value("init", "zeros") == "file";
             spec.cache = caches.count(spec.input) > 0;
@@ -144,22 +148,28 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
                 fail(EM_ERR_BACKEND, std::string("backend 'trt' runs the engines built from the trt target, not '") + options.target + "'");
             if (options.threads > 0) fail(EM_ERR_ARGUMENT, "threads is an onnxruntime setting; backend 'trt' runs on the GPU (pass 0)");
             if (!has("trt"))
-                fail(EM_ERR_BACKEND, dir + " has no trt target (it has " + join(targets) + "); export with `edgemem export --target trt`, then `edgemem build`");
+                fail(EM_ERR_BACKEND, dir + " has no trt target (it has " + join(targets) +
+                                         "); export with `edgemem export --target trt`, then `edgemem build`");
             std::vector<std::string> grows;
             for (const auto &spec : specs)
                 if (spec.growing) grows.push_back(spec.input);
             if (!grows.empty())
-                fail(EM_ERR_BACKEND, arch + "'s state grows (" + join({grows.begin(), grows.begin() + long(std::min<size_t>(2, grows.size()))}) +
+                fail(EM_ERR_BACKEND, arch + "'s state grows (" +
+                                         join({grows.begin(), grows.begin() + long(std::min<size_t>(2, grows.size()))}) +
                                          ": a KV cache); backend 'trt' runs fixed-size state only: use backend 'ort' or 'ort-cuda'");
             target = "trt";
         } else if (options.target) {
             target = options.target;
             if (!has(target)) fail(EM_ERR_BACKEND, dir + " has no '" + target + "' target (it has " + join(targets) + ")");
-            if (target == "trt") fail(EM_ERR_BACKEND, "the trt target is for TensorRT with edgemem's plugins, not onnxruntime; load the ort or generic target");
+            if (target == "trt")
+                fail(EM_ERR_BACKEND,
+                     "the trt target is for TensorRT with edgemem's plugins, not onnxruntime; load the ort or generic target");
         } else {
             for (const char *t : {"ort", "generic", "onnx27"})
                 if (target.empty() && has(t)) target = t;
-            if (target.empty()) fail(EM_ERR_BACKEND, dir + " has no target onnxruntime can run (it has " + join(targets) + "); export with --target ort or generic");
+            if (target.empty())
+                fail(EM_ERR_BACKEND,
+                     dir + " has no target onnxruntime can run (it has " + join(targets) + "); export with --target ort or generic");
         }
         for (auto &spec : specs) spec.in_place = spec.cache && in_place_targets.count(target) > 0;
         // every file against its sha256, and the identity checkpoints carry
@@ -220,10 +230,10 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
                     const std::string dtype = it->at(1).get<std::string>();
                     const auto shape = it->at(2).get<std::vector<int64_t>>();
                     static const std::map<std::string, std::pair<ONNXTensorElementDataType, size_t>> types = {
-                        {"float32", {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, 4}}, {"float16", {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16, 2}},
+                        {"float32", {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT, 4}},  {"float16", {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16, 2}},
                         {"float64", {ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE, 8}}, {"int64", {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64, 8}},
-                        {"int32", {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, 4}}, {"int8", {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8, 1}},
-                        {"uint8", {ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, 1}}, {"bool", {ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL, 1}}};
+                        {"int32", {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, 4}},    {"int8", {ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8, 1}},
+                        {"uint8", {ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, 1}},    {"bool", {ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL, 1}}};
                     const auto type = types.find(dtype);
                     if (type == types.end() || packed_only.count(it.key())) continue;  // onnxruntime reads it from the file itself
                     const auto key = std::make_tuple(offset, dtype, shape);
@@ -258,14 +268,16 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
             if (spec.from_file) {
                 auto it = stored.find(spec.input);
                 if (it == stored.end() || it->second.dtype != spec.dtype || it->second.shape.empty() || it->second.shape[0] < 1 ||
-                    std::vector<int64_t>(it->second.shape.begin() + 1, it->second.shape.end()) != std::vector<int64_t>(blob.shape.begin() + 1, blob.shape.end()))
+                    std::vector<int64_t>(it->second.shape.begin() + 1, it->second.shape.end()) !=
+                        std::vector<int64_t>(blob.shape.begin() + 1, blob.shape.end()))
                     fail(EM_ERR_MANIFEST, dir + "/" + STATE_INIT + ": " + spec.input + " is missing or not " + spec.dtype->name);
                 blob.data.assign(it->second.data.begin(), it->second.data.begin() + long(bytes));  // row 0: stored with batch 1
                 if (!all_finite(blob)) fail(EM_ERR_MANIFEST, dir + "/" + STATE_INIT + ": " + spec.input + " holds NaN or infinite values");
             } else {
                 blob.data.assign(bytes, 0);
             }
-            (spec.growing ? growth : fixed_bytes) += spec.growing ? int64_t(elements(spec.shape(1, 1)) * int64_t(spec.dtype->size)) : int64_t(bytes);
+            (spec.growing ? growth : fixed_bytes) +=
+                spec.growing ? int64_t(elements(spec.shape(1, 1)) * int64_t(spec.dtype->size)) : int64_t(bytes);
             initial.push_back(std::move(blob));
         }
     } catch (const json::exception &e) {
@@ -294,7 +306,8 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
         const auto providers = Ort::GetAvailableProviders();
         if (std::find(providers.begin(), providers.end(), "CUDAExecutionProvider") == providers.end())
             fail(EM_ERR_BACKEND, "backend 'ort-cuda' needs onnxruntime's CUDAExecutionProvider, which this onnxruntime library does "
-                                 "not have (it has " + join(providers) + "): link onnxruntime-gpu's library, or use backend 'ort'");
+                                 "not have (it has " +
+                                     join(providers) + "): link onnxruntime-gpu's library, or use backend 'ort'");
     }
     const bool grows = !growing.empty();
     if (prefill_kind_ >= 0) prefill = open(prefill_kind_, !grows, options.threads, cuda);
@@ -375,7 +388,7 @@ std::unique_ptr<Ort::Session> Engine::open(int kind, bool arena, int threads, bo
         // Sessions given the mapped weights pack each of them once, into `packed`, and read that one copy.
         const Dropping dropping(mapping);
         session = mapping.data && !one_session_ ? std::make_unique<Ort::Session>(env(), path.c_str(), options, packed)
-                               : std::make_unique<Ort::Session>(env(), path.c_str(), options);
+                                                : std::make_unique<Ort::Session>(env(), path.c_str(), options);
     } catch (const Ort::Exception &e) {
         fail(EM_ERR_BACKEND, "onnxruntime cannot load " + path + ": " + e.what());
     }
@@ -429,7 +442,8 @@ void Engine::assign(em_stream *s, const Snapshot &snap) {
     std::vector<Ort::Value> caches;
     for (size_t i : growing) {
         caches.push_back(alloc(snap.state[i].shape, specs[i].dtype));
-        if (!snap.state[i].data.empty()) std::memcpy(caches.back().GetTensorMutableRawData(), snap.state[i].data.data(), snap.state[i].data.size());
+        if (!snap.state[i].data.empty())
+            std::memcpy(caches.back().GetTensorMutableRawData(), snap.state[i].data.data(), snap.state[i].data.size());
     }
     for (size_t f = 0; f < fixed.size(); ++f) {
         if (trt) trt->upload(*s->device, fixed[f], 0, snap.state[fixed[f]].data.data());
@@ -510,8 +524,8 @@ void Engine::check_room(int64_t position, int64_t tokens) const {
 void Engine::run(Ort::Session &session, std::vector<OrtValue *> &inputs, std::vector<OrtValue *> &outputs, const char *kind) {
     // A prefill's arena gives back what it holds beyond the live tensors once the run ends (benchmarks/README.md).
     const OrtRunOptions *options = std::strcmp(kind, "prefill") == 0 && shrink ? static_cast<const OrtRunOptions *>(*shrink) : nullptr;
-    OrtStatus *status = Ort::GetApi().Run(session, options, in_names.data(), inputs.data(), inputs.size(), out_names.data(),
-                                          outputs.size(), outputs.data());
+    OrtStatus *status = Ort::GetApi().Run(session, options, in_names.data(), inputs.data(), inputs.size(), out_names.data(), outputs.size(),
+                                          outputs.data());
     if (status) {
         const std::string message = Ort::GetApi().GetErrorMessage(status);
         Ort::GetApi().ReleaseStatus(status);
@@ -607,7 +621,9 @@ void Engine::step_batch(em_stream *const *streams, const int64_t *tokens, size_t
     for (em_stream *s : order) {
         std::unique_lock<std::mutex> lock(s->mutex, std::try_to_lock);
         if (!lock.owns_lock()) {
-            if (s->in_batch) fail(EM_ERR_BATCH, "em_step_batch: a stream is being stepped in another batch right now; a stream takes part in one batch at a time");
+            if (s->in_batch)
+                fail(EM_ERR_BATCH,
+                     "em_step_batch: a stream is being stepped in another batch right now; a stream takes part in one batch at a time");
             lock.lock();
         }
         held.push_back(std::move(lock));
@@ -620,11 +636,13 @@ void Engine::step_batch(em_stream *const *streams, const int64_t *tokens, size_t
         for (size_t i = 0; i < n; ++i) pasts.push_back(shape_of(streams[i]->caches[0])[axis]);
         if (std::any_of(pasts.begin(), pasts.end(), [&](int64_t p) { return p != pasts[0]; }))
             fail(EM_ERR_BATCH, arch + "'s state grows (KV cache): a batch needs streams with caches of equal length; batch streams at the "
-                               "same position or step them one by one");
+                                      "same position or step them one by one");
     }
     struct Flags {
         std::vector<em_stream *> &streams;
-        ~Flags() { for (em_stream *s : streams) s->in_batch = false; }
+        ~Flags() {
+            for (em_stream *s : streams) s->in_batch = false;
+        }
     } flags{order};
     for (em_stream *s : order) s->in_batch = true;
 
@@ -677,7 +695,8 @@ void Engine::step_batch(em_stream *const *streams, const int64_t *tokens, size_t
         for (size_t f = 0; f < fixed.size(); ++f) {
             const size_t bytes = specs[fixed[f]].row_bytes();
             for (size_t i = 0; i < n; ++i)
-                std::memcpy(data(slot->fixed[f][size_t(slot->side)]) + i * bytes, data(streams[i]->fixed[f][size_t(streams[i]->side)]), bytes);
+                std::memcpy(data(slot->fixed[f][size_t(slot->side)]) + i * bytes, data(streams[i]->fixed[f][size_t(streams[i]->side)]),
+                            bytes);
         }
         for (size_t i = 0; i < n; ++i) streams[i]->slot = slot, streams[i]->row = i;
         slot->members.assign(streams, streams + n);
@@ -731,9 +750,11 @@ std::vector<uint8_t> Engine::encode(const Snapshot &snap) const {
         Blob part;  // [1, H, L, D] → [1, H, filled, D]
         part.dtype = blob.dtype;
         part.shape = {blob.shape[0], blob.shape[1], filled, blob.shape[3]};
-        const size_t block = size_t(blob.shape[2] * blob.shape[3]) * blob.dtype->size, keep = size_t(filled * blob.shape[3]) * blob.dtype->size;
+        const size_t block = size_t(blob.shape[2] * blob.shape[3]) * blob.dtype->size,
+                     keep = size_t(filled * blob.shape[3]) * blob.dtype->size;
         for (int64_t h = 0; h < blob.shape[0] * blob.shape[1]; ++h)
-            part.data.insert(part.data.end(), blob.data.begin() + long(size_t(h) * block), blob.data.begin() + long(size_t(h) * block + keep));
+            part.data.insert(part.data.end(), blob.data.begin() + long(size_t(h) * block),
+                             blob.data.begin() + long(size_t(h) * block + keep));
         tensors[specs[i].input] = std::move(part);
     }
     if (snap.has_logits) {
@@ -755,12 +776,14 @@ Snapshot Engine::decode(const std::vector<uint8_t> &bytes, const std::string &wh
     auto tensors = read_safetensors(bytes, where, EM_ERR_STATE_FILE, &metadata);
     if (metadata.count("format") == 0 || metadata["format"] != STATE_FORMAT)
         fail(EM_ERR_STATE_FILE, where + " is not an edgemem state checkpoint, or its header is corrupt (metadata format " +
-                                    (metadata.count("format") ? "'" + metadata["format"] + "'" : std::string("None")) + ", expected '" + STATE_FORMAT + "')");
+                                    (metadata.count("format") ? "'" + metadata["format"] + "'" : std::string("None")) + ", expected '" +
+                                    STATE_FORMAT + "')");
     if (metadata["sha256"] != state_checksum(metadata, tensors))
         fail(EM_ERR_STATE_FILE, where + " is corrupt: its checksum does not match its contents (modified or damaged)");
     if (metadata["identity"] != identity)
-        fail(EM_ERR_STATE_FILE, where + " was saved from another model (arch " + metadata["arch"] + ", identity " + metadata["identity"].substr(0, 12) +
-                                    ") — this export is " + arch + ", identity " + identity.substr(0, 12));
+        fail(EM_ERR_STATE_FILE, where + " was saved from another model (arch " + metadata["arch"] + ", identity " +
+                                    metadata["identity"].substr(0, 12) + ") — this export is " + arch + ", identity " +
+                                    identity.substr(0, 12));
     const std::string &text = metadata["position"];
     if (text.empty() || text.size() > 18 || !std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; }))
         fail(EM_ERR_STATE_FILE, where + ": invalid position '" + text + "'");
@@ -781,10 +804,12 @@ Snapshot Engine::decode(const std::vector<uint8_t> &bytes, const std::string &wh
     for (const auto &spec : specs)
         if (!tensors.count(spec.input)) missing.push_back(spec.input);
     for (const auto &entry : tensors)
-        if (std::none_of(specs.begin(), specs.end(), [&](const Spec &s) { return s.input == entry.first; })) unexpected.push_back(entry.first);
+        if (std::none_of(specs.begin(), specs.end(), [&](const Spec &s) { return s.input == entry.first; }))
+            unexpected.push_back(entry.first);
     if (!missing.empty() || !unexpected.empty())
-        fail(EM_ERR_STATE_FILE, where + " does not hold this model's state tensors: " + (missing.empty() ? "" : "missing " + join(missing)) +
-                                    (missing.empty() || unexpected.empty() ? "" : "; ") + (unexpected.empty() ? "" : "unexpected " + join(unexpected)));
+        fail(EM_ERR_STATE_FILE,
+             where + " does not hold this model's state tensors: " + (missing.empty() ? "" : "missing " + join(missing)) +
+                 (missing.empty() || unexpected.empty() ? "" : "; ") + (unexpected.empty() ? "" : "unexpected " + join(unexpected)));
     const int64_t filled = filled_limit >= 0 ? std::min(snap.position, filled_limit) : 0;
     int64_t past = -1;
     for (const auto &spec : specs) {
@@ -817,7 +842,8 @@ Snapshot Engine::decode(const std::vector<uint8_t> &bytes, const std::string &wh
         }
         const auto want = spec.shape(1, past < 0 ? 0 : past);
         if (blob.shape != want)
-            fail(EM_ERR_STATE_FILE, where + ": " + spec.input + " has shape " + shape_text(blob.shape) + ", expected " + shape_text(want) + " (batch 1)");
+            fail(EM_ERR_STATE_FILE,
+                 where + ": " + spec.input + " has shape " + shape_text(blob.shape) + ", expected " + shape_text(want) + " (batch 1)");
         if (!all_finite(blob)) fail(EM_ERR_STATE_FILE, where + ": " + spec.input + " holds NaN or infinite values");
         snap.state.push_back(std::move(blob));
     }

@@ -17,8 +17,8 @@
 
 #include <array>
 #include <atomic>
-#include <memory>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -29,7 +29,6 @@
 #include "util.hpp"
 
 namespace em {
-
 
 struct Slot;
 struct Engine;
@@ -54,7 +53,7 @@ struct em_stream {
     int64_t position = 0;
     bool has_logits = false;
     std::unique_ptr<em::DeviceState> device;  // backend "trt": the state on the GPU (`fixed` and `caches` stay empty)
-    em::Slot *slot = nullptr;  // set while the fixed-size state is a row of a batch slot
+    em::Slot *slot = nullptr;                 // set while the fixed-size state is a row of a batch slot
     size_t row = 0;
     mutable std::mutex mutex;
     std::atomic<bool> in_batch{false};
@@ -76,11 +75,11 @@ struct Engine {
     int64_t vocab = 0;
     int chunk = 512;
     std::vector<Spec> specs;
-    std::vector<size_t> fixed, growing;  // indices into specs
-    std::vector<Blob> initial;           // per spec, batch 1 (a growing cache: empty)
-    int64_t max_length = -1;             // a preallocated cache that refuses tokens past it; -1: no limit
-    int64_t filled_limit = -1;           // kv_cache.max_length (checkpoint's filled part); -1: no cache
-    int64_t fixed_bytes = 0, growth = 0; // state bytes, and bytes per token of growing caches
+    std::vector<size_t> fixed, growing;   // indices into specs
+    std::vector<Blob> initial;            // per spec, batch 1 (a growing cache: empty)
+    int64_t max_length = -1;              // a preallocated cache that refuses tokens past it; -1: no limit
+    int64_t filled_limit = -1;            // kv_cache.max_length (checkpoint's filled part); -1: no cache
+    int64_t fixed_bytes = 0, growth = 0;  // state bytes, and bytes per token of growing caches
     const DType *logits_dtype = nullptr;
     std::string tokens_name, logits_name;
     std::vector<const char *> in_names, out_names;
@@ -100,7 +99,7 @@ struct Engine {
     std::vector<Ort::Value> weights;
     Ort::PrepackedWeightsContainer packed;  // MLAS's packed copy of each weight, one for both sessions
     std::unique_ptr<Ort::Session> step_graph, prefill;
-    Ort::Session *step = nullptr;  // the step graph's session, or the prefill's where one session serves both
+    Ort::Session *step = nullptr;             // the step graph's session, or the prefill's where one session serves both
     std::unique_ptr<Ort::RunOptions> shrink;  // prefill runs: arena shrinkage (null where the prefill has no arena)
     std::unique_ptr<TrtBackend> trt;          // backend "trt" (then no sessions)
 
@@ -124,10 +123,10 @@ struct Engine {
     Snapshot decode(const std::vector<uint8_t> &bytes, const std::string &where) const;
     std::vector<uint8_t> encode(const Snapshot &snap) const;
 
-   private:
+  private:
     std::vector<std::vector<std::pair<std::string, size_t>>> graph_weights_;  // step, prefill: (name, index in weights)
     bool static_int8_ = false;
-    int prefill_kind_ = -1;  // the prefill graph opened (prefill or prefill_last); -1: none
+    int prefill_kind_ = -1;     // the prefill graph opened (prefill or prefill_last); -1: none
     bool one_session_ = false;  // the prefill_last session serves steps (the constructor says when)
     std::unique_ptr<Ort::Session> open(int kind, bool arena, int threads, bool cuda);
     void run(Ort::Session &session, std::vector<OrtValue *> &inputs, std::vector<OrtValue *> &outputs, const char *kind);

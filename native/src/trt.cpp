@@ -52,7 +52,7 @@ std::string format_problem(json &info) {
     const json found = info.is_object() ? info.value("format", json()) : json();
     if (found != FORMAT && found != SEPARATE_FORMAT) return "format " + repr(found) + ", expected '" + FORMAT + "'";
     const bool separate = found == SEPARATE_FORMAT;
-    const std::pair<const char *, bool> fields[] = {{"library", true}, {"plugins", true}, {"export", true},
+    const std::pair<const char *, bool> fields[] = {{"library", true},    {"plugins", true},       {"export", true},
                                                     {"max_batch", false}, {"max_sequence", false}, {"engines", true}};
     for (const auto &[key, object] : fields)
         if (!info.contains(key) || (object ? !info[key].is_object() : !info[key].is_number_integer()))
@@ -68,8 +68,7 @@ std::string format_problem(json &info) {
         for (const char *key : {"file", "sha256", "profile", "in_place", "plugins"}) complete = complete && record.contains(key);
         if (!complete) return "engine '" + it.key() + "' needs file, sha256, profile, in_place and plugins";
         const json index = record.value("profile_index", json());
-        if (separate)
-            record["profile_index"] = 0;
+        if (separate) record["profile_index"] = 0;
         else if (!index.is_number_integer() || index.get<int64_t>() < 0)
             return "engine '" + it.key() + "' needs a profile_index (0, 1, ...)";
     }
@@ -141,7 +140,8 @@ struct Cuda {
         load(set_current, "cuCtxSetCurrent"), load(stream_create, "cuStreamCreate"), load(stream_destroy, "cuStreamDestroy_v2");
         load(synchronize, "cuStreamSynchronize"), load(mem_alloc, "cuMemAlloc_v2"), load(mem_free, "cuMemFree_v2");
         load(htod, "cuMemcpyHtoDAsync_v2"), load(dtoh, "cuMemcpyDtoHAsync_v2"), load(dtod, "cuMemcpyDtoDAsync_v2");
-        if (!found) backend("backend 'trt' needs CUDA driver API 11 or later: this libcuda.so.1 lacks entry points; update the NVIDIA driver");
+        if (!found)
+            backend("backend 'trt' needs CUDA driver API 11 or later: this libcuda.so.1 lacks entry points; update the NVIDIA driver");
         const CUresult started = init(0);
         if (started != CUDA_SUCCESS) backend("backend 'trt' needs an NVIDIA GPU and its driver: " + message(started, "cuInit"));
         int count = 0;
@@ -228,7 +228,7 @@ TrtOpen abi_open(int abi) {
 }
 
 class Backend final : public TrtBackend {
-   public:
+  public:
     Backend(const TrtExport &model, const char *engines, const char *plugins);
     ~Backend() override;
 
@@ -268,7 +268,7 @@ class Backend final : public TrtBackend {
     void step_batch(const std::vector<DeviceState *> &states, const std::vector<int> &sides, const int64_t *tokens,
                     const std::vector<float *> &logits) override;
 
-   private:
+  private:
     const std::vector<Spec> &specs_;
     int64_t vocab_;
     std::string arch_, tokens_, logits_, build_;
@@ -280,8 +280,8 @@ class Backend final : public TrtBackend {
     size_t max_tokens_ = 1;
     std::unique_ptr<Cuda> cuda_;
     std::unique_ptr<TrtRuntime> runtime_;
-    std::vector<std::unique_ptr<TrtEngine>> engines_;         // one per engine file
-    std::map<std::string, std::unique_ptr<TrtGraph>> graphs_;  // graph kind → its context of one of engines_
+    std::vector<std::unique_ptr<TrtEngine>> engines_;                 // one per engine file
+    std::map<std::string, std::unique_ptr<TrtGraph>> graphs_;         // graph kind → its context of one of engines_
     std::vector<std::pair<size_t, std::unique_ptr<Buffers>>> slots_;  // (batch size, buffers), least recently used first
     std::mutex mutex_;
 
@@ -314,17 +314,19 @@ Backend::Backend(const TrtExport &model, const char *engines, const char *plugin
     if (source.value("identity", json()) != model.identity) {
         const json arch = source.value("arch", json()), identity = source.value("identity", json());
         backend(folder + " holds engines built from another export (arch " + (arch.is_string() ? arch.get<std::string>() : arch.dump()) +
-                ", identity " + (identity.is_string() ? identity.get<std::string>() : identity.dump()).substr(0, 12) + "); " + dir + " is " +
-                arch_ + ", identity " + model.identity.substr(0, 12) + ": rebuild with " + build_);
+                ", identity " + (identity.is_string() ? identity.get<std::string>() : identity.dump()).substr(0, 12) + "); " + dir +
+                " is " + arch_ + ", identity " + model.identity.substr(0, 12) + ": rebuild with " + build_);
     }
     if (!info_["engines"].contains("step")) backend(path + " lists no step engine; rebuild with " + build_);
     std::map<std::string, std::vector<std::pair<std::string, int64_t>>> files;  // engine file → (graph kind, profile index)
     for (auto it = info_["engines"].begin(); it != info_["engines"].end(); ++it) {
         const std::string name = (*it)["file"], file = folder + "/" + name;
         if (!is_file(file))
-            backend(folder + ": the " + it.key() + " engine " + name + " listed in " + ENGINES_JSON + " is missing; rebuild with " + build_);
+            backend(folder + ": the " + it.key() + " engine " + name + " listed in " + ENGINES_JSON + " is missing; rebuild with " +
+                    build_);
         if (!files.count(file) && sha256_file(file) != (*it)["sha256"])
-            backend(file + " does not match its sha256 in " + ENGINES_JSON + " (modified, or a build that did not finish); rebuild with " + build_);
+            backend(file + " does not match its sha256 in " + ENGINES_JSON + " (modified, or a build that did not finish); rebuild with " +
+                    build_);
         files[file].emplace_back(it.key(), (*it)["profile_index"].get<int64_t>());
     }
     // the plugin library the engines were built with (engines.py `plugin_library`)
@@ -336,8 +338,8 @@ Backend::Backend(const TrtExport &model, const char *engines, const char *plugin
     const std::string library_path = chosen;
     if (!is_file(library_path)) backend("plugin library " + library_path + " does not exist; the engines were built with " + built);
     if (sha256_file(library_path) != digest)
-        backend("plugin library " + library_path + " is not the one the engines were built with (" + built + ", sha256 " + digest.substr(0, 12) +
-                "); pass that library or rebuild the engines with this one");
+        backend("plugin library " + library_path + " is not the one the engines were built with (" + built + ", sha256 " +
+                digest.substr(0, 12) + "); pass that library or rebuild the engines with this one");
     // the library that built the engines, and its version
     const Library lib = library_of(info_["library"]);
     const std::string version = info_["library"]["version"];
@@ -347,9 +349,10 @@ Backend::Backend(const TrtExport &model, const char *engines, const char *plugin
                 "(TensorRT " + std::to_string(lib.abi) + " headers); rebuild libedgemem with -DTENSORRT_INCLUDE_DIR naming them");
     void *handle = ::dlopen(lib.soname.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!handle)
-        backend("backend 'trt' needs " + lib.name + " " + version + ": " + lib.soname + " cannot be loaded (" + ::dlerror() + "); install " +
+        backend("backend 'trt' needs " + lib.name + " " + version + ": " + lib.soname + " cannot be loaded (" + ::dlerror() +
+                "); install " +
                 (lib.name == "TensorRT for RTX" ? "it (pip install tensorrt-rtx-cu13==" + version + ", or the TensorRT-RTX SDK)"
-                                                         : "it (pip install tensorrt==" + version + ", or on Jetson JetPack's libnvinfer)") +
+                                                : "it (pip install tensorrt==" + version + ", or on Jetson JetPack's libnvinfer)") +
                 " and put the folder of " + lib.soname + " on LD_LIBRARY_PATH");
     using Number = int32_t (*)();
     std::string found;
@@ -370,7 +373,8 @@ Backend::Backend(const TrtExport &model, const char *engines, const char *plugin
         std::string error;
         engines_.push_back(runtime_->deserialize(read_file(file, EM_ERR_BACKEND, "engine"), error));
         if (!engines_.back())
-            backend(lib.name + " could not deserialize " + file + " (" + error + "; another GPU, or a plugin the library lacks?); rebuild with " + build_);
+            backend(lib.name + " could not deserialize " + file + " (" + error +
+                    "; another GPU, or a plugin the library lacks?); rebuild with " + build_);
         TrtEngine &engine = *engines_.back();
         for (const auto &[kind, index] : kinds) {
             if (index >= engine.profiles())
@@ -380,7 +384,8 @@ Backend::Backend(const TrtExport &model, const char *engines, const char *plugin
             if (!graph) backend(lib.name + " could not give the " + kind + " graph a context of " + file + ": " + error);
             std::set<std::string> names;
             for (const auto &entry : graph->inputs) names.insert(entry.first);
-            if (names != want) backend("the " + kind + " engine does not match edgemem.json: its tensors differ; rebuild it with " + build_);
+            if (names != want)
+                backend("the " + kind + " engine does not match edgemem.json: its tensors differ; rebuild it with " + build_);
             for (const Spec &spec : specs_)
                 if (graph->dtypes[spec.input] != spec.dtype->name)
                     backend("the " + kind + " engine's state " + spec.input + " is " + graph->dtypes[spec.input] + ", edgemem.json says " +
@@ -469,11 +474,13 @@ void Backend::check_profile(const std::string &kind, const std::map<std::string,
 void Backend::run(const std::string &kind, Buffers &b, size_t rows, size_t count, int side, CUdeviceptr ids, CUdeviceptr logits) {
     TrtGraph &graph = *graphs_.at(kind);
     if (!graph.set_shape(tokens_, {int64_t(rows), int64_t(count)}))
-        fail(EM_ERR_RUN, "TensorRT refused shape [" + std::to_string(rows) + ", " + std::to_string(count) + "] for " + tokens_ + " of the " + kind + " engine");
+        fail(EM_ERR_RUN, "TensorRT refused shape [" + std::to_string(rows) + ", " + std::to_string(count) + "] for " + tokens_ +
+                             " of the " + kind + " engine");
     bool ok = graph.set_address(tokens_, reinterpret_cast<void *>(ids)) && graph.set_address(logits_, reinterpret_cast<void *>(logits));
     for (size_t i = 0; i < specs_.size(); ++i) {
         if (!graph.set_shape(specs_[i].input, specs_[i].shape(int64_t(rows))))
-            fail(EM_ERR_RUN, "TensorRT refused shape " + shape_text(specs_[i].shape(int64_t(rows))) + " for " + specs_[i].input + " of the " + kind + " engine");
+            fail(EM_ERR_RUN, "TensorRT refused shape " + shape_text(specs_[i].shape(int64_t(rows))) + " for " + specs_[i].input +
+                                 " of the " + kind + " engine");
         ok = ok && graph.set_address(specs_[i].input, reinterpret_cast<void *>(b.state[i][size_t(side)])) &&
              graph.set_address(specs_[i].output, reinterpret_cast<void *>(b.state[i][size_t(1 - side)]));
     }
@@ -501,13 +508,11 @@ void Backend::step_batch(const std::vector<DeviceState *> &states, const std::ve
         if (slots_.size() > BATCH_SLOTS) slots_.erase(slots_.begin());
     }
     for (size_t i = 0; i < specs_.size(); ++i)
-        for (size_t j = 0; j < n; ++j)
-            cuda_->copy(slot->state[i][0] + j * row_bytes_[i], side_of(*states[j], i, sides[j]), row_bytes_[i]);
+        for (size_t j = 0; j < n; ++j) cuda_->copy(slot->state[i][0] + j * row_bytes_[i], side_of(*states[j], i, sides[j]), row_bytes_[i]);
     upload_tokens(slot->ids, tokens, n);
     run("step", *slot, n, 1, 0, slot->ids, slot->logits);
     for (size_t i = 0; i < specs_.size(); ++i)
-        for (size_t j = 0; j < n; ++j)
-            cuda_->copy(side_of(*states[j], i, sides[j]), slot->state[i][1] + j * row_bytes_[i], row_bytes_[i]);
+        for (size_t j = 0; j < n; ++j) cuda_->copy(side_of(*states[j], i, sides[j]), slot->state[i][1] + j * row_bytes_[i], row_bytes_[i]);
     const size_t row = size_t(vocab_) * logits_dtype_->size;
     std::vector<uint8_t> host(n * row);
     cuda_->download(host.data(), slot->logits, host.size());

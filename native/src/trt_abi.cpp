@@ -39,15 +39,24 @@ struct Logger : ILogger {
 
 std::string dtype_name(DataType type) {
     switch (type) {
-        case DataType::kFLOAT: return "float32";
-        case DataType::kHALF: return "float16";
-        case DataType::kINT32: return "int32";
-        case DataType::kINT64: return "int64";
-        case DataType::kINT8: return "int8";
-        case DataType::kUINT8: return "uint8";
-        case DataType::kBOOL: return "bool";
-        case DataType::kBF16: return "bfloat16";
-        default: return "other:" + std::to_string(int(type));
+    case DataType::kFLOAT:
+        return "float32";
+    case DataType::kHALF:
+        return "float16";
+    case DataType::kINT32:
+        return "int32";
+    case DataType::kINT64:
+        return "int64";
+    case DataType::kINT8:
+        return "int8";
+    case DataType::kUINT8:
+        return "uint8";
+    case DataType::kBOOL:
+        return "bool";
+    case DataType::kBF16:
+        return "bfloat16";
+    default:
+        return "other:" + std::to_string(int(type));
     }
 }
 
@@ -121,7 +130,8 @@ std::unique_ptr<TrtRuntime> EM_CAT(trt_open_abi, EM_TRT_ABI)(void *library, cons
     using Registry = IPluginRegistry *(*)();
     auto create = reinterpret_cast<Create>(::dlsym(library, "createInferRuntime_INTERNAL"));
     auto registry = reinterpret_cast<Registry>(::dlsym(library, "getPluginRegistry"));
-    if (!create || !registry) fail(EM_ERR_BACKEND, "the TensorRT library lacks createInferRuntime_INTERNAL or getPluginRegistry: not TensorRT's runtime");
+    if (!create || !registry)
+        fail(EM_ERR_BACKEND, "the TensorRT library lacks createInferRuntime_INTERNAL or getPluginRegistry: not TensorRT's runtime");
     auto out = std::make_unique<Runtime>();
     logger().take();
     void *made = create(&logger(), NV_TENSORRT_VERSION);
@@ -131,7 +141,8 @@ std::unique_ptr<TrtRuntime> EM_CAT(trt_open_abi, EM_TRT_ABI)(void *library, cons
     out->runtime.reset(static_cast<IRuntime *>(made));
     logger().take();
     if (!registry()->loadLibrary(plugins.c_str()))
-        fail(EM_ERR_BACKEND, "TensorRT could not load the plugin library " + plugins + " (built for another TensorRT major?): " + logger().take());
+        fail(EM_ERR_BACKEND,
+             "TensorRT could not load the plugin library " + plugins + " (built for another TensorRT major?): " + logger().take());
     return out;
 }
 

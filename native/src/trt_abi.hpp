@@ -20,8 +20,8 @@ namespace em {
 
 // One execution context of a deserialized engine, on the optimisation profile of one graph.
 struct TrtGraph {
-    std::map<std::string, bool> inputs;        // every I/O tensor: true for an input
-    std::map<std::string, std::string> dtypes;  // "float32", "float16", "int32", "int64", ... ("other:N" if none)
+    std::map<std::string, bool> inputs;                                 // every I/O tensor: true for an input
+    std::map<std::string, std::string> dtypes;                          // "float32", "float16", "int32", "int64", ... ("other:N" if none)
     std::map<std::string, std::array<std::vector<int64_t>, 2>> ranges;  // input → its [min, max] shapes in the profile
     virtual ~TrtGraph() = default;
     virtual bool set_shape(const std::string &name, const std::vector<int64_t> &shape) = 0;

@@ -26,14 +26,10 @@ const DType DTYPES[] = {
 };
 // Read from checkpoints and state_init files only to be refused by name and shape checks later.
 const DType OTHER[] = {
-    {"int32", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, "I32", "<i4", 4},
-    {"int16", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT16, "I16", "<i2", 2},
-    {"int8", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8, "I8", "|i1", 1},
-    {"uint8", ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, "U8", "|u1", 1},
-    {"uint16", ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT16, "U16", "<u2", 2},
-    {"uint32", ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT32, "U32", "<u4", 4},
-    {"uint64", ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT64, "U64", "<u8", 8},
-    {"bool", ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL, "BOOL", "|b1", 1},
+    {"int32", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32, "I32", "<i4", 4},   {"int16", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT16, "I16", "<i2", 2},
+    {"int8", ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8, "I8", "|i1", 1},      {"uint8", ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8, "U8", "|u1", 1},
+    {"uint16", ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT16, "U16", "<u2", 2}, {"uint32", ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT32, "U32", "<u4", 4},
+    {"uint64", ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT64, "U64", "<u8", 8}, {"bool", ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL, "BOOL", "|b1", 1},
 };
 
 struct DigestFree {
@@ -41,7 +37,7 @@ struct DigestFree {
 };
 
 class Sha256 {
-   public:
+  public:
     Sha256() : ctx_(EVP_MD_CTX_new()) {
         if (!ctx_ || EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr) != 1) fail(EM_ERR_INTERNAL, "sha256: OpenSSL failed to start");
     }
@@ -59,7 +55,7 @@ class Sha256 {
         return text;
     }
 
-   private:
+  private:
     std::unique_ptr<EVP_MD_CTX, DigestFree> ctx_;
 };
 
@@ -225,24 +221,38 @@ std::string py_json_string(const std::string &text) {
         }
         i += length;
         switch (code) {
-            case '"': out += "\\\""; break;
-            case '\\': out += "\\\\"; break;
-            case '\n': out += "\\n"; break;
-            case '\r': out += "\\r"; break;
-            case '\t': out += "\\t"; break;
-            case '\b': out += "\\b"; break;
-            case '\f': out += "\\f"; break;
-            default:
-                if (code < 0x20 || (code >= 0x7F && code < 0x10000)) {
-                    if (code == 0x7F) out += char(code);
-                    else escape(code);
-                } else if (code >= 0x10000) {
-                    code -= 0x10000;
-                    escape(0xD800 + (code >> 10));
-                    escape(0xDC00 + (code & 0x3FF));
-                } else {
-                    out += char(code);
-                }
+        case '"':
+            out += "\\\"";
+            break;
+        case '\\':
+            out += "\\\\";
+            break;
+        case '\n':
+            out += "\\n";
+            break;
+        case '\r':
+            out += "\\r";
+            break;
+        case '\t':
+            out += "\\t";
+            break;
+        case '\b':
+            out += "\\b";
+            break;
+        case '\f':
+            out += "\\f";
+            break;
+        default:
+            if (code < 0x20 || (code >= 0x7F && code < 0x10000)) {
+                if (code == 0x7F) out += char(code);
+                else escape(code);
+            } else if (code >= 0x10000) {
+                code -= 0x10000;
+                escape(0xD800 + (code >> 10));
+                escape(0xDC00 + (code & 0x3FF));
+            } else {
+                out += char(code);
+            }
         }
     }
     return out + "\"";
@@ -258,8 +268,8 @@ std::string state_checksum(const std::map<std::string, std::string> &metadata, c
     Sha256 digest;
     digest.update(text.data(), text.size());
     for (const auto &[name, blob] : tensors) {
-        const std::string head = "[" + py_json_string(name) + ", " + py_json_string(blob.dtype->numpy) + ", " +
-                                 py_json_shape(blob.shape) + "]";
+        const std::string head =
+            "[" + py_json_string(name) + ", " + py_json_string(blob.dtype->numpy) + ", " + py_json_shape(blob.shape) + "]";
         digest.update(head.data(), head.size());
         digest.update(blob.data.data(), blob.data.size());
     }
@@ -279,8 +289,8 @@ std::map<std::string, Blob> read_safetensors(const std::vector<uint8_t> &bytes, 
     uint64_t size = 0;
     for (int i = 7; i >= 0; --i) size = (size << 8) | bytes[size_t(i)];
     if (size > bytes.size() - 8)
-        fail(code, invalid + " (truncated, or not safetensors at all: its header claims " + std::to_string(size) +
-                       " bytes, the file has " + std::to_string(bytes.size()) + ")");
+        fail(code, invalid + " (truncated, or not safetensors at all: its header claims " + std::to_string(size) + " bytes, the file has " +
+                       std::to_string(bytes.size()) + ")");
     nlohmann::json header = nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + 8 + long(size), nullptr, false);
     if (header.is_discarded() || !header.is_object()) fail(code, invalid + " (corrupt header)");
     const size_t start = 8 + size, length = bytes.size() - start;
@@ -330,20 +340,19 @@ std::map<std::string, Blob> read_safetensors(const std::vector<uint8_t> &bytes, 
     return tensors;
 }
 
-std::vector<uint8_t> write_safetensors(const std::map<std::string, Blob> &tensors,
-                                       const std::map<std::string, std::string> &metadata) {
+std::vector<uint8_t> write_safetensors(const std::map<std::string, Blob> &tensors, const std::map<std::string, std::string> &metadata) {
     nlohmann::json header = nlohmann::json::object();
     header["__metadata__"] = metadata;
     uint64_t offset = 0;
     for (const auto &[name, blob] : tensors) {  // data in name order
-        header[name] = {{"dtype", blob.dtype->safetensors}, {"shape", blob.shape},
-                        {"data_offsets", {offset, offset + blob.data.size()}}};
+        header[name] = {{"dtype", blob.dtype->safetensors}, {"shape", blob.shape}, {"data_offsets", {offset, offset + blob.data.size()}}};
         offset += blob.data.size();
     }
     std::string text = header.dump();
     text.append((8 - text.size() % 8) % 8, ' ');  // the data starts 8-byte aligned, as safetensors writes it
-    std::vector<uint8_t> out(8);
-    for (int i = 0; i < 8; ++i) out[size_t(i)] = uint8_t(uint64_t(text.size()) >> (8 * i));
+    std::vector<uint8_t> out;
+    out.reserve(8 + text.size() + offset);
+    for (int i = 0; i < 8; ++i) out.push_back(uint8_t(uint64_t(text.size()) >> (8 * i)));
     out.insert(out.end(), text.begin(), text.end());
     for (const auto &entry : tensors) out.insert(out.end(), entry.second.data.begin(), entry.second.data.end());
     return out;

@@ -28,8 +28,8 @@ struct DType {
     std::string numpy;        // numpy's dtype.str, "<f4": what the checkpoint checksum hashes
     size_t size;
 };
-const DType *dtype_named(const std::string &name);              // nullptr if not a state dtype
-const DType *dtype_of_safetensors(const std::string &code);     // any safetensors dtype numpy reads
+const DType *dtype_named(const std::string &name);           // nullptr if not a state dtype
+const DType *dtype_of_safetensors(const std::string &code);  // any safetensors dtype numpy reads
 const DType *dtype_of_onnx(int onnx);
 
 // A host tensor of one stream (batch 1), as read from or written to a checkpoint.
@@ -46,8 +46,8 @@ struct Spec {
     const DType *dtype = nullptr;
     bool from_file = false;  // init "file": state_init.safetensors
     bool growing = false;
-    bool in_place = false;   // one buffer for both sides
-    bool cache = false;      // a preallocated KV cache (manifest kv_cache.states): checkpoints hold its filled part
+    bool in_place = false;  // one buffer for both sides
+    bool cache = false;     // a preallocated KV cache (manifest kv_cache.states): checkpoints hold its filled part
     std::vector<int64_t> shape(int64_t batch, int64_t past = 0) const;
     size_t row_bytes() const;  // bytes of one batch row (fixed-size state)
 };
@@ -75,7 +75,6 @@ std::string state_checksum(const std::map<std::string, std::string> &metadata, c
 // safetensors: the tensors and the string metadata of a file's bytes (errors name `where`, with `code`).
 std::map<std::string, Blob> read_safetensors(const std::vector<uint8_t> &bytes, const std::string &where, int code,
                                              std::map<std::string, std::string> *metadata);
-std::vector<uint8_t> write_safetensors(const std::map<std::string, Blob> &tensors,
-                                       const std::map<std::string, std::string> &metadata);
+std::vector<uint8_t> write_safetensors(const std::map<std::string, Blob> &tensors, const std::map<std::string, std::string> &metadata);
 
 }  // namespace em

@@ -32,8 +32,7 @@ void expect(bool ok, const std::string &what) {
     if (!ok) ++failures;
 }
 
-template <typename T>
-std::vector<T> read(const std::string &path) {
+template <typename T> std::vector<T> read(const std::string &path) {
     std::ifstream in(path, std::ios::binary | std::ios::ate);
     std::vector<T> out(size_t(in.tellg()) / sizeof(T));
     in.seekg(0);
@@ -41,8 +40,7 @@ std::vector<T> read(const std::string &path) {
     return out;
 }
 
-template <typename T>
-void write(const std::string &path, const std::vector<T> &data) {
+template <typename T> void write(const std::string &path, const std::vector<T> &data) {
     std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char *>(data.data()), std::streamsize(data.size() * sizeof(T)));
 }
 
@@ -70,8 +68,8 @@ bool file_exists(const std::string &path) { return std::ifstream(path).good(); }
 // A C call that returned a NULL handle: refused with `code` and a message.
 void refused_handle(const void *handle, int code, const std::string &what) {
     const std::string message = em_last_error();
-    expect(handle == nullptr && em_last_error_code() == code && !message.empty(), what + " -> code " +
-           std::to_string(em_last_error_code()) + ": " + message);
+    expect(handle == nullptr && em_last_error_code() == code && !message.empty(),
+           what + " -> code " + std::to_string(em_last_error_code()) + ": " + message);
 }
 
 // A C call that must fail with `code` and a message.
@@ -196,7 +194,8 @@ int main(int argc, char **argv) {
         refused_handle(em_stream_load(engine.get(), (work + "/half.state").c_str()), EM_ERR_STATE_FILE, "a truncated state file");
         saved[saved.size() - 3] ^= 0x10;
         write<char>(work + "/flipped.state", saved);
-        refused_handle(em_stream_load(engine.get(), (work + "/flipped.state").c_str()), EM_ERR_STATE_FILE, "a state file with a flipped byte");
+        refused_handle(em_stream_load(engine.get(), (work + "/flipped.state").c_str()), EM_ERR_STATE_FILE,
+                       "a state file with a flipped byte");
         refused(em_stream_save(s, work.c_str()), EM_ERR_IO, "saving onto a directory");
         expect(em_stream_position(s) == 7, "the refused calls left the position at 7");
         em_stream_logits(s, after.data());

@@ -20,7 +20,8 @@ static int generate(em_stream *stream, em_sampler *sampler, float *logits, int64
 
 int main(int argc, char **argv) {
     if (argc < 4) {
-        fprintf(stderr, "usage: %s EXPORT_DIR STATE_FILE [--tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] ID...\n", argv[0]);
+        fprintf(stderr, "usage: %s EXPORT_DIR STATE_FILE [--tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] ID...\n",
+                argv[0]);
         return 2;
     }
     int n = 16, top_k = 0;
@@ -51,7 +52,7 @@ int main(int argc, char **argv) {
                (long long)em_stream_state_bytes(stream));
         if (generate(stream, sampler, logits, vocab, n) == 0 && em_stream_save(stream, argv[2]) == EM_OK) {
             em_stream_free(stream);
-            stream = em_stream_load(engine, argv[2]);  /* resume from the checkpoint */
+            stream = em_stream_load(engine, argv[2]); /* resume from the checkpoint */
             if (stream && em_stream_logits(stream, logits) == EM_OK) {
                 printf("saved %s at position %lld; resumed:", argv[2], (long long)em_stream_position(stream));
                 status = generate(stream, sampler, logits, vocab, n) == 0 ? 0 : 1;

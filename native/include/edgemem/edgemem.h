@@ -77,10 +77,10 @@ EM_API const char *em_engine_arch(const em_engine *engine); /* the manifest's ar
 EM_API int64_t em_engine_state_bytes(const em_engine *engine, int64_t position);
 
 /* ------------------------------------------------------------------ streams */
-EM_API em_stream *em_stream_new(em_engine *engine);          /* a fresh stream at position 0; NULL on error */
-EM_API em_stream *em_stream_fork(const em_stream *stream);   /* an independent copy; NULL on error */
+EM_API em_stream *em_stream_new(em_engine *engine);        /* a fresh stream at position 0; NULL on error */
+EM_API em_stream *em_stream_fork(const em_stream *stream); /* an independent copy; NULL on error */
 EM_API void em_stream_free(em_stream *stream);
-EM_API int em_stream_reset(em_stream *stream);               /* back to a fresh stream */
+EM_API int em_stream_reset(em_stream *stream); /* back to a fresh stream */
 /* Consume `n` >= 1 tokens; the next-token logits (vocab floats) into `last_logits` unless NULL. */
 EM_API int em_stream_prefill(em_stream *stream, const int64_t *tokens, size_t n, float *last_logits);
 /* Consume one token; the next-token logits (vocab floats) into `logits` unless NULL. */
@@ -90,7 +90,7 @@ EM_API int em_stream_step(em_stream *stream, int64_t token, float *logits);
  * KV cache; a growing KV cache batches streams of equal length only). */
 EM_API int em_step_batch(em_stream *const *streams, const int64_t *tokens, size_t n, float *logits);
 EM_API int em_stream_logits(const em_stream *stream, float *logits); /* EM_ERR_NO_LOGITS if fresh */
-EM_API int64_t em_stream_vocab_size(const em_stream *stream);       /* its engine's; -1 on error */
+EM_API int64_t em_stream_vocab_size(const em_stream *stream);        /* its engine's; -1 on error */
 EM_API int64_t em_stream_position(const em_stream *stream);          /* tokens consumed; -1 on error */
 EM_API int64_t em_stream_state_bytes(const em_stream *stream);       /* -1 on error */
 /* Checkpoint (atomically: a temp file beside `path`, fsync, rename). */

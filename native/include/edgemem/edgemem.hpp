@@ -12,11 +12,11 @@
 namespace edgemem {
 
 class Error : public std::runtime_error {
-   public:
+  public:
     Error(int code, const std::string &message) : std::runtime_error(message), code_(code) {}
     int code() const noexcept { return code_; }
 
-   private:
+  private:
     int code_;
 };
 
@@ -24,21 +24,26 @@ namespace detail {
 inline void check(int status) {
     if (status != EM_OK) throw Error(status, em_last_error());
 }
-template <typename T>
-T *check(T *handle) {
+template <typename T> T *check(T *handle) {
     if (!handle) throw Error(em_last_error_code(), em_last_error());
     return handle;
 }
-struct FreeEngine { void operator()(em_engine *e) const noexcept { em_engine_free(e); } };
-struct FreeStream { void operator()(em_stream *s) const noexcept { em_stream_free(s); } };
-struct FreeSampler { void operator()(em_sampler *s) const noexcept { em_sampler_free(s); } };
+struct FreeEngine {
+    void operator()(em_engine *e) const noexcept { em_engine_free(e); }
+};
+struct FreeStream {
+    void operator()(em_stream *s) const noexcept { em_stream_free(s); }
+};
+struct FreeSampler {
+    void operator()(em_sampler *s) const noexcept { em_sampler_free(s); }
+};
 }  // namespace detail
 
 class Stream;
 
 // An export loaded into onnxruntime. Outlives its streams.
 class Engine {
-   public:
+  public:
     explicit Engine(const std::string &dir, int threads = 0) : handle_(detail::check(em_engine_load(dir.c_str(), threads))) {}
     Engine(const std::string &dir, const em_engine_options &options) : handle_(detail::check(em_engine_load_ex(dir.c_str(), &options))) {}
     int64_t vocab_size() const { return em_engine_vocab_size(handle_.get()); }
@@ -50,12 +55,12 @@ class Engine {
     std::vector<float> step_batch(const std::vector<Stream *> &streams, const std::vector<int64_t> &tokens);
     em_engine *get() const noexcept { return handle_.get(); }
 
-   private:
+  private:
     std::unique_ptr<em_engine, detail::FreeEngine> handle_;
 };
 
 class Stream {
-   public:
+  public:
     explicit Stream(em_stream *handle) : handle_(detail::check(handle)) {}
     Stream fork() const { return Stream(em_stream_fork(handle_.get())); }
     // Consume tokens (at least one); the next-token logits.
@@ -80,14 +85,14 @@ class Stream {
     int64_t state_bytes() const { return em_stream_state_bytes(handle_.get()); }
     em_stream *get() const noexcept { return handle_.get(); }
 
-   private:
+  private:
     int64_t vocab() const { return em_stream_vocab_size(handle_.get()); }
     std::unique_ptr<em_stream, detail::FreeStream> handle_;
 };
 
 // Greedy at temperature 0; otherwise sampled with top-k (0: off) and top-p (1: off), reproducibly per seed.
 class Sampler {
-   public:
+  public:
     explicit Sampler(float temperature = 0, int top_k = 0, float top_p = 1, uint64_t seed = 0)
         : handle_(detail::check(em_sampler_new(temperature, top_k, top_p, seed))) {}
     int64_t operator()(const std::vector<float> &logits) {
@@ -96,7 +101,7 @@ class Sampler {
         return token;
     }
 
-   private:
+  private:
     std::unique_ptr<em_sampler, detail::FreeSampler> handle_;
 };
 

@@ -314,3 +314,45 @@ def test_next_token_prefill_projects_only_the_last_position(exported):
     for a, b in zip(last.state_dict().values(), full.state_dict().values()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(last.step(7), full.step(7), rtol=1e-5, atol=1e-5)
+
+
+def test_a_node_that_only_writes_a_state_runs_right_after_the_layer_that_feeds_it(tmp_path):
+    """`leaves_last` moves the nodes nothing reads to the end, the first ready last: onnxruntime then runs each
+    state output's node right after its layer, not after the logits (which kept every layer's input to it
+    alive for the whole run), and the graph computes the same."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from edgemem.export.lower import leaves_last
+
+    nodes = [
+        helper.make_node("Sin", ["x"], ["h1"], name="layer1"),
+        helper.make_node("Cos", ["h1"], ["state1"], name="state1"),
+        helper.make_node("Sin", ["h1"], ["h2"], name="layer2"),
+        helper.make_node("Cos", ["h2"], ["state2"], name="state2"),
+        helper.make_node("Neg", ["h2"], ["logits"], name="head"),
+    ]
+    value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [4])  # noqa: E731
+    graph = helper.make_graph(nodes, "g", [value("x")], [value("logits"), value("state1"), value("state2")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    x = np.linspace(-1, 1, 4, dtype=np.float32)
+
+    def run(m: onnx.ModelProto) -> tuple[list[str], list[np.ndarray]]:
+        options = ort.SessionOptions()
+        options.enable_profiling = True
+        options.profile_file_prefix = str(tmp_path / "order")
+        session = ort.InferenceSession(m.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        outputs = session.run(None, {"x": x})
+        with open(session.end_profiling()) as f:
+            events = json.load(f)
+        order = [e["name"].removesuffix("_kernel_time") for e in events if e["name"].endswith("_kernel_time")]
+        return order[-len(nodes) :], outputs
+
+    before, expected = run(model)
+    assert before.index("state1") > before.index("layer2")  # as written: layer 1's state after layer 2
+    leaves_last(model.graph)
+    onnx.checker.check_model(model)
+    after, outputs = run(model)
+    assert after == ["layer1", "state1", "layer2", "state2", "head"], after
+    for a, b in zip(outputs, expected):
+        np.testing.assert_array_equal(a, b)

@@ -169,6 +169,22 @@ def _subgraph_names(node: onnx.NodeProto) -> set[str]:
     return names
 
 
+def leaves_last(graph: onnx.GraphProto) -> None:
+    """Move the nodes nothing in `graph` reads (those that only write graph outputs: a layer's new state, the
+    logits) to the end, the first to be ready last; the graph stays topologically sorted and computes the same.
+    onnxruntime's default execution order walks back depth-first from the last of these nodes first, so
+    each now runs right after the layer that feeds it and its input is freed there: written where the
+    exporter put it, a layer's new convolution state ran after the logits, and every layer's [T, channels]
+    input to it stayed alive through the whole run (benchmarks/README.md, "Footprint")."""
+    read = {name for node in graph.node for name in (*node.input, *_subgraph_names(node))}
+    made = {name: i for i, node in enumerate(graph.node) for name in node.output}
+    leaves = [node for node in graph.node if not read & set(node.output)]
+    leaves.sort(key=lambda node: max((made.get(name, -1) for name in node.input), default=-1))  # as they become ready
+    others = [node for node in graph.node if read & set(node.output)]
+    del graph.node[:]
+    graph.node.extend(others + leaves[::-1])
+
+
 def _tied_head_as_gemm(graph: onnx.GraphProto) -> None:
     """MatMul(x, Transpose(W)) of a 2-D initializer W (a tied output head reading the embedding table) as
     Gemm(x, W, transB=1) on x flattened to 2-D: onnxruntime folds a Transpose of an initializer into a
@@ -310,4 +326,5 @@ def lower(model: onnx.ModelProto, target: str) -> onnx.ModelProto:
         keep = [f for f in out.functions if f.domain != DOMAIN]
         del out.functions[:]
         out.functions.extend(keep)
+    leaves_last(out.graph)
     return out

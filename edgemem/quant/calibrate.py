@@ -42,6 +42,7 @@ from onnxruntime.quantization import (
 
 from edgemem import weights
 from edgemem.errors import ConfigError, EdgememError, named
+from edgemem.export.lower import leaves_last
 from edgemem.files import check_output_dir, save_onnx, sha256, staged_directory, write_atomic
 from edgemem.manifest import MANIFEST, PREFILL_LAST, STATE_INIT, TOKENIZER_DIR, Manifest
 from edgemem.manifest import load as load_manifest
@@ -458,6 +459,10 @@ def calibrate(
                     _quantize(method, source, dest, nodes, samples, cache, block_size, embeddings)
                     if method == "static":
                         source.unlink()
+                    # the quantizers sort the nodes again: the export's order of the state outputs' nodes back
+                    model = onnx.load(str(dest), load_external_data=False)
+                    leaves_last(model.graph)
+                    onnx.save(model, str(dest))
                 else:  # unchanged, its weights brought in from the source's store
                     save_onnx(onnx.load(str(sources[(target, kind)])), dest)
                 tables[f"{target}/{kind}.onnx"] = _check(dest, state_names, len(nodes))

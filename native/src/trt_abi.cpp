@@ -39,24 +39,15 @@ struct Logger : ILogger {
 
 std::string dtype_name(DataType type) {
     switch (type) {
-    case DataType::kFLOAT:
-        return "float32";
-    case DataType::kHALF:
-        return "float16";
-    case DataType::kINT32:
-        return "int32";
-    case DataType::kINT64:
-        return "int64";
-    case DataType::kINT8:
-        return "int8";
-    case DataType::kUINT8:
-        return "uint8";
-    case DataType::kBOOL:
-        return "bool";
-    case DataType::kBF16:
-        return "bfloat16";
-    default:
-        return "other:" + std::to_string(int(type));
+    case DataType::kFLOAT: return "float32";
+    case DataType::kHALF: return "float16";
+    case DataType::kINT32: return "int32";
+    case DataType::kINT64: return "int64";
+    case DataType::kINT8: return "int8";
+    case DataType::kUINT8: return "uint8";
+    case DataType::kBOOL: return "bool";
+    case DataType::kBF16: return "bfloat16";
+    default: return "other:" + std::to_string(int(type));
     }
 }
 

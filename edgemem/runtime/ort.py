@@ -50,8 +50,8 @@ reads the packed copy) and a prefill session reads the mapped weights in place. 
 opens later (the full prefill graph, an encoder) reads the mapping in place, except where the graph
 holds 4-bit MatMulNBits: unpacked, that kernel dequantizes each whole matrix to float in every run,
 which costs more memory at the peak than a packed copy and is slower, so there every session
-pre-packs. While a session is made, the pages it has read are dropped from the mapping every few
-milliseconds, so that the pages a packed copy was made from are not all resident beside it, and once
+pre-packs. While a session is made, the pages it has read are dropped from the mapping every
+millisecond, so that the pages a packed copy was made from are not all resident beside it, and once
 more when the sessions are made; what runs later faults back only what it reads. A prefill run ends
 with arena shrinkage: the arena gives back what it holds beyond the live tensors (benchmarks/README.md,
 "Footprint", measures each choice).
@@ -221,11 +221,11 @@ class _Weights:
 
     @contextmanager
     def streamed(self) -> Iterator[None]:
-        """While a session is made, drop the pages it has read from the mapping every few milliseconds.
+        """While a session is made, drop the pages it has read from the mapping every `DROP_EVERY` seconds.
 
         A session packs each weight it is handed from the mapping into a copy of its own, and the pages it read
         would otherwise stay resident until it is made: the source of every packed weight beside all of the
-        packed copies. Dropped as it goes, what is resident of the source is what the last few milliseconds
+        packed copies. Dropped as it goes, what is resident of the source is what the last millisecond or so
         read. The mapping is read-only: a page dropped while it is still being read faults back from the page
         cache."""
         if self.DROP_EVERY is None or not hasattr(mmap, "MADV_DONTNEED"):

@@ -9,8 +9,8 @@ tied embeddings, about 45M parameters) with random weights, saved with `save_pre
 with `edgemem export --hf DIR --target ort --max-length 1024`, then `edgemem calibrate --method int4`.
 Per export: the files' bytes, the resident memory `Engine.load` adds, the peak after a 256-token
 prefill and 64 steps, and how much of what is resident at the end is mapped file pages (clean page
-cache the kernel may reclaim: the embedding rows the lookups read, in the page cache's folios), each as a
-multiple of the fp32 weight bytes (what llama.cpp holds once).
+cache the kernel may reclaim: onnxruntime's library, and the embedding rows the lookups read in the page
+cache's folios), each as a multiple of the fp32 weight bytes (what llama.cpp holds once).
 Greedy tokens of the fp32 export are compared with transformers' `generate`. With `--native LIB`, the
 same probe runs through libedgemem (`em_engine_load`, `em_stream_prefill`, `em_stream_step`) by ctypes.
 """

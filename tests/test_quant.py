@@ -152,6 +152,20 @@ def test_no_quantization_node_touches_state_or_custom_ops(quantized, method):
 
 
 @pytest.mark.parametrize("method", ["dynamic", "static"])
+def test_the_nodes_that_only_write_outputs_stay_last_after_quantizing(quantized, method):
+    """The quantizers sort the nodes again; calibrate puts back the export's order, in which the nodes nothing
+    reads (a layer's new state) come last, so onnxruntime runs each right after its layer (`leaves_last`)."""
+    from edgemem.export.lower import _subgraph_names
+
+    _, files = _graph_files(quantized[method])
+    for path in files:
+        nodes = onnx.load(str(path), load_external_data=False).graph.node
+        read = {name for node in nodes for name in (*node.input, *_subgraph_names(node))}
+        leaves = [i for i, node in enumerate(nodes) if not read & set(node.output)]
+        assert len(leaves) > 1 and leaves == list(range(len(nodes) - len(leaves), len(nodes))), (path, leaves)
+
+
+@pytest.mark.parametrize("method", ["dynamic", "static"])
 def test_every_weight_projection_is_int8(fp32, quantized, method):
     _, files = _graph_files(quantized[method])
     for path in files:

@@ -330,7 +330,7 @@ Engine::Engine(const std::string &dir, const em_engine_options &options) : direc
 
 namespace {
 
-// While a session is made, the pages it has read from the mapping are dropped every few milliseconds: it packs
+// While a session is made, the pages it has read from the mapping are dropped every millisecond: it packs
 // each weight it is handed into a copy of its own, and the pages it read would otherwise stay resident until it
 // is made, the source of every packed weight beside all of the packed copies. The mapping is read-only: a page
 // dropped while it is still being read faults back from the page cache.

@@ -59,6 +59,7 @@ STATE_DTYPES = ("float32", "float16", "float64", "int64")
 STATE_INIT = "state_init.safetensors"
 TOKENIZER_DIR = "tokenizer"  # the tokenizer files an export carries
 TARGETS = ("generic", "ort", "onnx27", "trt")
+ORT_TARGETS = ("ort", "generic", "onnx27")  # the targets onnxruntime runs, in order of preference
 DTYPES = ("fp32", "fp16", "bf16")  # of the weights and activations (config.dtype); bf16: trt target only
 MIN_OPSET, MAX_OPSET = 18, 27  # what edgemem's graphs are written at (edgemem.export.OPSET, onnx27's LinearAttention)
 ONNX_DTYPES = {
@@ -369,4 +370,6 @@ def check_graph_file(manifest: Manifest, path: Path, target: str) -> None:
             found[v.name] = (_ELEMENT.get(t.elem_type, onnx.TensorProto.DataType.Name(t.elem_type).lower()), dims)
         return found
 
-    check_io(manifest, path, values(model.graph.input), values(model.graph.output), graph=path.stem)
+    weights = {t.name for t in model.graph.initializer}  # an input that is also an initializer is not fed
+    inputs = [v for v in model.graph.input if v.name not in weights]
+    check_io(manifest, path, values(inputs), values(model.graph.output), graph=path.stem)

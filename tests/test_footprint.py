@@ -356,3 +356,100 @@ def test_a_node_that_only_writes_a_state_runs_right_after_the_layer_that_feeds_i
     assert after == ["layer1", "state1", "layer2", "state2", "head"], after
     for a, b in zip(outputs, expected):
         np.testing.assert_array_equal(a, b)
+
+
+TIED_ANON = r"""
+import sys
+import numpy as np
+import onnxruntime  # its own pages are not the engine's
+from edgemem.runtime import Engine
+
+def anon():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon:")).split()[1]) * 1024
+
+before = anon()
+engine = Engine.load(sys.argv[1], threads=1, check_files=False)
+stream = engine.new_stream()
+logits = stream.prefill(np.arange(40) % engine.vocab_size, all_logits=False)
+for token in range(4):
+    logits = stream.step(token)
+np.save(sys.argv[2], logits)
+print(anon() - before)
+"""
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    """A model whose head reads its embedding table (8 MB of it, most of the weights), exported for onnxruntime
+    and TensorRT."""
+    import dataclasses
+
+    import torch
+
+    from edgemem.models import load_config
+    from edgemem.models.lm import LM
+
+    config = load_config("deltanet", d_model=64, n_layers=1, mlp_hidden=64, vocab_size=32000)
+    torch.manual_seed(0)
+    model = LM(dataclasses.replace(config, tie_embeddings=True))
+    out = tmp_path_factory.mktemp("tied") / "fp32"
+    export(model, out, targets=("ort", "trt"))
+    return out, 32000 * 64 * 4
+
+
+def _tables(graph: onnx.GraphProto) -> set[str]:
+    return {v.name for v in graph.input} & {t.name for t in graph.initializer}
+
+
+def test_a_tied_head_reads_the_one_table_in_place_where_onnxruntime_runs_it(tied, tmp_path):
+    """The table the lookup and the head's Gemm(transB=1) both read is also listed as an input of the ort graphs
+    (overridable: onnxruntime neither pre-packs it nor folds through it), not of the trt ones, and no session asks
+    for it. In fresh processes, memory no file backs is a table smaller than with the table unlisted (where the
+    session packs a copy of it), and the logits agree."""
+    out, table_bytes = tied
+    for kind in ("prefill", "prefill_last", "step"):
+        graph = onnx.load(str(out / "ort" / f"{kind}.onnx"), load_external_data=False).graph
+        (table,) = _tables(graph)
+        assert {n.op_type for n in graph.node if table in n.input} == {"Gather", "Gemm"}
+    for kind in ("prefill", "step"):  # TensorRT's engines pack what they read
+        trt = onnx.load(str(out / "trt" / f"{kind}.onnx"), load_external_data=False).graph
+        assert not _tables(trt) and any(n.op_type == "Gemm" for n in trt.node)
+    engine = Engine.load(out, threads=1)
+    assert table not in {i.name for s in engine._sessions.values() for i in s.get_inputs()}
+
+    import shutil
+
+    shutil.copytree(out, tmp_path / "unlisted")
+    for kind in ("prefill", "prefill_last", "step"):
+        path = tmp_path / "unlisted" / "ort" / f"{kind}.onnx"
+        model = onnx.load(str(path), load_external_data=False)
+        kept = [v for v in model.graph.input if v.name != table]
+        del model.graph.input[:]
+        model.graph.input.extend(kept)
+        onnx.save(model, str(path))
+    anon = {}
+    for name, d in (("listed", out), ("unlisted", tmp_path / "unlisted")):
+        command = [sys.executable, "-c", TIED_ANON, str(d), str(tmp_path / f"{name}.npy")]
+        anon[name] = int(subprocess.run(command, capture_output=True, text=True, check=True).stdout)
+    assert anon["unlisted"] - anon["listed"] > 0.8 * table_bytes, (anon, table_bytes)
+    listed, unlisted = (np.load(tmp_path / f"{name}.npy") for name in ("listed", "unlisted"))
+    np.testing.assert_allclose(listed, unlisted, rtol=1e-5, atol=1e-5)
+
+
+def test_dynamic_int8_keeps_the_tied_table_once_and_the_head_reading_it(tied, tmp_path):
+    """onnxruntime's dynamic quantizer rewrites a Gemm(transB=1) as a MatMul over a transposed copy of its weight;
+    calibrate puts the float tied head back as that Gemm over the table: no transposed copy in the store (which
+    the table is most of), and the table listed again."""
+    from edgemem.quant import calibrate
+
+    out, table_bytes = tied
+    calibrate(out, "dynamic", out=tmp_path / "int8")
+    store = json.loads((tmp_path / "int8" / MANIFEST).read_text())["weights"]["ort"]["tensors"]
+    for kind in ("prefill", "prefill_last", "step"):
+        graph = onnx.load(str(tmp_path / "int8" / "ort" / f"{kind}.onnx"), load_external_data=False).graph
+        (table,) = _tables(graph)
+        assert {n.op_type for n in graph.node if table in n.input} == {"Gather", "Gemm"}
+        assert [shape for _, dtype, shape in store[kind].values() if sorted(shape) == [64, 32000]] == [[32000, 64]]
+    size = (tmp_path / "int8" / "ort" / WEIGHTS).stat().st_size
+    assert table_bytes < size < 1.5 * table_bytes, (size, table_bytes)
+    Engine.load(tmp_path / "int8", threads=1).new_stream().prefill(np.arange(8))

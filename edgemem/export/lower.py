@@ -13,6 +13,9 @@
            removed, so TensorRT's ONNX parser takes our plugins (TensorRT ≤ 10.6 would otherwise
            prefer a local function of the same name). `CacheAttention` has no plugin: its function
            body is inlined (standard ops).
+
+A tied output head reads its table through Gemm(transB=1) on every target; where onnxruntime runs the
+graph (generic, ort, onnx27) the table is listed among the inputs too (`read_table_in_place`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import onnx
 from onnx import TensorProto, helper, inliner, version_converter
 
 from edgemem.errors import EdgememError
-from edgemem.manifest import TARGETS
+from edgemem.manifest import ORT_TARGETS, TARGETS
 from edgemem.ops import onnx_functions
 from edgemem.ops.cache_attention import OP_TYPE as CACHE_ATTENTION
 from edgemem.ops.linear_attention import ATTRIBUTES as LINEAR_ATTRIBUTES
@@ -232,6 +235,27 @@ def _tied_head_as_gemm(graph: onnx.GraphProto) -> None:
     graph.node.extend(rewritten)
 
 
+def read_table_in_place(graph: onnx.GraphProto) -> None:
+    """List a tied head's table (the weight of a Gemm(transB=1) that another node, the embedding lookup, also
+    reads) among the graph's inputs as well. onnxruntime takes an initializer that is also an input as
+    overridable: it neither pre-packs it nor folds through it, so the head reads the one mapped table in place,
+    where a packed copy would sit beside the table pages the lookups map. Only where onnxruntime runs the
+    graph (`ORT_TARGETS`); a table listed already stays listed once."""
+    tables = {t.name: t for t in graph.initializer if len(t.dims) == 2}
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in {*node.input, *_subgraph_names(node)}:
+            readers[name] = readers.get(name, 0) + 1
+    listed = {v.name for v in graph.input}
+    for node in graph.node:
+        weight = node.input[1] if node.op_type == "Gemm" and len(node.input) > 1 else ""
+        transposed = any(a.name == "transB" and a.i for a in node.attribute)
+        if transposed and weight in tables and weight not in listed and readers[weight] > 1:
+            table = tables[weight]
+            graph.input.append(helper.make_tensor_value_info(weight, table.data_type, list(table.dims)))
+            listed.add(weight)
+
+
 _HEAD_OPS = ("MatMul", "Gemm")
 _PASS_THROUGH = ("Cast", "Identity")  # between the head and the logits output
 
@@ -277,7 +301,7 @@ def last_position_logits(model: onnx.ModelProto, output: str) -> onnx.ModelProto
 
 def lower(model: onnx.ModelProto, target: str) -> onnx.ModelProto:
     """A copy of `model` lowered for `target` (one of TARGETS); a tied output head reads its table
-    through Gemm(transB=1) on every target."""
+    through Gemm(transB=1) on every target, in place where onnxruntime runs it (`read_table_in_place`)."""
     if target not in TARGETS:
         raise EdgememError(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
     out = onnx.ModelProto()
@@ -326,5 +350,7 @@ def lower(model: onnx.ModelProto, target: str) -> onnx.ModelProto:
         keep = [f for f in out.functions if f.domain != DOMAIN]
         del out.functions[:]
         out.functions.extend(keep)
+    if target in ORT_TARGETS:
+        read_table_in_place(out.graph)
     leaves_last(out.graph)
     return out

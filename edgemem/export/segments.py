@@ -91,7 +91,8 @@ def loop_over_segments(piece: onnx.ModelProto, segment: int, position: str, toke
     `segment` positions; `position`: the state input holding the stream position (int64 `[B]`); `tokens`: the
     per-token inputs `[B, T]` (the others are state, whose new values are the outputs after the first, in order)."""
     graph = piece.graph
-    inputs = [i.name for i in graph.input]
+    weights = {t.name for t in graph.initializer}  # an input that is also an initializer (a tied table) is no state
+    inputs = [i.name for i in graph.input if i.name not in weights]
     missing = [n for n in (position, *tokens) if n not in inputs]
     if missing or segment < 1:
         raise EdgememError(f"cannot loop over segments of {segment} positions: the piece graph lacks {missing}")

@@ -42,9 +42,9 @@ from onnxruntime.quantization import (
 
 from edgemem import weights
 from edgemem.errors import ConfigError, EdgememError, named
-from edgemem.export.lower import leaves_last
+from edgemem.export.lower import leaves_last, read_table_in_place
 from edgemem.files import check_output_dir, save_onnx, sha256, staged_directory, write_atomic
-from edgemem.manifest import MANIFEST, PREFILL_LAST, STATE_INIT, TOKENIZER_DIR, Manifest
+from edgemem.manifest import MANIFEST, ORT_TARGETS, PREFILL_LAST, STATE_INIT, TOKENIZER_DIR, Manifest
 from edgemem.manifest import load as load_manifest
 from edgemem.quant.graph import (
     PROJECTION_OPS,
@@ -65,7 +65,6 @@ METHODS = ("dynamic", "static", "int4")
 BLOCK_SIZES = (16, 32, 64, 128, 256)  # MatMulNBits: a power of two, at least 16
 DEFAULT_BLOCK = 32
 ACCURACY_LEVEL = 4  # MatMulNBits on CPU: int8 activations per block inside the kernel (the fast path)
-RUNNABLE = ("ort", "generic", "onnx27")  # targets onnxruntime runs, in order of preference
 GRAPHS = ("prefill", "step")
 # methods that quantize the projections inside Loop bodies too (the segment loop of a MAC or HOPE prefill), so
 # that prefill and step run the same quantized projections; static QDQ cannot calibrate inside a Loop: there the
@@ -352,6 +351,29 @@ def _quantize(
         logging.getLogger().removeFilter(quiet)
 
 
+def _tied_heads_back(graph: onnx.GraphProto) -> int:
+    """quantize_dynamic rewrites every Gemm(x, W, transB=1) as MatMul(x, W_Transposed) over a transposed copy
+    of W that it adds. A float MatMul left so (the tied head, which no recipe quantizes) goes back to
+    Gemm(x, W, transB=1), reading the one table again. Modifies `graph`; returns the number of heads."""
+    inits = {t.name: t for t in graph.initializer}
+    back = 0
+    for node in graph.node:
+        copy = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else ""
+        table = copy.removesuffix("_Transposed")
+        if copy != table and table in inits and copy in inits and list(inits[copy].dims) == inits[table].dims[::-1]:
+            gemm = onnx.helper.make_node(
+                "Gemm", [node.input[0], table], list(node.output), name=node.name.removesuffix("_MatMul"), transB=1
+            )
+            gemm.metadata_props.extend(node.metadata_props)
+            node.CopyFrom(gemm)
+            back += 1
+    read = {name for n in graph.node for name in n.input}
+    kept = [t for t in graph.initializer if t.name in read or not t.name.endswith("_Transposed")]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    return back
+
+
 def calibrate(
     directory: str | Path,
     method: str = "dynamic",
@@ -382,7 +404,7 @@ def calibrate(
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     if method == "static":
         recipe.check_vocabulary(manifest.arch, manifest.vocab_size)
-    runnable = [t for t in RUNNABLE if t in manifest.targets]
+    runnable = [t for t in ORT_TARGETS if t in manifest.targets]
     if not runnable:
         raise EdgememError(
             f"{directory} has no target onnxruntime can run (it has {', '.join(manifest.targets)}); "
@@ -459,8 +481,18 @@ def calibrate(
                     _quantize(method, source, dest, nodes, samples, cache, block_size, embeddings)
                     if method == "static":
                         source.unlink()
-                    # the quantizers sort the nodes again: the export's order of the state outputs' nodes back
+                    # the quantizers sort the nodes again: the export's order of the state outputs' nodes back;
+                    # and the tied table is listed as an input again where the head still reads it (int4 replaces it)
                     model = onnx.load(str(dest), load_external_data=False)
+                    if method == "dynamic":
+                        _tied_heads_back(model.graph)
+                    listed = onnx.load(str(sources[(target, kind)]), load_external_data=False).graph
+                    overridable = {v.name for v in listed.input} & {t.name for t in listed.initializer}
+                    kept = [v for v in model.graph.input if v.name not in overridable]
+                    del model.graph.input[:]
+                    model.graph.input.extend(kept)
+                    if target in ORT_TARGETS:
+                        read_table_in_place(model.graph)
                     leaves_last(model.graph)
                     onnx.save(model, str(dest))
                 else:  # unchanged, its weights brought in from the source's store

@@ -45,7 +45,9 @@ export has the last-position prefill graph, no growing cache, and a manifest who
 graph serves steps, one session serves both (as in libedgemem): that graph at T = 1 is the step
 graph (the stateful protocol), it pre-packs, and it loads the weights only its pre-packing kernels
 read (the store's `packed`) from the file itself, one tensor at a time, so that neither the mapping
-nor a second copy is resident beside the packed one. Otherwise the step session pre-packs (decode
+nor a second copy is resident beside the packed one. A tied head's table is the exception: the export
+lists it as a graph input too (`edgemem.export.lower.read_table_in_place`), so no session packs it and
+the head reads the mapped table that the lookups read. Otherwise the step session pre-packs (decode
 reads the packed copy) and a prefill session reads the mapped weights in place. A session that
 opens later (the full prefill graph, an encoder) reads the mapping in place, except where the graph
 holds 4-bit MatMulNBits: unpacked, that kernel dequantizes each whole matrix to float in every run,
@@ -71,7 +73,7 @@ import onnxruntime as ort
 
 from edgemem.config import threads as check_threads
 from edgemem.errors import EdgememError, named
-from edgemem.manifest import PREFILL_LAST, Manifest, StateSpec, check_io
+from edgemem.manifest import ORT_TARGETS, PREFILL_LAST, Manifest, StateSpec, check_io
 from edgemem.runtime.base import BatchSlot, Engine, Stream
 from edgemem.runtime.errors import BackendError, BatchError
 from edgemem.runtime.state import concrete_shape, variable_dim
@@ -320,7 +322,7 @@ class OrtEngine(Engine):
         if threads is not None:
             check_threads(threads, named("threads", "--threads"))
         if target is None:
-            target = next((t for t in ("ort", "generic", "onnx27") if t in manifest.targets), None)
+            target = next((t for t in ORT_TARGETS if t in manifest.targets), None)
             if target is None:
                 raise BackendError(
                     f"{directory} has no target onnxruntime can run (it has {', '.join(manifest.targets)}); "

@@ -36,7 +36,7 @@ from edgemem.config import MAX_THREADS, fits_memory, size_text
 from edgemem.config import threads as check_threads
 from edgemem.errors import EdgememError, named
 from edgemem.files import check_output_dir, export_files, one_name, staged_directory, write_atomic
-from edgemem.manifest import MANIFEST, STATE_INIT, Manifest, StateSpec, load
+from edgemem.manifest import MANIFEST, ORT_TARGETS, STATE_INIT, Manifest, StateSpec, load
 from edgemem.runtime import Engine
 from edgemem.weights import check_single_link
 
@@ -107,7 +107,7 @@ def _check_runnable(manifest: Manifest, export_dir: Path) -> None:
             f"{export_dir}: {manifest.arch} has no step graph (a bidirectional encoder does not "
             "stream), and the Triton models serve streams"
         )
-    if not set(manifest.targets) & {"ort", "generic", "onnx27"}:
+    if not set(manifest.targets) & set(ORT_TARGETS):
         raise RepositoryError(
             f"{export_dir} has only the {', '.join(manifest.targets)} target, which onnxruntime "
             "does not run; export with --target ort (or generic) for Triton"

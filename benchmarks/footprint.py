@@ -10,7 +10,8 @@ with `edgemem export --hf DIR --target ort --max-length 1024`, then `edgemem cal
 Per export: the files' bytes, the resident memory `Engine.load` adds, the peak after a 256-token
 prefill and 64 steps, and how much of what is resident at the end is mapped file pages (clean page
 cache the kernel may reclaim: onnxruntime's library, and the embedding rows the lookups read in the page
-cache's folios), each as a multiple of the fp32 weight bytes (what llama.cpp holds once).
+cache's folios), each as a multiple of the fp32 weight bytes (what llama.cpp holds once); and onnxruntime's own
+cost, which every Python load counts: its import, and a session of a one-node graph.
 Greedy tokens of the fp32 export are compared with transformers' `generate`. With `--native LIB`, the
 same probe runs through libedgemem (`em_engine_load`, `em_stream_prefill`, `em_stream_step`) by ctypes.
 """
@@ -87,6 +88,30 @@ for _ in range(64):
     assert lib.em_stream_step(stream, token, logits.ctypes.data) == 0
 print(json.dumps({"load": loaded - base, "peak": status("VmHWM:") - base, "file": status("RssFile:") - file_base,
                   "tokens": tokens}))
+"""
+)
+
+
+# onnxruntime's own cost, which no export changes: its import, and a session of a one-node graph made and run as
+# the runtime makes its own (2 threads, the arena on)
+FIXED = (
+    r"""
+import json
+import numpy as np
+from onnx import TensorProto, helper
+"""
+    + MEASURE
+    + r"""
+import onnxruntime as ort
+imported = status("VmRSS:")
+value = lambda name: helper.make_tensor_value_info(name, TensorProto.FLOAT, [1])
+graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "one", [value("x")], [value("y")])
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+options = ort.SessionOptions()
+options.intra_op_num_threads = 2
+session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+session.run(None, {"x": np.zeros(1, np.float32)})
+print(json.dumps({"import": imported - base, "session": status("VmRSS:") - imported}))
 """
 )
 
@@ -182,6 +207,8 @@ def main() -> int:
         rows = {"fp32": measure(fp32), "int4": measure(int4)}
         if args.native:
             rows.update({"fp32 libedgemem": measure(fp32, args.native), "int4 libedgemem": measure(int4, args.native)})
+        proc = subprocess.run([sys.executable, "-c", FIXED], capture_output=True, text=True, check=True)
+        fixed = json.loads(proc.stdout.strip().splitlines()[-1])
         reference = reference_tokens(tmp / "hf")
         same = all(r["tokens"] == reference for name, r in rows.items() if name.startswith("fp32"))
     print(f"fp32 weights: {weights / 1e6:.1f} MB; greedy tokens (fp32) equal transformers' generate: {same}")
@@ -189,10 +216,16 @@ def main() -> int:
     for name, r in rows.items():
         cells = "".join(f"{r[k] / 1e6:>9.1f} MB {r[k] / weights:>4.2f}×" for k in ("files", "load", "peak", "file"))
         print(f"{name:<16}{cells}")
+    print(
+        "onnxruntime itself, in every Python row: "
+        + ", ".join(f"{k} {v / 1e6:.1f} MB {v / weights:.2f}×" for k, v in fixed.items())
+        + " (a session of a one-node graph)"
+    )
     if args.json:
         result = {
             "weights": weights,
             "greedy_equal": same,
+            "onnxruntime": fixed,
             **{k: {m: v for m, v in r.items() if m != "tokens"} for k, r in rows.items()},
         }
         args.json.write_text(json.dumps(result, indent=1) + "\n")

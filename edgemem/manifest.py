@@ -114,6 +114,13 @@ class Manifest:
     def vocab_size(self) -> int:
         return int(self.config["vocab_size"])
 
+    @property
+    def max_positions(self) -> int | None:
+        """The positions a stream holds: a preallocated KV cache's max_length where it has no sliding window;
+        None: no limit."""
+        kv = self.kv_cache
+        return kv["max_length"] if kv and kv["overflow"] == "error" else None
+
     def to_json(self) -> str:
         data = asdict(self)
         if data["quantization"] is None:

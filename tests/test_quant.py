@@ -262,6 +262,59 @@ def test_drift_report_json_has_the_documented_shape(fp32, quantized):
     assert "32,768" in quantized["output"]  # the table
 
 
+def test_static_calibration_fits_an_in_place_kv_cache(tmp_path, caplog):
+    """An export whose KV cache holds 96 positions, updated in place by onnxruntime's GroupQueryAttention (whose
+    CPU kernel takes a prompt after a past for batch 1 only): static calibration with two streams runs, the
+    recipe's positions and horizons that do not fit are left out with a warning naming them, and the manifest
+    and the drift report record what was used; a recipe with no position that fits is refused in one line."""
+    import dataclasses
+
+    from edgemem.export import export
+    from edgemem.models import load_config
+    from edgemem.models.lm import LM, set_kv_cache
+
+    softmax = dict(num_heads=4, num_kv_heads=2)
+    config = load_config("gated-deltanet", d_model=32, n_layers=2, mlp_hidden=32)
+    config = dataclasses.replace(
+        config, layer_types=["gated_deltanet", "softmax"], layer_type_options={"softmax": softmax}
+    )
+    model = LM(config).eval()
+    set_kv_cache(model, 96)
+    export(model, tmp_path / "fp32", targets=["ort"])
+    assert load_manifest(tmp_path / "fp32").kv_cache["in_place"] == ["ort"]
+    recipe = tmp_path / "long.toml"
+    recipe.write_text(
+        FAST_RECIPE.replace("last = 1024", "last = 128").replace("prefill_tokens = 32", "prefill_tokens = 16")
+    )
+    report = tmp_path / "report.json"
+    out = tmp_path / "int8"
+    result = _invoke(
+        "calibrate", tmp_path / "fp32", "--method", "static", "--recipe", recipe, "--report", report, "--out", out
+    )
+    assert result.exit_code == 0, result.output
+    assert (
+        "calibration positions 128 left out" in caplog.text
+        and "drift horizons 512, 4,096, 32,768 left out" in caplog.text
+    )
+    assert load_manifest(out).quantization["recipe"]["positions"] == [16, 32, 64]
+    assert list(json.loads(report.read_text())["horizons"]) == ["32"]
+    recipe.write_text(FAST_RECIPE.replace("first = 16, last = 1024", "first = 90, last = 128"))
+    _clean_failure(
+        _invoke(
+            "calibrate",
+            tmp_path / "fp32",
+            "--method",
+            "static",
+            "--recipe",
+            recipe,
+            "--out",
+            tmp_path / "none",
+            "--no-drift",
+        ),
+        "export with a larger --max-length",
+    )
+
+
 # ---------------------------------------------------------------- bad input
 
 

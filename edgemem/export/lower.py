@@ -239,8 +239,8 @@ def read_table_in_place(graph: onnx.GraphProto) -> None:
     """List a tied head's table (the weight of a Gemm(transB=1) that another node, the embedding lookup, also
     reads) among the graph's inputs as well. onnxruntime takes an initializer that is also an input as
     overridable: it neither pre-packs it nor folds through it, so the head reads the one mapped table in place,
-    where a packed copy would sit beside the table pages the lookups map. Only where onnxruntime runs the
-    graph (`ORT_TARGETS`); a table listed already stays listed once."""
+    where a packed copy would sit beside the table pages the lookups map. For the graphs onnxruntime runs
+    (`ORT_TARGETS`; TensorRT packs what it builds from); idempotent."""
     tables = {t.name: t for t in graph.initializer if len(t.dims) == 2}
     readers: dict[str, int] = {}
     for node in graph.node:

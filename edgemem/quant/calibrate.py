@@ -128,8 +128,10 @@ def calibration_feeds(
     progress: Callable[[str], None] = lambda _: None,
 ) -> dict[str, list]:
     """Inputs of the prefill and step graphs at the recipe's positions: `streams` held-out streams of the
-    recipe's task rolled out by the fp32 runtime (chunked prefill), batched as one [streams, ...] feed
-    per position. The step sample is the next token, the prefill sample the next `prefill_tokens`."""
+    recipe's task rolled out by the fp32 runtime (chunked prefill). The step sample is the next token, batched
+    as one [streams, ...] feed per position; the prefill sample the next `prefill_tokens`, a feed per stream
+    (onnxruntime's GroupQueryAttention, which updates a KV cache in place, takes T > 1 after a past for
+    batch 1 only)."""
     from edgemem.runtime import Engine
 
     engine = Engine.load(directory, threads=threads, check_files=False)
@@ -146,7 +148,9 @@ def calibration_feeds(
         states = [s.state_dict() for s in streams]
         state = {spec.input: np.concatenate([st[spec.input] for st in states]) for spec in manifest.state}
         feeds["step"].append({ids: tokens[:, position : position + 1], **state})
-        feeds["prefill"].append({ids: tokens[:, position : position + recipe.prefill_tokens], **state})
+        for row, st in zip(tokens, states):  # batch 1: the CPU's GroupQueryAttention takes T > 1 after a past
+            sample = {ids: row[None, position : position + recipe.prefill_tokens]}
+            feeds["prefill"].append({**sample, **{spec.input: st[spec.input] for spec in manifest.state}})
         log.info("calibration states at position %d", position)
     return feeds
 
@@ -351,12 +355,18 @@ def _quantize(
         logging.getLogger().removeFilter(quiet)
 
 
-def _tied_heads_back(graph: onnx.GraphProto) -> int:
+def _unlist(graph: onnx.GraphProto, names: set[str]) -> None:
+    """Drop `names` from the graph's inputs (tables that `read_table_in_place` listed)."""
+    kept = [v for v in graph.input if v.name not in names]
+    del graph.input[:]
+    graph.input.extend(kept)
+
+
+def _tied_heads_back(graph: onnx.GraphProto) -> None:
     """quantize_dynamic rewrites every Gemm(x, W, transB=1) as MatMul(x, W_Transposed) over a transposed copy
     of W that it adds. A float MatMul left so (the tied head, which no recipe quantizes) goes back to
-    Gemm(x, W, transB=1), reading the one table again. Modifies `graph`; returns the number of heads."""
+    Gemm(x, W, transB=1), reading the one table again, and the copy is dropped. Modifies `graph`."""
     inits = {t.name: t for t in graph.initializer}
-    back = 0
     for node in graph.node:
         copy = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else ""
         table = copy.removesuffix("_Transposed")
@@ -366,12 +376,10 @@ def _tied_heads_back(graph: onnx.GraphProto) -> int:
             )
             gemm.metadata_props.extend(node.metadata_props)
             node.CopyFrom(gemm)
-            back += 1
     read = {name for n in graph.node for name in n.input}
     kept = [t for t in graph.initializer if t.name in read or not t.name.endswith("_Transposed")]
     del graph.initializer[:]
     graph.initializer.extend(kept)
-    return back
 
 
 def calibrate(
@@ -404,6 +412,14 @@ def calibrate(
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     if method == "static":
         recipe.check_vocabulary(manifest.arch, manifest.vocab_size)
+        room = manifest.max_positions
+        recipe = recipe.calibration_within(room)
+        if not recipe.positions:
+            raise RecipeError(
+                f"recipe {recipe.source or recipe.name}: no calibration position leaves room for its "
+                f"{recipe.prefill_tokens} prefill tokens in the export's {room:,} positions (its --max-length); "
+                f"give [data] positions up to {room - recipe.prefill_tokens:,}, or export with a larger --max-length"
+            )
     runnable = [t for t in ORT_TARGETS if t in manifest.targets]
     if not runnable:
         raise EdgememError(
@@ -470,9 +486,12 @@ def calibrate(
                 progress(f"quantizing {target}/{kind}.onnx ({len(nodes)} projections)")
                 if nodes:
                     source = sources[(target, kind)]
+                    listed = onnx.load(str(source), load_external_data=False).graph
+                    in_place = {v.name for v in listed.input} & {t.name for t in listed.initializer}
                     if method == "static":  # QDQ rewires every reader of a quantized tensor: isolate them first
                         model = onnx.load(str(source))
                         isolate_inputs(model, nodes)
+                        _unlist(model.graph, in_place)  # the calibration session would warn of each listed table
                         source = tmp / f".{target}-{kind}.isolated.onnx"
                         onnx.save(model, source)
                     samples = (
@@ -482,15 +501,11 @@ def calibrate(
                     if method == "static":
                         source.unlink()
                     # the quantizers sort the nodes again: the export's order of the state outputs' nodes back;
-                    # and the tied table is listed as an input again where the head still reads it (int4 replaces it)
+                    # the tied table is listed as an input again only where a float head still reads it (not int4)
                     model = onnx.load(str(dest), load_external_data=False)
                     if method == "dynamic":
                         _tied_heads_back(model.graph)
-                    listed = onnx.load(str(sources[(target, kind)]), load_external_data=False).graph
-                    overridable = {v.name for v in listed.input} & {t.name for t in listed.initializer}
-                    kept = [v for v in model.graph.input if v.name not in overridable]
-                    del model.graph.input[:]
-                    model.graph.input.extend(kept)
+                    _unlist(model.graph, in_place)
                     if target in ORT_TARGETS:
                         read_table_in_place(model.graph)
                     leaves_last(model.graph)

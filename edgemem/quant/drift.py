@@ -32,6 +32,7 @@ from edgemem.quant.recipe import Recipe, load_recipe
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
+WARMUP = 10  # steps before the timed ones at the last horizon
 
 
 def _size(engine: Any) -> int:
@@ -84,6 +85,14 @@ def drift_report(
     if [s.input for s in q.manifest.state] != [s.input for s in fp.manifest.state]:
         raise EdgememError(f"{quantized} and {reference} have different state tensors: not the same model")
     recipe.check_vocabulary(fp.manifest.arch, fp.manifest.vocab_size)
+    room = fp.manifest.max_positions
+    recipe = recipe.drift_within(room, WARMUP + 3)  # room to time at least 3 steps at the last horizon
+    if not recipe.horizons:
+        raise EdgememError(
+            f"recipe {recipe.source or recipe.name}: no drift horizon fits the export's {room:,} positions (its "
+            f"--max-length) with {WARMUP + 3} steps to time after it; give [drift] horizons up to "
+            f"{room - WARMUP - 3:,}, or export with a larger --max-length"
+        )
     task = recipe.make_task()
     horizons = sorted(recipe.horizons)
     sample = task.stream(recipe.drift_streams, horizons[-1], recipe.drift_seed)
@@ -118,8 +127,9 @@ def drift_report(
             start = h
         if not us:  # time steps at the last horizon: the state is as large as it gets
             progress("timing steps")
+            steps = timing_steps if room is None else min(timing_steps, room - horizons[-1] - WARMUP)
             us = {
-                name: time_steps(lambda i, s=s: s.step(int(tokens[i % len(tokens)])), timing_steps, 10, 2.0)[0] * 1e6
+                name: time_steps(lambda i, s=s: s.step(int(tokens[i % len(tokens)])), steps, WARMUP, 2.0)[0] * 1e6
                 for name, s in (("fp32", sf), ("quantized", sq))
             }
 

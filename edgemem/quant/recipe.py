@@ -22,7 +22,8 @@ of the user's (examples in the top-level `calib/` folder).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ import numpy as np
 from edgemem.config import fits_memory, positive_int, read_toml
 from edgemem.errors import ConfigError
 from edgemem.tasks import VOCAB, Task, get_task
+
+log = logging.getLogger(__name__)
 
 DEFAULT = "default"
 _SECTIONS = {
@@ -89,6 +92,30 @@ class Recipe:
                 16 * self.drift_streams * max(self.horizons),
                 f"recipe {self.name!r}: {self.drift_streams:,} drift streams of {max(self.horizons):,} tokens",
                 RecipeError,
+            )
+
+    def calibration_within(self, room: int | None) -> Recipe:
+        """The recipe for streams that hold `room` positions (`Manifest.max_positions`; None: no limit): the
+        calibration positions whose prefill sample fits; those left out are logged."""
+        kept = self.positions if room is None else [p for p in self.positions if p + self.prefill_tokens <= room]
+        self._left_out("calibration positions", sorted(set(self.positions) - set(kept)), room)
+        return replace(self, positions=kept)
+
+    def drift_within(self, room: int | None, after: int) -> Recipe:
+        """The recipe for streams that hold `room` positions: the drift horizons that leave `after` more
+        positions (the steps timed at the last one); those left out are logged."""
+        kept = self.horizons if room is None else [h for h in self.horizons if h + after <= room]
+        self._left_out("drift horizons", sorted(set(self.horizons) - set(kept)), room)
+        return replace(self, horizons=kept)
+
+    def _left_out(self, what: str, values: list[int], room: int | None) -> None:
+        if values:
+            log.warning(
+                "recipe %r: %s %s left out: the export's streams hold %s positions (its --max-length)",
+                self.name,
+                what,
+                ", ".join(f"{v:,}" for v in values),
+                f"{room:,}",
             )
 
     def to_dict(self) -> dict[str, Any]:

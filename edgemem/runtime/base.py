@@ -117,8 +117,7 @@ class Engine:
         self._growth = sum(  # bytes per token of the KV caches
             int(np.prod(concrete_shape(s, 1, 1))) * np.dtype(s.dtype).itemsize for s in self._growing
         )
-        kv = manifest.kv_cache
-        self._max_length = kv["max_length"] if kv and kv["overflow"] == "error" else None  # None: no limit
+        self._max_length = manifest.max_positions  # None: no limit
         self._slots: OrderedDict[int, BatchSlot] = OrderedDict()
         self._lock = threading.RLock()  # reentrant: a slot gives states back while a batch holds it
         self.prefix_cache: PrefixCache | None = None  # `Engine.load(prefix_cache_bytes=)`: `edgemem.runtime.prefix`

@@ -73,6 +73,27 @@ def test_genai_runs_the_int4_export_and_generates_its_greedy_tokens(exported, tm
     assert genai_greedy(out, PROMPT, NEW_TOKENS, eos) == reference
 
 
+def test_genai_runs_a_tied_head_whose_table_is_an_input_too(tmp_path):
+    """A head tied to its embedding table reads the table in place: the ort graphs list it among their
+    inputs too (`edgemem.export.lower.read_table_in_place`), and genai, which feeds only the inputs it
+    knows, generates the runtime's greedy tokens."""
+    import dataclasses
+
+    import onnx
+
+    from edgemem.models import load_config
+    from edgemem.models.lm import LM
+
+    config = load_config("gated-deltanet", d_model=64, mlp_hidden=32, n_layers=1, vocab_size=32000)
+    torch.manual_seed(0)
+    export(LM(dataclasses.replace(config, tie_embeddings=True)).eval(), tmp_path / "tied", targets=["ort"])
+    graph = onnx.load(str(tmp_path / "tied" / "ort" / "prefill.onnx"), load_external_data=False).graph
+    assert {v.name for v in graph.input} & {t.name for t in graph.initializer} == {"model.embed.weight"}
+    reference = list(Engine.load(tmp_path / "tied", threads=1).generate(bytes(PROMPT), max_new_tokens=NEW_TOKENS))
+    eos = min(set(range(config.vocab_size)) - set(reference))
+    assert genai_greedy(tmp_path / "tied", PROMPT, NEW_TOKENS, eos) == reference
+
+
 @pytest.mark.slow
 def test_genai_runs_a_hybrid_of_recurrent_and_attention_layers(tmp_path):
     from edgemem.layers import SoftmaxAttention

@@ -378,7 +378,7 @@ def _nm_case(*, b, t, h, d, e, depth, chunk, activation, norm, position, seed=0)
     return (q, k, v, theta, eta, alpha, w, s, c, pos, nw, nb)
 
 
-def _nm_native(lib, case, *, h, chunk, activation, present=None):
+def _nm_native(lib, case, *, h, chunk, activation, present=None, chunked=False):
     q, k, v, theta, eta, alpha, w, s, c, pos, nw, nb = case
     d = q.shape[2] // h
     norm_w = _f32(nw) if nw is not None else torch.ones(h, d)
@@ -401,6 +401,7 @@ def _nm_native(lib, case, *, h, chunk, activation, present=None):
         activation=activation,
         residual_norm=nw is not None,
         present=present,
+        chunked=chunked,
     )
 
 
@@ -445,6 +446,55 @@ def test_reference_neural_memory(ref, depth, activation, norm, chunk, t, positio
     for got, exp in zip((*w_out, *s_out, *c_out), (*want[1], *want[2], *want[3])):
         _close(got, exp)
     assert torch.equal(end, want[4])
+
+
+@pytest.mark.parametrize(
+    "depth,activation,norm,chunk,t,position",
+    [
+        (2, "silu", False, 16, 37, (0, 5)),  # whole pieces, and a call that starts mid-chunk
+        (2, "gelu", True, 5, 23, (3, 0)),  # chunks shorter than a piece
+        (2, "relu", False, 40, 45, (7, 38)),  # chunks longer than a piece
+        (2, "identity", True, 16, 3, (14,)),
+        (1, "silu", False, 16, 33, (1, 16)),
+        (1, "silu", True, 3, 10, (2,)),
+        (2, "silu", True, 16, 1, (4, 15)),  # a decode step
+    ],
+)
+def test_reference_chunked_neural_memory_equals_the_op(ref, depth, activation, norm, chunk, t, position):
+    """The chunked form the CUDA prefill runs (pieces of up to 16 tokens sharing the chunk weights, as
+    matrix products) against edgemem.ops in float64: outputs, weights, momentum, chunk weights."""
+    b, h, d, e = len(position), 2, 16, 32
+    case = _nm_case(
+        b=b, t=t, h=h, d=d, e=e, depth=depth, chunk=chunk, activation=activation, norm=norm, position=position, seed=5
+    )
+    q, k, v, theta, eta, alpha, w, s, c, pos, nw, nb = case
+    want = neural_memory_step(
+        *case[:10],
+        num_heads=h,
+        chunk_size=chunk,
+        activation=activation,
+        norm_weight=nw,
+        norm_bias=nb,
+    )
+    y, end, w_out, s_out, c_out = _nm_native(ref, case, h=h, chunk=chunk, activation=activation, chunked=True)
+    _close(y, want[0])
+    for got, exp in zip((*w_out, *s_out, *c_out), (*want[1], *want[2], *want[3])):
+        _close(got, exp)
+    assert torch.equal(end, want[4])
+    # in place: present and past one set of buffers
+    state = [pos.clone(), [_f32(x) for x in w], [_f32(x) for x in s], [_f32(x) for x in c]]
+    inplace = (*case[:6], *state[1:], state[0], nw, nb)
+    y2, *_ = _nm_native(ref, inplace, h=h, chunk=chunk, activation=activation, present=state, chunked=True)
+    assert torch.equal(y2, y)
+    for got, exp in zip((*state[1], *state[2], *state[3]), (*w_out, *s_out, *c_out)):
+        assert torch.equal(got, exp)
+
+
+def test_reference_chunked_neural_memory_refuses_partial_tiles(ref):
+    """Head and hidden sizes that are not whole 16 x 16 tiles keep the sequential form."""
+    case = _nm_case(b=1, t=4, h=1, d=12, e=32, depth=2, chunk=4, activation="silu", norm=False, position=(0,))
+    with pytest.raises(NativeError, match="unsupported"):
+        _nm_native(ref, case, h=1, chunk=4, activation="silu", chunked=True)
 
 
 def test_reference_neural_memory_steps_in_place(ref):
@@ -498,6 +548,7 @@ KERNELS = (
     "windowAttentionKernel",
     "bandedAttentionKernel",
     "neuralMemoryKernel",
+    "neuralMemoryChunkKernel",
 )
 
 

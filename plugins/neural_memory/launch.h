@@ -35,11 +35,22 @@ struct NeuralMemoryIO
 
 namespace cuda
 {
-// T >= 1 tokens. Depth 1 reads and writes the first layer only.
+// T >= 1 tokens. Depth 1 reads and writes the first layer only. The sequential kernel: the tokens
+// in order, one block per (batch, head).
 int neuralMemory(nm::Params const& p, NeuralMemoryIO const& io, DType dtype, cudaStream_t stream);
+// The chunked form (neural_memory_chunk.cu: pieces of up to 16 tokens as tensor-core products, sm_80
+// or later); kUnsupported where it does not apply: d or e not a multiple of 16, state tensors not
+// 32-byte aligned, or more shared memory than the device gives a block.
+int neuralMemoryChunked(nm::Params const& p, NeuralMemoryIO const& io, DType dtype, cudaStream_t stream);
+// The chunked kernel alone (T >= 1, B >= 1, sizes checked): launched, or kUnsupported.
+int neuralMemoryPieces(nm::Params const& p, NeuralMemoryIO const& io, DType dtype, cudaStream_t stream);
 } // namespace cuda
 } // namespace edgemem
 
 EM_CUDA_API int em_cuda_neural_memory(
     edgemem::nm::Params const* p, edgemem::NeuralMemoryIO const* io, int dtype, int, int, void* stream);
+EM_CUDA_API int em_cuda_neural_memory_chunked(
+    edgemem::nm::Params const* p, edgemem::NeuralMemoryIO const* io, int dtype, int, int, void* stream);
 EM_REF_API int em_ref_neural_memory(edgemem::nm::Params const* params, edgemem::NeuralMemoryIO const* io);
+// The chunked form the CUDA prefill runs (neural_memory.h); kUnsupported where d or e is not a multiple of 16.
+EM_REF_API int em_ref_neural_memory_chunked(edgemem::nm::Params const* params, edgemem::NeuralMemoryIO const* io);

@@ -1,4 +1,5 @@
-// NeuralMemory kernel: decode step (T = 1) and sequential prefill (T > 1), one kernel.
+// NeuralMemory kernel: decode step (T = 1) and sequential prefill (T > 1), one kernel; the node's
+// launchers around it and the chunked kernel (neural_memory_chunk.cu).
 //
 // A block per (batch, head) owns that head's memory (W, S, C of one or two layers) and runs
 // the tokens in order. Per token, in phases separated by __syncthreads():
@@ -264,12 +265,10 @@ int launch(nm::Params const& p, NeuralMemoryIO const& io, cudaStream_t stream)
     return launchStatus();
 }
 
-} // namespace
-
-int neuralMemory(nm::Params const& p, NeuralMemoryIO const& io, DType dtype, cudaStream_t stream)
+// The node around a kernel: the checks, an empty call's state copy, the position output.
+template <class Kernel>
+int node(nm::Params const& p, NeuralMemoryIO const& io, DType dtype, cudaStream_t stream, Kernel const& kernel)
 {
-    if (int const st = nm::check(p))
-        return st;
     if (dtype != kFloat32 && dtype != kFloat16 && dtype != kBFloat16)
         return kUnsupported;
     if (p.batch == 0)
@@ -287,15 +286,30 @@ int neuralMemory(nm::Params const& p, NeuralMemoryIO const& io, DType dtype, cud
                     return kCudaError;
         }
     }
-    else
-    {
-        int const st = withType(dtype, [&](auto t) { return launch<decltype(t)>(p, io, stream); });
-        if (st)
-            return st;
-    }
+    else if (int const st = kernel())
+        return st;
     int const n = p.position_per_batch ? p.batch : 1;
     advancePositionKernel<<<1, kWarp, 0, stream>>>(io.position, io.present_position, n, p.seq);
     return launchStatus();
+}
+
+} // namespace
+
+int neuralMemory(nm::Params const& p, NeuralMemoryIO const& io, DType dtype, cudaStream_t stream)
+{
+    if (int const st = nm::check(p))
+        return st;
+    return node(p, io, dtype, stream,
+        [&] { return withType(dtype, [&](auto t) { return launch<decltype(t)>(p, io, stream); }); });
+}
+
+int neuralMemoryChunked(nm::Params const& p, NeuralMemoryIO const& io, DType dtype, cudaStream_t stream)
+{
+    if (int const st = nm::check(p))
+        return st;
+    if (!nm::pieceable(p))
+        return kUnsupported;
+    return node(p, io, dtype, stream, [&] { return neuralMemoryPieces(p, io, dtype, stream); });
 }
 
 } // namespace cuda
@@ -305,4 +319,10 @@ EM_CUDA_API int em_cuda_neural_memory(
     edgemem::nm::Params const* p, edgemem::NeuralMemoryIO const* io, int dtype, int, int, void* stream)
 {
     return edgemem::cuda::neuralMemory(*p, *io, edgemem::DType(dtype), static_cast<cudaStream_t>(stream));
+}
+
+EM_CUDA_API int em_cuda_neural_memory_chunked(
+    edgemem::nm::Params const* p, edgemem::NeuralMemoryIO const* io, int dtype, int, int, void* stream)
+{
+    return edgemem::cuda::neuralMemoryChunked(*p, *io, edgemem::DType(dtype), static_cast<cudaStream_t>(stream));
 }

@@ -178,5 +178,70 @@ EM_HD void readOut(float const (&z)[N], float const (&x)[N], float const (&gamma
         y[r] = x[r] + gamma[r] * ((z[r] - mean) / sigma) + beta[r];
 }
 
+// ---------------------------------------------------------------------------------------------
+// Chunked form (prefill on tensor cores; edgemem/ops/neural_memory/chunk.py). A piece is up to
+// kPieceRows tokens that share the chunk weights C: a chunk, or the part of one that a piece
+// boundary or the call's ends leave. Inside a piece every gradient is taken at C, so Titans
+// eq. 13/14 are linear in the gradients; with, for tokens j <= i of the piece,
+//   L_ij = prod_{j<m<=i} eta_m,  Lambda_ij = prod_{j<m<=i} (1 - alpha_m),  P_i = prod_{m<=i} eta_m,
+//   A_i = prod_{m<=i} (1 - alpha_m),  K = Lambda L,  c = Lambda P,
+// and each layer's gradient of token j written x_j^T d_j (x: the layer's input at C, d: dl/d of
+// its output, from the closed forms above), the state after token i is
+//   W_i = A_i W_0 + c_i S_0 - sum_j K_ij theta_j x_j^T d_j,  S_i = P_i S_0 - sum_j L_ij theta_j x_j^T d_j
+// (W_0, S_0: at the piece start). A read x'_i W_i = A_i x'_i W_0 + c_i x'_i S_0
+// - sum_j K_ij theta_j (x'_i . x_j) d_j is a masked product over the piece (no per-token weights),
+// and the state after the piece is the last row of the same sums.
+constexpr int kPieceRows = 16;
+
+// The chunked form takes head and hidden sizes in whole 16 x 16 tiles.
+EM_HD bool pieceable(Params const& p) { return p.d % 16 == 0 && p.e % 16 == 0; }
+
+// Tokens in the piece that starts at absolute position pos, with `left` tokens of the call left.
+EM_HD int pieceLength(int64_t pos, int chunk, int left)
+{
+    int64_t const to_chunk_end = chunk - pos % chunk;
+    int64_t const n = to_chunk_end < kPieceRows ? to_chunk_end : kPieceRows;
+    return n < left ? int(n) : left;
+}
+
+// The per-token coefficients of a piece of n tokens: a[i] = A_i, c[i] = c_i (0 past n); returns P_{n-1}.
+EM_HD float pieceRows(float const* eta, float const* alpha, int n, float* a, float* c)
+{
+    float decay = 1.0f, product = 1.0f, mixed = 0.0f;
+    for (int i = 0; i < kPieceRows; ++i)
+    {
+        if (i < n)
+        {
+            decay *= 1.0f - alpha[i];
+            product *= eta[i];
+            mixed = (1.0f - alpha[i]) * mixed + product;
+        }
+        a[i] = i < n ? decay : 0.0f;
+        c[i] = i < n ? mixed : 0.0f;
+    }
+    return product;
+}
+
+// Column j of the piece's token mixing, one owner per column: kt[i * ld + j] = K_ij theta_j for
+// j <= i < n (0 elsewhere); wt = K_{n-1,j} theta_j and st = L_{n-1,j} theta_j weigh token j's
+// gradient in the weights and the momentum after the piece (0 for j >= n).
+// K_ij = (1 - alpha_i) K_{i-1,j} + L_ij, K_jj = L_jj = 1.
+EM_HD void pieceColumn(
+    float const* eta, float const* alpha, float const* theta, int n, int j, float* kt, int ld, float& wt, float& st)
+{
+    float l = 1.0f, k = 1.0f;
+    for (int i = 0; i < kPieceRows; ++i)
+    {
+        if (i > j && i < n)
+        {
+            l *= eta[i];
+            k = (1.0f - alpha[i]) * k + l;
+        }
+        kt[i * ld + j] = i >= j && i < n ? k * theta[j] : 0.0f;
+    }
+    wt = j < n ? k * theta[j] : 0.0f;
+    st = j < n ? l * theta[j] : 0.0f;
+}
+
 } // namespace nm
 } // namespace edgemem

@@ -166,6 +166,7 @@ class Native:
             "window_attention": [p(WindowParams), p(c_int32), p(WindowIO)],
             "banded_attention": [p(BandedParams), p(c_int32), p(BandedIO)],
             "neural_memory": [p(NMParams), p(NMIO)],
+            "neural_memory_chunked": [p(NMParams), p(NMIO)],
         }
         for name, args in sigs.items():
             fn = getattr(self.lib, self.prefix + name)
@@ -442,11 +443,14 @@ class Native:
         residual_norm,
         output=None,
         present=None,
+        chunked=False,
     ):
         """The `edgemem::NeuralMemory` node. weights/momentum/chunk_weights: one tensor per layer.
 
         Returns (output, present_position, present_weights, present_momentum, present_chunk_weights);
-        `present` = (position, weights, momentum, chunk_weights) to write into given tensors."""
+        `present` = (position, weights, momentum, chunk_weights) to write into given tensors.
+        `chunked`: the chunked form (pieces of up to 16 tokens as matrix products) instead of the
+        sequential one."""
         b, t, _ = query.shape
         depth = len(weights)
         d = query.shape[2] // num_heads
@@ -484,5 +488,6 @@ class Native:
             pair(s_out),
             pair(c_out),
         )
-        self._call("neural_memory", ctypes.byref(params), ctypes.byref(io), dtypes=(self._check_dtype(query), 0, 0))
+        name = "neural_memory_chunked" if chunked else "neural_memory"
+        self._call(name, ctypes.byref(params), ctypes.byref(io), dtypes=(self._check_dtype(query), 0, 0))
         return output, pos_out, tuple(w_out), tuple(s_out), tuple(c_out)

@@ -12,11 +12,12 @@ Every case runs the kernels through their C ABI on torch CUDA tensors and compar
 Modes: "prefill" (T tokens, separate state buffers), "in-place" (state-in and state-out one
 buffer), "steps" (T single-token calls on one in-place state, compared with the one-call truth);
 LinearAttention also "chunked" (its tensor-core form forced) and "segments" (that form with a
-workspace of one chunk, so the state passes from segment to segment).
+workspace of one chunk, so the state passes from segment to segment); NeuralMemory "chunked" and
+"chunked in-place" (its tensor-core form, where d and e are multiples of 16).
 Timing: each decode kernel (T = 1, in place) against the memory floor of the design,
 t >= bytes / bandwidth, with bandwidth both the device's peak (memory clock x bus width) and a
 measured device-to-device copy; LinearAttention prefill in both forms beside
-flash-linear-attention's chunk_gated_delta_rule.
+flash-linear-attention's chunk_gated_delta_rule; NeuralMemory prefill in both forms.
 
 `--cpu-self-test` runs the same harness with the CPU reference standing in for the kernels
 (float32, no timing): a check of this script on a machine without a GPU.
@@ -355,8 +356,11 @@ NM_CASES = [  # name, b, t, heads, d, e, depth, chunk, activation, norm, positio
     ("relu 100x256", 1, 5, 2, 100, 256, 2, 2, "relu", False, (3,)),
     ("d 256 e 512", 1, 3, 1, 256, 512, 2, 16, "silu", True, (15,)),
     ("depth1 odd", 2, 4, 3, 33, 33, 1, 1, "silu", False, (0, 1)),
+    ("titans-mag 64x128, pieces", 2, 45, 4, 64, 128, 2, 16, "silu", True, (0, 7)),
+    ("16x32 gelu, short chunks", 2, 21, 2, 16, 32, 2, 5, "gelu", True, (3, 0)),
+    ("ttt-linear 64, long chunks", 1, 50, 2, 64, 64, 1, 40, "identity", True, (9,)),
 ]
-NM_QUICK = [NM_CASES[2], NM_CASES[5]]
+NM_QUICK = [NM_CASES[2], NM_CASES[5], NM_CASES[7]]
 
 
 def check_neural_memory(h: Harness, quick: bool) -> None:
@@ -424,6 +428,18 @@ def check_neural_memory(h: Harness, quick: bool) -> None:
                 tok = [x[:, i : i + 1].contiguous() for x in args[:6]]
                 ys.append(h.dev.neural_memory(*tok, p2, *args[7:], *st, present=(p2, *st), **kw)[0])
             h.record("NeuralMemory", name, dtype, "steps", [torch.cat(ys, 1), *st[0], *st[1], *st[2]], want_flat)
+            if d % 16 or e % 16:
+                continue
+            try:
+                got = h.dev.neural_memory(*args, *state, **kw, chunked=True)
+            except NativeError as err:  # more shared memory than the device gives a block
+                h.notes.append(f"NeuralMemory {name} {_dt(dtype)}: chunked form refused ({err})")
+                continue
+            h.record("NeuralMemory", name, dtype, "chunked", [got[0], *got[2], *got[3], *got[4]], want_flat, ref)
+            st = [[x.clone() for x in xs] for xs in state]
+            p2 = args[6].clone()
+            got = h.dev.neural_memory(*args[:6], p2, *args[7:], *st, present=(p2, *st), **kw, chunked=True)
+            h.record("NeuralMemory", name, dtype, "chunked in-place", [got[0], *st[0], *st[1], *st[2]], want_flat)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -661,10 +677,51 @@ def time_prefill(h: Harness) -> list[tuple[str, str, float | None, float | None,
     return rows
 
 
+def time_memory_prefill(h: Harness) -> list[tuple[str, str, float | None, float | None]]:
+    """NeuralMemory prefill (T tokens in one call, chunks of 16): the sequential and the chunked kernels'
+    µs per call (CUDA-graph device time); None where a form refuses the shape."""
+    dev, rows = h.device, []
+    shapes = [  # b, heads, d, e, depth, T
+        (1, 4, 64, 128, 2, 64),
+        (1, 4, 64, 128, 2, 1024),
+        (1, 4, 64, 64, 1, 1024),
+        (8, 8, 128, 512, 2, 1024),
+    ]
+    for b, heads, d, e, depth, t in shapes:
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            x = [torch.randn(b, t, heads * d, device=dev, dtype=dtype) * 0.1 for _ in range(3)]
+            gates = [torch.full((b, t, heads), val, device=dev, dtype=dtype) for val in (0.01, 0.9, 0.001)]
+            pos = torch.zeros(b, dtype=torch.int64, device=dev)
+            nw, nb = torch.ones(heads, d, device=dev), torch.zeros(heads, d, device=dev)
+            shapes_ = [(b, heads, d, d)] if depth == 1 else [(b, heads, d, e), (b, heads, e, d)]
+            st = [[torch.randn(*s_, device=dev) * 0.01 for s_ in shapes_] for _ in range(3)]
+            out = [[torch.empty_like(w) for w in xs] for xs in st]
+            kw = dict(
+                num_heads=heads,
+                chunk_size=16,
+                activation="silu",
+                residual_norm=False,
+                output=torch.empty_like(x[0]),
+                present=(torch.empty_like(pos), *out),
+            )
+
+            def timed(chunked):
+                fn = lambda: h.dev.neural_memory(*x, *gates, pos, nw, nb, *st, **kw, chunked=chunked)  # noqa: E731
+                try:
+                    fn()
+                except NativeError:
+                    return None
+                return _graph_us(fn, iters=5, replays=4) or _time_us(fn, iters=10, warmup=3)
+
+            case = f"b{b} {heads} heads {d}x{e} depth {depth}, T={t}"
+            rows.append((case, _dt(dtype), timed(False), timed(True)))
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------
 
 
-def report(h: Harness, timings: list[Timing], prefill: list, device_name: str, elapsed: float) -> str:
+def report(h: Harness, timings: list[Timing], prefill: list, memory: list, device_name: str, elapsed: float) -> str:
     lines = [f"# edgemem kernel check — {device_name}", ""]
     failed = [r for r in h.rows if not r.ok]
     lines.append(
@@ -729,6 +786,23 @@ def report(h: Harness, timings: list[Timing], prefill: list, device_name: str, e
             per = f"{chunked / t:.3f}" if chunked is not None else "-"
             ratio = f"{theirs / chunked:.2f}×" if chunked and theirs else "-"
             lines.append(f"| {case} | {dt} | {f(seq)} | {f(chunked)} | {per} | {f(theirs)} | {ratio} |")
+    if memory:
+        lines += [
+            "",
+            "## NeuralMemory prefill (one call of T tokens, chunks of 16, CUDA-graph device time)",
+            "",
+            "sequential: the tokens in order; chunked: pieces of up to 16 tokens as tensor-core products; "
+            "speed-up = sequential µs / chunked µs.",
+            "",
+            "| case | dtype | sequential µs | chunked µs | chunked µs/token | speed-up |",
+            "|---|---|---|---|---|---|",
+        ]
+        f = lambda x: f"{x:.1f}" if x is not None else "-"  # noqa: E731
+        for case, dt, seq, chunked in memory:
+            t = int(case.rsplit("T=", 1)[1])
+            per = f"{chunked / t:.3f}" if chunked is not None else "-"
+            ratio = f"{seq / chunked:.2f}×" if chunked and seq else "-"
+            lines.append(f"| {case} | {dt} | {f(seq)} | {f(chunked)} | {per} | {ratio} |")
     for n in h.notes:
         lines.append(f"- note: {n}")
     return "\n".join(lines) + "\n"
@@ -766,13 +840,14 @@ def main() -> int:
             h.errors.append(f"{check.__name__}: {e}")
     if h.device.type == "cuda":
         torch.cuda.synchronize()
-    timings, prefill = [], []
+    timings, prefill, memory = [], [], []
     if not args.no_timing:
         peak = h.dev.lib.em_cuda_peak_bandwidth_gbs
         peak.restype = __import__("ctypes").c_double
         timings = time_decode(h, peak(torch.cuda.current_device()))
         prefill = time_prefill(h)
-    text = report(h, timings, prefill, device_name, time.time() - t0)
+        memory = time_memory_prefill(h)
+    text = report(h, timings, prefill, memory, device_name, time.time() - t0)
     print(text)
     if args.report:
         args.report.write_text(text)

@@ -357,6 +357,59 @@ def test_reference_banded_attention(ref, causal, globals_, persistent, dilation)
     _close(got, want)
 
 
+@pytest.mark.parametrize(
+    "t,window,dilation,causal,frac,persistent",
+    [
+        (150, 8, (1, 3), False, 0.05, 20),  # three query blocks, two persistent tiles
+        (150, 8, (1, 3), True, 0.05, 0),
+        (70, 40, (2, 1), False, 0.0, 3),  # a band wider than a block
+        (200, 2, (1, 1), True, 0.3, 0),  # several tiles of global keys outside the span
+        (64, 1, (4, 1), False, 1.0, 0),  # every row global
+    ],
+)
+def test_reference_tiled_banded_attention_equals_the_op(ref, t, window, dilation, causal, frac, persistent):
+    """The tiled form the CUDA prefill runs (64 query rows against 16-key tiles: the band's span, then
+    the global keys outside it, then the persistent keys, one online softmax) against edgemem.ops in float64."""
+    g = torch.Generator().manual_seed(t + window)
+    b, h, d, dv = 2, 2, 16, 32
+    q, k, v = _rand(g, b, t, h * d), _rand(g, b, t, h * d), _rand(g, b, t, h * dv)
+    pk, pv = _rand(g, b, h, persistent, d), _rand(g, b, h, persistent, dv)
+    mask = torch.rand(b, t, generator=g) < frac
+    kw = dict(num_heads=h, window=window, dilation=list(dilation), causal=causal, scale=d**-0.5)
+    want = banded_attention(
+        q,
+        k,
+        v,
+        global_mask=mask,
+        persistent_key=pk if persistent else None,
+        persistent_value=pv if persistent else None,
+        **kw,
+    )
+    got = ref.banded_attention(_f32(q), _f32(k), _f32(v), mask.contiguous(), _f32(pk), _f32(pv), **kw, tiled=True)
+    _close(got, want)
+
+
+def test_reference_tiled_banded_attention_refuses_partial_tiles(ref):
+    """Head dims that are not whole 16 x 16 tiles, or above 128, keep the row-per-warp form."""
+    for d, dv in ((12, 16), (16, 144)):
+        q, k, v = torch.zeros(1, 4, d), torch.zeros(1, 4, d), torch.zeros(1, 4, dv)
+        p = torch.zeros(1, 1, 0, d), torch.zeros(1, 1, 0, dv)
+        with pytest.raises(NativeError, match="unsupported"):
+            ref.banded_attention(
+                q,
+                k,
+                v,
+                torch.zeros(1, 4, dtype=torch.bool),
+                *p,
+                num_heads=1,
+                window=1,
+                dilation=[1],
+                causal=False,
+                scale=1.0,
+                tiled=True,
+            )
+
+
 # ---------------------------------------------------------------------------------------------
 # NeuralMemory
 
@@ -547,6 +600,7 @@ KERNELS = (
     "chunkOutput",
     "windowAttentionKernel",
     "bandedAttentionKernel",
+    "bandedTileKernel",
     "neuralMemoryKernel",
     "neuralMemoryChunkKernel",
 )

@@ -2,7 +2,8 @@
 //
 // A warp per (batch, head, query row) runs one online softmax (core/warp_attention.cuh) over the
 // band keys, then the global keys outside the band (found 32 at a time with a ballot over the
-// mask), then the persistent ones.
+// mask), then the persistent ones. The launchers of both forms (the tiled kernel:
+// banded_attention_tile.cu), which leaves the global query rows to this one.
 #include "core/warp_attention.cuh"
 #include "launch.h"
 
@@ -17,18 +18,18 @@ constexpr int kBaWarps = 4;
 constexpr int kBaThreads = kBaWarps * kWarp;
 
 template <typename T, typename P>
-__global__ void __launch_bounds__(kBaThreads)
-    bandedAttentionKernel(attn::BandedParams const p, Dilation const dilation, BandedAttentionIO const io)
+__global__ void __launch_bounds__(kBaThreads, 4) bandedAttentionKernel(
+    attn::BandedParams const p, Dilation const dilation, BandedAttentionIO const io, bool const global_rows)
 {
     int const lane = threadIdx.x & (kWarp - 1);
     int const i = blockIdx.x * kBaWarps + threadIdx.x / kWarp;
     int const h = blockIdx.y;
     int const b = blockIdx.z;
-    if (i >= p.seq)
+    bool const* mask = io.global_mask + int64_t(b) * p.seq;
+    if (i >= p.seq || (global_rows && !mask[i]))
         return; // the whole warp
     int const dil = dilation.v[h];
     bool const causal = p.causal != 0;
-    bool const* mask = io.global_mask + int64_t(b) * p.seq;
     int64_t const q_row = attn::rowOffset(p.seq, p.heads, p.d, b, i, h);
     WarpAttention a{};
     a.init<T>(io.query, q_row, lane, p.d, p.dv, p.scale);
@@ -78,22 +79,21 @@ __global__ void __launch_bounds__(kBaThreads)
     }
 }
 
+// global_rows: only the rows of global queries (the tiled kernel computes the others).
 template <typename T>
-int launchBanded(
-    attn::BandedParams const& p, Dilation const& dil, BandedAttentionIO const& io, DType pd, cudaStream_t stream)
+int launchBanded(attn::BandedParams const& p, Dilation const& dil, BandedAttentionIO const& io, DType pd,
+    bool global_rows, cudaStream_t stream)
 {
     dim3 const grid(unsigned((p.seq + kBaWarps - 1) / kBaWarps), unsigned(p.heads), unsigned(p.batch));
     if (pd == kFloat32)
-        bandedAttentionKernel<T, float><<<grid, kBaThreads, 0, stream>>>(p, dil, io);
+        bandedAttentionKernel<T, float><<<grid, kBaThreads, 0, stream>>>(p, dil, io, global_rows);
     else
-        bandedAttentionKernel<T, typename Narrow<T>::type><<<grid, kBaThreads, 0, stream>>>(p, dil, io);
+        bandedAttentionKernel<T, typename Narrow<T>::type><<<grid, kBaThreads, 0, stream>>>(p, dil, io, global_rows);
     return launchStatus();
 }
 
-} // namespace
-
-int bandedAttention(attn::BandedParams const& p, int32_t const* dilation, BandedAttentionIO const& io, DType dtype,
-    DType persistent_dtype, cudaStream_t stream)
+// The checks both forms share; kOk with nothing to run sets `empty`.
+int checkCall(attn::BandedParams const& p, int32_t const* dilation, DType dtype, DType persistent_dtype, bool& empty)
 {
     int mx = 0;
     if (int const st = attn::check(p))
@@ -103,12 +103,44 @@ int bandedAttention(attn::BandedParams const& p, int32_t const* dilation, Banded
     if (p.heads > kMaxHeads || p.heads > 65535 || p.batch > 65535 || !validDType(dtype)
         || !validState(persistent_dtype, dtype))
         return kUnsupported;
-    if (p.batch == 0 || p.seq == 0)
-        return kOk;
+    empty = p.batch == 0 || p.seq == 0;
+    return kOk;
+}
+
+int rows(attn::BandedParams const& p, int32_t const* dilation, BandedAttentionIO const& io, DType dtype,
+    DType persistent_dtype, bool global_rows, cudaStream_t stream)
+{
     Dilation dil{};
     for (int h = 0; h < p.heads; ++h)
         dil.v[h] = dilation[h];
-    return withType(dtype, [&](auto t) { return launchBanded<decltype(t)>(p, dil, io, persistent_dtype, stream); });
+    return withType(
+        dtype, [&](auto t) { return launchBanded<decltype(t)>(p, dil, io, persistent_dtype, global_rows, stream); });
+}
+
+} // namespace
+
+int bandedAttention(attn::BandedParams const& p, int32_t const* dilation, BandedAttentionIO const& io, DType dtype,
+    DType persistent_dtype, cudaStream_t stream)
+{
+    bool empty = false;
+    if (int const st = checkCall(p, dilation, dtype, persistent_dtype, empty))
+        return st;
+    return empty ? kOk : rows(p, dilation, io, dtype, persistent_dtype, false, stream);
+}
+
+int bandedAttentionTiled(attn::BandedParams const& p, int32_t const* dilation, BandedAttentionIO const& io, DType dtype,
+    DType persistent_dtype, cudaStream_t stream)
+{
+    bool empty = false;
+    if (int const st = checkCall(p, dilation, dtype, persistent_dtype, empty))
+        return st;
+    if (!attn::tileable(p))
+        return kUnsupported;
+    if (empty)
+        return kOk;
+    if (int const st = bandedTiles(p, dilation, io, dtype, persistent_dtype, stream))
+        return st;
+    return rows(p, dilation, io, dtype, persistent_dtype, true, stream);
 }
 
 } // namespace cuda
@@ -119,5 +151,13 @@ EM_CUDA_API int em_cuda_banded_attention(edgemem::attn::BandedParams const* p, i
 {
     using edgemem::DType;
     return edgemem::cuda::bandedAttention(
+        *p, dilation, *io, DType(dtype), DType(persistent_dtype), static_cast<cudaStream_t>(stream));
+}
+
+EM_CUDA_API int em_cuda_banded_attention_tiled(edgemem::attn::BandedParams const* p, int32_t const* dilation,
+    edgemem::BandedAttentionIO const* io, int dtype, int persistent_dtype, int, void* stream)
+{
+    using edgemem::DType;
+    return edgemem::cuda::bandedAttentionTiled(
         *p, dilation, *io, DType(dtype), DType(persistent_dtype), static_cast<cudaStream_t>(stream));
 }

@@ -22,13 +22,28 @@ struct BandedAttentionIO
 
 namespace cuda
 {
-// BandedAttention over a whole sequence (prefill / encoder). dilation: host array.
+// BandedAttention over a whole sequence (prefill / encoder). dilation: host array. A warp per query row.
 int bandedAttention(attn::BandedParams const& p, int32_t const* dilation, BandedAttentionIO const& io, DType dtype,
+    DType persistent_dtype, cudaStream_t stream);
+// The tiled form (banded_attention_tile.cu: blocks of 64 query rows against 16-key tiles on tensor
+// cores, sm_80 or later; global query rows by the row-per-warp kernel); kUnsupported where it does
+// not apply: d or d_v not a multiple of 16 or above 128.
+int bandedAttentionTiled(attn::BandedParams const& p, int32_t const* dilation, BandedAttentionIO const& io, DType dtype,
+    DType persistent_dtype, cudaStream_t stream);
+// The tiled kernel alone (sizes checked, T >= 1): every row but the global ones; kUnsupported below
+// sm_80 or beyond the device's shared memory.
+int bandedTiles(attn::BandedParams const& p, int32_t const* dilation, BandedAttentionIO const& io, DType dtype,
     DType persistent_dtype, cudaStream_t stream);
 } // namespace cuda
 } // namespace edgemem
 
 EM_CUDA_API int em_cuda_banded_attention(edgemem::attn::BandedParams const* p, int32_t const* dilation,
     edgemem::BandedAttentionIO const* io, int dtype, int persistent_dtype, int, void* stream);
+EM_CUDA_API int em_cuda_banded_attention_tiled(edgemem::attn::BandedParams const* p, int32_t const* dilation,
+    edgemem::BandedAttentionIO const* io, int dtype, int persistent_dtype, int, void* stream);
 EM_REF_API int em_ref_banded_attention(
+    edgemem::attn::BandedParams const* params, int32_t const* dilation, edgemem::BandedAttentionIO const* io);
+// The tiled form the CUDA prefill runs (core/attention.h); kUnsupported where d or d_v is not a
+// multiple of 16 or above 128.
+EM_REF_API int em_ref_banded_attention_tiled(
     edgemem::attn::BandedParams const* params, int32_t const* dilation, edgemem::BandedAttentionIO const* io);

@@ -96,8 +96,38 @@ EM_HD bool bandAllowed(int64_t i, int64_t j, int window, int dilation, bool caus
 {
     int64_t const dist = i - j;
     int64_t const adist = dist < 0 ? -dist : dist;
-    bool ok = (adist <= int64_t(window) * dilation && dist % dilation == 0) || global_i || global_j;
+    // positions are below 2^31, so the remainder is taken in 32 bits (a 64-bit one is a call on the GPU)
+    bool ok = (adist <= int64_t(window) * dilation && int32_t(dist) % dilation == 0) || global_i || global_j;
     return causal ? ok && dist >= 0 : ok;
+}
+
+// BandedAttention's tiled form (prefill on tensor cores): queries in blocks of kBandRows, keys in
+// tiles of kKeyTile. A block's key tiles are, in order: the span of its band, [lo, hi] with lo
+// rounded down to a tile (band rule and global keys inside it by bandAllowed); then the global keys
+// outside the span, ascending, that a causal block can reach (j <= its last row), 16 a tile; then
+// the persistent keys. One online softmax per row runs over them (softmax_tile). Global query
+// rows attend every key: the row-per-warp form computes them.
+constexpr int kBandRows = 64;
+constexpr int kKeyTile = 16;
+
+// The tiled form takes head dims in whole 16 x 16 tiles, up to 128.
+EM_HD bool tileable(BandedParams const& p) { return p.d % 16 == 0 && p.dv % 16 == 0 && p.d <= 128 && p.dv <= 128; }
+
+// The band's key span [lo, hi] of query rows [i0, i1] (hi < lo: none).
+EM_HD void bandSpan(BandedParams const& p, int dilation, int i0, int i1, int& lo, int& hi)
+{
+    int64_t const reach = int64_t(p.window) * dilation;
+    int64_t const first = i0 - reach > 0 ? i0 - reach : 0;
+    int64_t const last = p.causal ? i1 : i1 + reach;
+    lo = int(first / kKeyTile * kKeyTile);
+    hi = int(last < p.seq - 1 ? last : p.seq - 1);
+}
+
+// Whether global key j is scored in a gathered tile by the block whose band span is [lo, hi] and
+// whose last row is i1.
+EM_HD bool globalOutsideSpan(BandedParams const& p, int j, int lo, int hi, int i1)
+{
+    return (j < lo || j > hi) && (!p.causal || j <= i1);
 }
 
 // WindowAttention: the absolute position of the o-th key of the token at p (o = 0..window),

@@ -77,4 +77,33 @@ EM_HD void softmax_merge(SoftmaxState& a, SoftmaxState const& b, float& fa, floa
     a.m = m;
 }
 
+// One row's scores for a tile of keys, N of them held by this owner (the row's other owners
+// combine theirs through allmax / allsum; the CPU reference holds them all). A masked score is
+// -inf. Updates st, turns s into the weights exp(s - m) and returns the factor for the row's
+// accumulated values (1 while every score so far is masked).
+template <int N, class AllMax, class AllSum>
+EM_HD float softmax_tile(SoftmaxState& st, float (&s)[N], AllMax const& allmax, AllSum const& allsum)
+{
+    float m = st.m;
+    EM_UNROLL
+    for (int r = 0; r < N; ++r)
+        m = em_max(m, s[r]);
+    m = allmax(m);
+    bool const none = m == -INFINITY;
+    float sum = 0.0f;
+    EM_UNROLL
+    for (int r = 0; r < N; ++r)
+    {
+        s[r] = none ? 0.0f : em_exp(s[r] - m);
+        sum += s[r];
+    }
+    sum = allsum(sum); // every owner reaches both reductions, masked or not
+    if (none)
+        return 1.0f;
+    float const rescale = em_exp(st.m - m); // exp(-inf) = 0 for the first unmasked tile
+    st.l = st.l * rescale + sum;
+    st.m = m;
+    return rescale;
+}
+
 } // namespace edgemem

@@ -165,6 +165,7 @@ class Native:
             "linear_attention": [p(LAParams), p(LAIO)],
             "window_attention": [p(WindowParams), p(c_int32), p(WindowIO)],
             "banded_attention": [p(BandedParams), p(c_int32), p(BandedIO)],
+            "banded_attention_tiled": [p(BandedParams), p(c_int32), p(BandedIO)],
             "neural_memory": [p(NMParams), p(NMIO)],
             "neural_memory_chunked": [p(NMParams), p(NMIO)],
         }
@@ -410,8 +411,10 @@ class Native:
         causal,
         scale,
         output=None,
+        tiled=False,
     ):
-        """The `edgemem::BandedAttention` node: global_mask bool [B, T], persistent [B, H, P, D]."""
+        """The `edgemem::BandedAttention` node: global_mask bool [B, T], persistent [B, H, P, D].
+        `tiled`: the tiled form (blocks of query rows against tiles of keys) instead of a row at a time."""
         b, t, _ = query.shape
         d, dv = query.shape[2] // num_heads, value.shape[2] // num_heads
         params = BandedParams(b, t, num_heads, d, dv, window, int(causal), persistent_key.shape[2], scale)
@@ -419,7 +422,8 @@ class Native:
         output = query.new_empty(b, t, num_heads * dv) if output is None else output
         io = BandedIO(*(_ptr(x) for x in (query, key, value, global_mask, persistent_key, persistent_value, output)))
         dtypes = (self._check_dtype(query), self._check_dtype(persistent_key), 0)
-        self._call("banded_attention", ctypes.byref(params), dil, ctypes.byref(io), dtypes=dtypes)
+        name = "banded_attention_tiled" if tiled else "banded_attention"
+        self._call(name, ctypes.byref(params), dil, ctypes.byref(io), dtypes=dtypes)
         return output
 
     def neural_memory(

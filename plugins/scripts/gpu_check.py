@@ -13,11 +13,13 @@ Modes: "prefill" (T tokens, separate state buffers), "in-place" (state-in and st
 buffer), "steps" (T single-token calls on one in-place state, compared with the one-call truth);
 LinearAttention also "chunked" (its tensor-core form forced) and "segments" (that form with a
 workspace of one chunk, so the state passes from segment to segment); NeuralMemory "chunked" and
-"chunked in-place" (its tensor-core form, where d and e are multiples of 16).
+"chunked in-place" (its tensor-core form, where d and e are multiples of 16); BandedAttention
+"tiled" (its tensor-core form, where d and d_v are multiples of 16 up to 128).
 Timing: each decode kernel (T = 1, in place) against the memory floor of the design,
 t >= bytes / bandwidth, with bandwidth both the device's peak (memory clock x bus width) and a
 measured device-to-device copy; LinearAttention prefill in both forms beside
-flash-linear-attention's chunk_gated_delta_rule; NeuralMemory prefill in both forms.
+flash-linear-attention's chunk_gated_delta_rule; NeuralMemory prefill in both forms; BandedAttention
+in both forms beside a dense attention with a [T, T] mask (PyTorch's scaled_dot_product_attention).
 
 `--cpu-self-test` runs the same harness with the CPU reference standing in for the kernels
 (float32, no timing): a check of this script on a machine without a GPU.
@@ -311,8 +313,10 @@ BA_CASES = [  # name, b, t, heads, d, dv, window, dilation, persistent, global f
     ("64 dims", 2, 130, 4, 64, 64, 16, (1, 1, 2, 4), 0, 0.02),
     ("wide", 1, 300, 2, 128, 96, 32, (1, 3), 4, 0.01),
     ("no globals", 1, 65, 2, 33, 17, 5, (2, 1), 0, 0.0),
+    ("tiles, many globals", 2, 300, 2, 64, 64, 8, (1, 2), 20, 0.1),
+    ("tiles 16x32", 1, 150, 2, 16, 32, 4, (1, 3), 5, 0.05),
 ]
-BA_QUICK = [BA_CASES[0]]
+BA_QUICK = [BA_CASES[0], BA_CASES[5]]
 
 
 def check_banded_attention(h: Harness, quick: bool) -> None:
@@ -341,9 +345,11 @@ def check_banded_attention(h: Harness, quick: bool) -> None:
                 if dtype == torch.float32:
                     ref = [h.ref.banded_attention(*[_cpu(x) if x.is_floating_point() else x.cpu() for x in args], **kw)]
                 got = h.dev.banded_attention(*args, **kw)
-                h.record(
-                    "BandedAttention", f"{name} {'causal' if causal else 'bidir'}", dtype, "prefill", [got], [want], ref
-                )
+                case = f"{name} {'causal' if causal else 'bidir'}"
+                h.record("BandedAttention", case, dtype, "prefill", [got], [want], ref)
+                if d % 16 == 0 and dv % 16 == 0 and max(d, dv) <= 128:
+                    got = h.dev.banded_attention(*args, **kw, tiled=True)
+                    h.record("BandedAttention", case, dtype, "tiled", [got], [want], ref)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -718,10 +724,44 @@ def time_memory_prefill(h: Harness) -> list[tuple[str, str, float | None, float 
     return rows
 
 
+def time_banded(h: Harness) -> list[tuple[str, str, float | None, float | None, float | None]]:
+    """BandedAttention over T tokens (Longformer-base: 12 heads of 64, one-sided window 256, a global
+    first token): the row-per-warp and the tiled kernels' µs per call, and PyTorch's dense
+    scaled_dot_product_attention with the same rule as a [T, T] mask."""
+    dev, rows = h.device, []
+    for b, heads, d, window, t in [(1, 12, 64, 256, 1024), (1, 12, 64, 256, 4096), (4, 12, 64, 256, 4096)]:
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            q, k, v = (torch.randn(b, t, heads * d, device=dev, dtype=dtype) for _ in range(3))
+            mask = torch.zeros(b, t, dtype=torch.bool, device=dev)
+            mask[:, 0] = True
+            pk = torch.zeros(b, heads, 0, d, device=dev, dtype=dtype)
+            kw = dict(num_heads=heads, window=window, dilation=[1] * heads, causal=False, scale=d**-0.5)
+            out = torch.empty_like(q)
+
+            def timed(fn):
+                try:
+                    fn()
+                except (NativeError, RuntimeError):
+                    return None
+                return _graph_us(fn, iters=5, replays=4) or _time_us(fn, iters=10, warmup=3)
+
+            rows_us = timed(lambda: h.dev.banded_attention(q, k, v, mask, pk, pk, **kw, output=out))
+            tiled_us = timed(lambda: h.dev.banded_attention(q, k, v, mask, pk, pk, **kw, output=out, tiled=True))
+            pos = torch.arange(t, device=dev)
+            dense = ((pos[:, None] - pos).abs() <= window) | mask[0][None, :] | mask[0][:, None]
+            qh, kh, vh = (x.view(b, t, heads, d).transpose(1, 2) for x in (q, k, v))
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            dense_us = timed(lambda: sdpa(qh, kh, vh, attn_mask=dense))
+            rows.append((f"b{b} {heads} heads d{d}, window {window}, T={t}", _dt(dtype), rows_us, tiled_us, dense_us))
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------
 
 
-def report(h: Harness, timings: list[Timing], prefill: list, memory: list, device_name: str, elapsed: float) -> str:
+def report(
+    h: Harness, timings: list[Timing], prefill: list, memory: list, banded: list, device_name: str, elapsed: float
+) -> str:
     lines = [f"# edgemem kernel check — {device_name}", ""]
     failed = [r for r in h.rows if not r.ok]
     lines.append(
@@ -803,6 +843,24 @@ def report(h: Harness, timings: list[Timing], prefill: list, memory: list, devic
             per = f"{chunked / t:.3f}" if chunked is not None else "-"
             ratio = f"{seq / chunked:.2f}×" if chunked and seq else "-"
             lines.append(f"| {case} | {dt} | {f(seq)} | {f(chunked)} | {per} | {ratio} |")
+    if banded:
+        lines += [
+            "",
+            "## BandedAttention (one call over T tokens, CUDA-graph device time)",
+            "",
+            "rows: a warp per query row; tiled: 64 query rows against 16-key tiles on tensor cores; dense: "
+            "PyTorch's scaled_dot_product_attention with the rule as a [T, T] mask.",
+            "",
+            "| case | dtype | rows µs | tiled µs | dense µs | tiled vs rows | tiled vs dense |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        f = lambda x: f"{x:.1f}" if x is not None else "-"  # noqa: E731
+        r = lambda a, b: f"{a / b:.2f}×" if a and b else "-"  # noqa: E731
+        for case, dt, rows_us, tiled_us, dense_us in banded:
+            lines.append(
+                f"| {case} | {dt} | {f(rows_us)} | {f(tiled_us)} | {f(dense_us)} | "
+                f"{r(rows_us, tiled_us)} | {r(dense_us, tiled_us)} |"
+            )
     for n in h.notes:
         lines.append(f"- note: {n}")
     return "\n".join(lines) + "\n"
@@ -840,14 +898,15 @@ def main() -> int:
             h.errors.append(f"{check.__name__}: {e}")
     if h.device.type == "cuda":
         torch.cuda.synchronize()
-    timings, prefill, memory = [], [], []
+    timings, prefill, memory, banded = [], [], [], []
     if not args.no_timing:
         peak = h.dev.lib.em_cuda_peak_bandwidth_gbs
         peak.restype = __import__("ctypes").c_double
         timings = time_decode(h, peak(torch.cuda.current_device()))
         prefill = time_prefill(h)
         memory = time_memory_prefill(h)
-    text = report(h, timings, prefill, memory, device_name, time.time() - t0)
+        banded = time_banded(h)
+    text = report(h, timings, prefill, memory, banded, device_name, time.time() - t0)
     print(text)
     if args.report:
         args.report.write_text(text)

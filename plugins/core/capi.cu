@@ -6,7 +6,7 @@
 
 namespace
 {
-constexpr int kAbiVersion = 3;
+constexpr int kAbiVersion = 4;
 } // namespace
 
 EM_CUDA_API int em_cuda_abi_version() { return kAbiVersion; }

@@ -4,7 +4,7 @@
 
 namespace
 {
-constexpr int kAbiVersion = 3;
+constexpr int kAbiVersion = 4;
 } // namespace
 
 EM_REF_API int em_ref_abi_version() { return kAbiVersion; }

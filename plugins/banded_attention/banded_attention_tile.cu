@@ -85,32 +85,29 @@ struct Block
     int tid, warp, row, half, i, b, h, dil;
     SoftmaxState st;
 
+    // The tile's rows of a key or value tensor (`width` per head) as float32, zeros for empty slots.
+    __device__ __forceinline__ void stage(float* dst, int ld, int width, void const* x, void const* px, int kind)
+    {
+        for (int at = tid; at < KT * width; at += kThreads)
+        {
+            int const c = at / width, e = at % width, j = sKeys[c];
+            float y = 0.0f;
+            if (j >= 0)
+                y = kind == kPersistentTile
+                    ? load<PT>(px, attn::headRowOffset(p.heads, p.persistent, width, b, h, j) + e)
+                    : load<T>(x, attn::rowOffset(p.seq, p.heads, width, b, j, h) + e);
+            dst[c * ld + e] = y;
+        }
+    }
+
     // One tile of keys, sKeys[c] for its 16 slots (-1: none); the whole block calls it.
     __device__ __forceinline__ void tile(int kind)
     {
         int const D = p.d, DV = p.dv;
         bool const causal = p.causal != 0;
         __syncthreads(); // sKeys written
-        for (int x = tid; x < KT * D; x += kThreads)
-        {
-            int const c = x / D, e = x % D, j = sKeys[c];
-            float k = 0.0f;
-            if (j >= 0)
-                k = kind == kPersistentTile
-                    ? load<PT>(io.persistent_key, attn::headRowOffset(p.heads, p.persistent, D, b, h, j) + e)
-                    : load<T>(io.key, attn::rowOffset(p.seq, p.heads, D, b, j, h) + e);
-            sK[c * L.ldq + e] = k;
-        }
-        for (int x = tid; x < KT * DV; x += kThreads)
-        {
-            int const c = x / DV, e = x % DV, j = sKeys[c];
-            float v = 0.0f;
-            if (j >= 0)
-                v = kind == kPersistentTile
-                    ? load<PT>(io.persistent_value, attn::headRowOffset(p.heads, p.persistent, DV, b, h, j) + e)
-                    : load<T>(io.value, attn::rowOffset(p.seq, p.heads, DV, b, j, h) + e);
-            sV[c * L.ldv + e] = v;
-        }
+        stage(sK, L.ldq, D, io.key, io.persistent_key, kind);
+        stage(sV, L.ldv, DV, io.value, io.persistent_value, kind);
         __syncthreads();
 
         Acc acc[1];
@@ -266,15 +263,8 @@ int launch(attn::BandedParams const& p, Dilation const& dil, BandedAttentionIO c
     constexpr int P = std::is_same<T, float>::value ? 3 : 1;
     auto kernel = bandedTileKernel<T, PT, P>;
     size_t const smem = size_t(smemLayout(p.d, p.dv).floats) * sizeof(float);
-    int device = 0, major = 0, optin = 0;
-    if (cudaGetDevice(&device) != cudaSuccess
-        || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess
-        || cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
-        return kCudaError;
-    if (major < 8 || smem > size_t(optin))
-        return kUnsupported;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess)
-        return kCudaError;
+    if (int const st = allowSharedMemory(kernel, smem))
+        return st;
     dim3 const grid(unsigned((p.seq + kRows - 1) / kRows), unsigned(p.heads), unsigned(p.batch));
     kernel<<<grid, kThreads, smem, stream>>>(p, dil, io);
     return launchStatus();

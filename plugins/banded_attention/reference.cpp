@@ -97,12 +97,16 @@ void tiledBlock(attn::BandedParams const& p, int32_t const* dilation, BandedAtte
         }
     };
     int keys[KT];
-    for (int j0 = lo; j0 <= hi; j0 += KT)
+    auto range = [&](TileKind kind, int first, int last) // keys first..last, 16 a tile
     {
-        for (int c = 0; c < KT; ++c)
-            keys[c] = j0 + c <= hi ? j0 + c : -1;
-        tile(kBandTile, keys);
-    }
+        for (int j0 = first; j0 <= last; j0 += KT)
+        {
+            for (int c = 0; c < KT; ++c)
+                keys[c] = j0 + c <= last ? j0 + c : -1;
+            tile(kind, keys);
+        }
+    };
+    range(kBandTile, lo, hi);
     int n = 0;
     for (int j = 0; j <= p.seq; ++j)
     {
@@ -117,12 +121,7 @@ void tiledBlock(attn::BandedParams const& p, int32_t const* dilation, BandedAtte
             n = 0;
         }
     }
-    for (int r0 = 0; r0 < p.persistent; r0 += KT)
-    {
-        for (int c = 0; c < KT; ++c)
-            keys[c] = r0 + c < p.persistent ? r0 + c : -1;
-        tile(kPersistentTile, keys);
-    }
+    range(kPersistentTile, 0, p.persistent - 1);
     for (int r = 0; r < rows; ++r)
     {
         int const i = i0 + r;
@@ -137,16 +136,21 @@ void tiledBlock(attn::BandedParams const& p, int32_t const* dilation, BandedAtte
     }
 }
 
+int checkCall(attn::BandedParams const& p, int32_t const* dilation)
+{
+    int mx = 0;
+    if (int const st = attn::check(p))
+        return st;
+    return attn::checkDilation(dilation, p.heads, &mx);
+}
+
 } // namespace
 
 EM_REF_API int em_ref_banded_attention_tiled(
     attn::BandedParams const* params, int32_t const* dilation, BandedAttentionIO const* io)
 {
     attn::BandedParams const& p = *params;
-    int mx = 0;
-    if (int const st = attn::check(p))
-        return st;
-    if (int const st = attn::checkDilation(dilation, p.heads, &mx))
+    if (int const st = checkCall(p, dilation))
         return st;
     if (!attn::tileable(p))
         return kUnsupported;
@@ -161,10 +165,7 @@ EM_REF_API int em_ref_banded_attention(
     attn::BandedParams const* params, int32_t const* dilation, BandedAttentionIO const* io)
 {
     attn::BandedParams const& p = *params;
-    int mx = 0;
-    if (int const st = attn::check(p))
-        return st;
-    if (int const st = attn::checkDilation(dilation, p.heads, &mx))
+    if (int const st = checkCall(p, dilation))
         return st;
     for (int b = 0; b < p.batch; ++b)
         for (int h = 0; h < p.heads; ++h)

@@ -6,6 +6,7 @@
 // that use them compile empty.
 #pragma once
 
+#include <cuda_runtime.h>
 #include <mma.h>
 
 #include "core/common.h"
@@ -16,6 +17,24 @@ namespace cuda
 {
 
 namespace wm = nvcuda::wmma;
+
+// Before launching a tensor-core kernel that takes `smem` bytes of dynamic shared memory: kOk once
+// the current device is sm_80 or later and the kernel's limit is raised to `smem`; kUnsupported
+// when the device is older or gives a block less; kCudaError when it cannot be queried.
+template <class Kernel>
+int allowSharedMemory(Kernel kernel, size_t smem)
+{
+    int device = 0, major = 0, optin = 0;
+    if (cudaGetDevice(&device) != cudaSuccess
+        || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess
+        || cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
+        return kCudaError;
+    if (major < 8 || smem > size_t(optin))
+        return kUnsupported;
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) == cudaSuccess
+        ? kOk
+        : kCudaError;
+}
 
 // Smem floats rounded up to whole 128-byte lines (keeps every array 32-byte aligned).
 __host__ __device__ constexpr int lines(int floats) { return (floats + 31) / 32 * 32; }

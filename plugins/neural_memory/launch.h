@@ -33,6 +33,26 @@ struct NeuralMemoryIO
     float* present_chunk_weights[2];
 };
 
+// One layer's state tensors of the (batch, head) at element offset `off` (both layers hold D*E
+// elements a head); all null for depth 1's second layer.
+struct MemoryLayer
+{
+    float const* w_in;
+    float const* s_in;
+    float const* c_in;
+    float* w_out;
+    float* s_out;
+    float* c_out;
+};
+
+EM_HD MemoryLayer memoryLayer(nm::Params const& p, NeuralMemoryIO const& io, int l, int64_t off)
+{
+    if (l == 1 && p.depth == 1)
+        return MemoryLayer{};
+    return MemoryLayer{io.weights[l] + off, io.momentum[l] + off, io.chunk_weights[l] + off,
+        io.present_weights[l] + off, io.present_momentum[l] + off, io.present_chunk_weights[l] + off};
+}
+
 namespace cuda
 {
 // T >= 1 tokens. Depth 1 reads and writes the first layer only. The sequential kernel: the tokens

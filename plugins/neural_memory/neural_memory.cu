@@ -69,19 +69,9 @@ __device__ __forceinline__ void columnSums(int rows, int cols, float* out, float
     __syncthreads();
 }
 
-struct Layer
-{
-    float const* w_in;
-    float const* s_in;
-    float const* c_in;
-    float* w_out;
-    float* s_out;
-    float* c_out;
-};
-
 // One state element's update; returns the new weight.
 __device__ __forceinline__ float updateElement(
-    Layer const& L, int64_t idx, float grad, float eta, float theta, float alpha, bool first, bool start)
+    MemoryLayer const& L, int64_t idx, float grad, float eta, float theta, float alpha, bool first, bool start)
 {
     float w = first ? L.w_in[idx] : L.w_out[idx];
     float s = first ? L.s_in[idx] : L.s_out[idx];
@@ -121,14 +111,7 @@ __global__ void __launch_bounds__(kNmThreads, 1) neuralMemoryKernel(nm::Params c
     bool const norm = p.residual_norm != 0;
     bool const deep = p.depth == 2;
     int64_t const off = (int64_t(b) * p.heads + h) * int64_t(D) * E; // both layers hold D*E elements
-    Layer L[2];
-    for (int l = 0; l < 2; ++l)
-    {
-        bool const used = l == 0 || deep;
-        L[l] = Layer{used ? io.weights[l] + off : nullptr, used ? io.momentum[l] + off : nullptr,
-            used ? io.chunk_weights[l] + off : nullptr, used ? io.present_weights[l] + off : nullptr,
-            used ? io.present_momentum[l] + off : nullptr, used ? io.present_chunk_weights[l] + off : nullptr};
-    }
+    MemoryLayer const L[2] = {memoryLayer(p, io, 0, off), memoryLayer(p, io, 1, off)};
     int64_t const p0 = io.position[p.position_per_batch ? b : 0];
     WarpSum const allsum;
 

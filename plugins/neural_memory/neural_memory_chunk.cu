@@ -64,16 +64,6 @@ __host__ __device__ inline Smem smemLayout(int d, int e)
     return m;
 }
 
-struct Layer
-{
-    float const* w_in;
-    float const* s_in;
-    float const* c_in;
-    float* w_out;
-    float* s_out;
-    float* c_out;
-};
-
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 
 // out[16 x cols] = sign * x[16 x K] . m[K x cols] (+ the tiles already in `out` when add), a warp per
@@ -127,14 +117,7 @@ __global__ void __launch_bounds__(kThreads, 1) neuralMemoryChunkKernel(nm::Param
     bool const norm = p.residual_norm != 0;
     bool const deep = p.depth == 2;
     int64_t const off = (int64_t(b) * p.heads + h) * int64_t(D) * E;
-    auto layer = [&](int l)
-    {
-        bool const used = l == 0 || deep;
-        return Layer{used ? io.weights[l] + off : nullptr, used ? io.momentum[l] + off : nullptr,
-            used ? io.chunk_weights[l] + off : nullptr, used ? io.present_weights[l] + off : nullptr,
-            used ? io.present_momentum[l] + off : nullptr, used ? io.present_chunk_weights[l] + off : nullptr};
-    };
-    Layer const lay1 = layer(0), lay2 = layer(1);
+    MemoryLayer const lay1 = memoryLayer(p, io, 0, off), lay2 = memoryLayer(p, io, 1, off);
     int64_t const p0 = io.position[p.position_per_batch ? b : 0];
     WarpSum const allsum;
     float gam[kPerLane], bet[kPerLane], msk[kPerLane]; // this lane's entries of the residual norm
@@ -239,7 +222,7 @@ __global__ void __launch_bounds__(kThreads, 1) neuralMemoryChunkKernel(nm::Param
             int const ldd = deep && l == 0 ? L.lde : L.ldd;
             float* dest = deep && l == 0 ? sX : sY;
             int const ldo = deep && l == 0 ? L.lde : L.ldd;
-            Layer const g = l == 0 ? lay1 : lay2;
+            MemoryLayer const g = l == 0 ? lay1 : lay2;
             float const* w = first ? g.w_in : g.w_out;
             float const* s = first ? g.s_in : g.s_out;
             for (int i = tid; i < R * in; i += kThreads)
@@ -309,7 +292,7 @@ __global__ void __launch_bounds__(kThreads, 1) neuralMemoryChunkKernel(nm::Param
             int const ldk = l == 0 ? L.ldd : L.lde;
             float const* delta = deep && l == 0 ? sH : sZ;
             int const ldd = deep && l == 0 ? L.lde : L.ldd;
-            Layer const g = l == 0 ? lay1 : lay2;
+            MemoryLayer const g = l == 0 ? lay1 : lay2;
             for (int i = tid; i < R * out; i += kThreads)
             {
                 int const r = i / out, c = i % out;
@@ -365,15 +348,8 @@ int launch(nm::Params const& p, NeuralMemoryIO const& io, cudaStream_t stream)
     constexpr int P = std::is_same<T, float>::value ? 3 : 1;
     auto kernel = neuralMemoryChunkKernel<T, P>;
     size_t const smem = size_t(smemLayout(p.d, p.e).floats) * sizeof(float);
-    int device = 0, major = 0, optin = 0;
-    if (cudaGetDevice(&device) != cudaSuccess
-        || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess
-        || cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
-        return kCudaError;
-    if (major < 8 || smem > size_t(optin))
-        return kUnsupported;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)) != cudaSuccess)
-        return kCudaError;
+    if (int const st = allowSharedMemory(kernel, smem))
+        return st;
     kernel<<<unsigned(p.batch) * unsigned(p.heads), kThreads, smem, stream>>>(p, io);
     return launchStatus();
 }

@@ -66,9 +66,8 @@ __host__ __device__ inline Smem smemLayout(int d, int e)
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 
-// out[16 x cols] = sign * x[16 x K] . m[K x cols] (+ the tiles already in `out` when add), a warp per
-// 16-column tile; x in shared memory (row stride ldx), m row-major with row stride cols (or, with
-// transposed, m^T: m is [cols x K] row-major).
+// out[16 x cols] = x[16 x k] . m, a warp per 16-column tile; x in shared memory (row stride ldx), m
+// [k x cols] row-major (Transposed: m^T, m being [cols x k] row-major).
 template <int P, int KMAX, bool Transposed>
 __device__ __forceinline__ void product(float* out, int ldo, float const* x, int ldx, float const* m, int k, int cols)
 {
@@ -354,18 +353,15 @@ int launch(nm::Params const& p, NeuralMemoryIO const& io, cudaStream_t stream)
     return launchStatus();
 }
 
-bool aligned(void const* x) { return reinterpret_cast<uintptr_t>(x) % 32 == 0; }
-
 } // namespace
 
 int neuralMemoryPieces(nm::Params const& p, NeuralMemoryIO const& io, DType dtype, cudaStream_t stream)
 {
     for (int l = 0; l < p.depth; ++l)
-        for (void const* x : {static_cast<void const*>(io.weights[l]), static_cast<void const*>(io.momentum[l]),
-                 static_cast<void const*>(io.chunk_weights[l]), static_cast<void const*>(io.present_weights[l]),
-                 static_cast<void const*>(io.present_momentum[l]),
-                 static_cast<void const*>(io.present_chunk_weights[l])})
-            if (!aligned(x))
+        for (float const* x : {io.weights[l], io.momentum[l], io.chunk_weights[l],
+                 static_cast<float const*>(io.present_weights[l]), static_cast<float const*>(io.present_momentum[l]),
+                 static_cast<float const*>(io.present_chunk_weights[l])})
+            if (reinterpret_cast<uintptr_t>(x) % 32 != 0) // wmma reads and writes the state tiles in place
                 return kUnsupported;
     return withType(dtype, [&](auto t) { return launch<decltype(t)>(p, io, stream); });
 }

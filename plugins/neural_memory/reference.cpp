@@ -39,8 +39,7 @@ void advancePosition(nm::Params const& p, NeuralMemoryIO const& io)
         io.present_position[i] = io.position[i] + p.seq;
 }
 
-// One row of the LayerNorm math: the D entries of row i of a [kPieceRows][D] array as a
-// neural_memory.h row, or written back.
+// Row i of a [kPieceRows][D] array as a neural_memory.h row (zeros past D).
 struct RowView
 {
     int d;
@@ -107,7 +106,7 @@ struct Pieces
     {
         int const R = nm::kPieceRows;
         int64_t const p0 = io.position[p.position_per_batch ? b : 0];
-        std::vector<float> q, k, v, hid, act, z, dz, dh, x, y, scratch;
+        std::vector<float> q, k, v, hid, act, z, dz, dh, x, y;
         RowView const rowD{D};
         SerialSum const sum;
         for (int t0 = 0; t0 < p.seq;)

@@ -223,13 +223,14 @@ CHUNKED_SHAPES = {  # b, t, hq, hkv, dk, dv: several chunks, a partial last one,
 
 
 @pytest.mark.parametrize("shape", list(CHUNKED_SHAPES))
-@pytest.mark.parametrize("rule", UPDATE_RULES)
-def test_reference_chunked_form_equals_the_op(ref, rule, shape):
+@pytest.mark.parametrize("rule,per_key", [(r, False) for r in UPDATE_RULES] + [("gated", True), ("gated_delta", True)])
+def test_reference_chunked_form_equals_the_op(ref, rule, per_key, shape):
     """The chunked (UT/WY) form the CUDA prefill runs, pass for pass on its workspace layout, against
-    edgemem.ops in float64; in segments of one chunk too (the state passing through present_state)."""
+    edgemem.ops in float64, per-head and per-key decay; in segments of one chunk too (the state
+    passing through present_state)."""
     b, t, hq, hkv, dk, dv = CHUNKED_SHAPES[shape]
     (q, k, v, s0, decay, beta), node = _la_inputs(
-        rule, b=b, t=t, hq=hq, hkv=hkv, dk=dk, dv=dv, per_key=False, beta_heads=shape != "short", seed=3
+        rule, b=b, t=t, hq=hq, hkv=hkv, dk=dk, dv=dv, per_key=per_key, beta_heads=shape != "short", seed=3
     )
     want, want_state = linear_attention(q, k, v, s0, decay, beta, update_rule=rule, q_num_heads=hq, kv_num_heads=hkv)
     args = (_f32(q), _f32(k), _f32(v), _f32(s0), node["decay"], node["beta"])
@@ -244,11 +245,41 @@ def test_reference_chunked_form_equals_the_op(ref, rule, shape):
         _close(state, want_state, 1e-5)
 
 
+def test_reference_chunked_form_keeps_strong_per_key_decay_finite(ref):
+    """Log decays down to -8 a token and key dim (exp(-G) far past float32 inside a chunk): the
+    chunked form's decayed products stay finite and equal the op in float64."""
+    b, t, hq, hkv, dk, dv = 1, 140, 2, 1, 32, 16
+    (q, k, v, s0, _, beta), node = _la_inputs(
+        "gated_delta", b=b, t=t, hq=hq, hkv=hkv, dk=dk, dv=dv, per_key=True, beta_heads=True, seed=5
+    )
+    decay = -8 * torch.rand(b, t, hkv * dk, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    decay[..., : dk // 2] /= 64  # half the key dims keep their memory across chunks
+    want, want_state = linear_attention(
+        q, k, v, s0, decay, beta, update_rule="gated_delta", q_num_heads=hq, kv_num_heads=hkv
+    )
+    out, state = ref.linear_attention(
+        _f32(q),
+        _f32(k),
+        _f32(v),
+        _f32(s0),
+        _f32(decay),
+        node["beta"],
+        update_rule="gated_delta",
+        scale=1 / math.sqrt(dk),
+        q_num_heads=hq,
+        kv_num_heads=hkv,
+        path="chunked",
+    )
+    assert torch.isfinite(out).all() and torch.isfinite(state).all()
+    _close(out, want, 1e-5)
+    _close(state, want_state, 1e-5)
+
+
 def test_reference_chunked_form_refuses_what_it_does_not_cover(ref):
-    """Per-key decay and d_k > 128 keep the sequential form; a budget below one chunk fits nothing."""
-    for per_key, dk, budget in ((True, 16, None), (False, 160, None), (False, 16, 1000)):
+    """d_k > 128 keeps the sequential form; a budget below one chunk fits nothing."""
+    for dk, budget in ((160, None), (16, 1000)):
         (q, k, v, s0, _, _), node = _la_inputs(
-            "gated", b=1, t=70, hq=1, hkv=1, dk=dk, dv=8, per_key=per_key, beta_heads=True
+            "gated", b=1, t=70, hq=1, hkv=1, dk=dk, dv=8, per_key=False, beta_heads=True
         )
         with pytest.raises(NativeError, match="unsupported"):
             ref.linear_attention(

@@ -29,7 +29,7 @@ namespace cuda
 
 // LinearAttention, T >= 1 tokens. Two forms: sequential (the tokens one after another with the
 // state in registers: decode steps, short prompts) and chunked (linear_attention_chunk.cu: tensor
-// cores, needs a workspace, per-head decay, d_k <= 128, sm_80 or later). kAuto takes the chunked
+// cores, needs a workspace, d_k <= 128, sm_80 or later). kAuto takes the chunked
 // form where it applies and chunkedPays says so; kChunked returns kUnsupported where it does not
 // apply. io dtype: query/key/value/decay/beta/output.
 enum class LaPath : int
@@ -40,12 +40,13 @@ enum class LaPath : int
 };
 // kAuto's choice, from measurement (benchmarks/README.md): the chunked form from kChunkedFrom
 // tokens on, while batch x kv heads is at most kChunkedMaxHeads (beyond, the sequential kernel's
-// blocks alone fill the GPU and it keeps up).
+// blocks alone fill the GPU and it keeps up), for per-head decay: the per-key form has not been
+// timed on a GPU yet, so kAuto keeps the sequential kernel there.
 constexpr int kChunkedFrom = 128;
 constexpr int64_t kChunkedMaxHeads = 64;
 inline bool chunkedPays(la::Params const& p)
 {
-    return p.seq >= kChunkedFrom && int64_t(p.batch) * p.kv_heads <= kChunkedMaxHeads;
+    return p.seq >= kChunkedFrom && int64_t(p.batch) * p.kv_heads <= kChunkedMaxHeads && !la::keyedDecay(p);
 }
 // Workspace bytes a call on `path` uses for p (0: none); fewer bytes, down to one chunk's worth,
 // run the chunked form in shorter segments.
@@ -65,7 +66,7 @@ EM_CUDA_API size_t em_cuda_linear_attention_workspace(edgemem::la::Params const*
 
 EM_REF_API int em_ref_linear_attention(edgemem::la::Params const* params, edgemem::LinearAttentionIO const* io);
 // The chunked form the CUDA prefill runs, in segments sized to `budget` workspace bytes (0: the
-// default); kUnsupported for per-key decay, d_k > 128 or a budget below one chunk.
+// default); kUnsupported for d_k > 128 or a budget below one chunk.
 EM_REF_API int em_ref_linear_attention_chunked(
     edgemem::la::Params const* params, edgemem::LinearAttentionIO const* io, int64_t budget);
 // Workspace bytes the chunked form lays out for p in one segment (0: it does not apply), as the kernels'.

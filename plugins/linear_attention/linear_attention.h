@@ -133,30 +133,39 @@ EM_HD float columnRead(float const (&s)[N], float const (&q)[N], float scale, Al
 
 // ---------------------------------------------------------------------------------------------
 // Chunked form (prefill on tensor cores). Per kv head, tokens in chunks of C = kChunk; inside a
-// chunk, with G_i the cumulative log decay from the chunk start (per head; G = 0 ungated),
-// S_0 the state at the chunk start and beta = 1, A = 0 for the non-delta rules:
-//   A_ij = beta_i exp(G_i - G_j) k_i.k_j   (j < i)          T = (I + A)^-1
-//   W    = T diag(beta exp(G)) K          U = T diag(beta) V - W S_0     (WY form of the delta rule)
-//   o_i  = scale (exp(G_i) q_i^T S_0 + sum_{j <= i} exp(G_i - G_j) (q_i.k_j) u_j)
-//   S_C  = exp(G_last) S_0 + (diag(exp(G_last - G)) K)^T U
-// Three passes per segment of tokens: prepare (every chunk at once: G, T, W, U0 = T diag(beta) V,
-// K~ = diag(exp(G_last - G)) K), state (chunks in order per value tile: U = U0 - W S, the state
-// at each chunk start), output (every chunk at once). The passes share a float32 workspace laid
-// out by ChunkLayout; a sequence longer than one segment runs segment after segment, the state
-// passing through present_state. Per-key decay keeps the sequential form.
+// chunk, with G_i the cumulative log decay from the chunk start (per head, or a vector over the
+// key dims; G = 0 ungated), S_0 the state at the chunk start and beta = 1, A = 0 for the
+// non-delta rules (per-head decay: exp(G_i - G_j) is a scalar and comes out of the sums):
+//   A_ij = beta_i sum_d exp(G_id - G_jd) k_id k_jd   (j < i)          T = (I + A)^-1
+//   W    = T diag(beta) (exp(G) . K)        U = T diag(beta) V - W S_0   (WY form of the delta rule)
+//   o_i  = scale ((exp(G_i) . q_i)^T S_0 + sum_{j <= i} (sum_d exp(G_id - G_jd) q_id k_jd) u_j)
+//   S_C  = diag(exp(G_last)) S_0 + (exp(G_last - G) . K)^T U
+// (. is the elementwise product, row by row). Three passes per segment of tokens: prepare (every
+// chunk at once: G, T, W, U0 = T diag(beta) V, K~ = exp(G_last - G) . K), state (chunks in order
+// per value tile: U = U0 - W S, the state at each chunk start), output (every chunk at once). The
+// passes share a float32 workspace laid out by ChunkLayout; a sequence longer than one segment
+// runs segment after segment, the state passing through present_state.
+//
+// With per-key decay the kernels take the decayed products of 16-row blocks I > J as plain
+// products of exp(G_i - G_r) . x_i and exp(G_r - G_j) . k_j, r the first row of block I (both
+// factors at most 1 while log decays are at most 0), and the blocks on the diagonal entry by entry.
 constexpr int kChunk = 64;
 constexpr int kChunkMaxDk = 128;
 constexpr int64_t kChunkBudget = int64_t(64) << 20; // workspace bytes a segment is sized to
 
-EM_HD bool chunkable(Params const& p) { return !p.decay_per_key && p.dk <= kChunkMaxDk; }
+EM_HD bool chunkable(Params const& p) { return p.dk <= kChunkMaxDk; }
+// Whether G is a vector over the key dims.
+EM_HD bool keyedDecay(Params const& p) { return p.decay_per_key && isGated(p.rule); }
 
 // Float offsets of the workspace arrays for segments of `tokens` tokens (a multiple of C):
-//   gcum [B, Hkv, tokens], w and kt [B, Hkv, tokens, DK], u [B, Hkv, tokens, DV],
-//   s [B, Hkv, tokens / C, DK, DV]. DK, DV: d_k and d_v padded with zeros to the kernels' tiles.
+//   gcum [B, Hkv, tokens, GW], w and kt [B, Hkv, tokens, DK], u [B, Hkv, tokens, DV],
+//   s [B, Hkv, tokens / C, DK, DV]. DK, DV: d_k and d_v padded with zeros to the kernels' tiles;
+//   GW: 1, or DK for per-key decay.
 struct ChunkLayout
 {
     int32_t dk;     // DK
     int32_t dv;     // DV
+    int32_t gw;     // GW
     int32_t tokens; // per segment
     int64_t gcum, w, kt, u, s, floats;
 
@@ -173,19 +182,40 @@ inline ChunkLayout chunkLayout(Params const& p, int64_t budget = kChunkBudget)
     ChunkLayout l{};
     l.dk = p.dk <= 32 ? 32 : p.dk <= 64 ? 64 : 128;
     l.dv = (p.dv + 63) / 64 * 64;
+    l.gw = keyedDecay(p) ? l.dk : 1;
     int64_t const heads = int64_t(p.batch) * p.kv_heads;
-    int64_t const per_chunk = heads * (int64_t(kChunk) * (1 + 2 * l.dk + l.dv) + int64_t(l.dk) * l.dv) * 4;
+    int64_t const per_chunk = heads * (int64_t(kChunk) * (l.gw + 2 * l.dk + l.dv) + int64_t(l.dk) * l.dv) * 4;
     int64_t const needed = (int64_t(p.seq) + kChunk - 1) / kChunk;
     int64_t chunks = per_chunk > 0 ? budget / per_chunk : 0;
     chunks = chunks > needed ? needed : chunks;
     l.tokens = int32_t(chunks * kChunk);
     l.gcum = 0;
-    l.w = l.gcum + heads * l.tokens;
+    l.w = l.gcum + heads * l.tokens * l.gw;
     l.kt = l.w + heads * l.tokens * l.dk;
     l.u = l.kt + heads * l.tokens * l.dk;
     l.s = l.u + heads * l.tokens * l.dv;
     l.floats = l.s + heads * chunks * l.dk * l.dv; // every array starts at a multiple of 32 floats
     return l;
+}
+
+// The decayed product sum_d exp(gx_d - gk_d) x_d k_d of a row x below or at a row k (the
+// entries of the diagonal blocks).
+EM_HD float decayedDot(float const* x, float const* k, float const* gx, float const* gk, int n)
+{
+    float acc = 0.0f;
+    for (int d = 0; d < n; ++d)
+        acc += em_exp(gx[d] - gk[d]) * x[d] * k[d];
+    return acc;
+}
+
+// The same below the diagonal blocks, as the kernels' scaled tiles factor it:
+// sum_d (exp(gx_d - gr_d) x_d) (exp(gr_d - gk_d) k_d), gr the decay of the first row of x's block.
+EM_HD float decayedDotVia(float const* x, float const* k, float const* gx, float const* gk, float const* gr, int n)
+{
+    float acc = 0.0f;
+    for (int d = 0; d < n; ++d)
+        acc += (em_exp(gx[d] - gr[d]) * x[d]) * (em_exp(gr[d] - gk[d]) * k[d]);
+    return acc;
 }
 
 // Column c of T = (I + A)^-1 for a strictly lower A (n x n, row stride lda) by forward

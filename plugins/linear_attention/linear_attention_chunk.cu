@@ -12,6 +12,8 @@
 //            stores the state at every chunk start. The next chunk's W, K~ and U0 are copied in
 //            (cp.async) while the current one is multiplied where shared memory holds two stages;
 //   output   a block per (chunk, query head, batch x value tile): (Q K^T masked) U + (Q e^G) S.
+// Per-key decay: G [C][DK] goes through the workspace, K K^T and Q K^T become decayedBlocks, the
+// walk scales the rows of its state tiles in shared memory.
 #include "device.cuh"
 #include "launch.h"
 #include "mma.cuh"
@@ -86,6 +88,60 @@ __device__ __forceinline__ void copyWait()
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Per-key decay: the decayed products M_ij = sum_d exp(G_id - G_jd) x_id k_jd (j <= i) of the
+// chunk into m (C x C, ld ldm; entries above the diagonal are left as they are). g: G by token
+// [C][DK] (global). The diagonal blocks entry by entry; block I > J as the tile product of
+// rows 16 I.. of x scaled by exp(G_i - G_r) with rows 16 J.. of k scaled by exp(G_r - G_j), r = 16 I
+// (linear_attention.h). y [C][DK + 4] starts as k (y may be k) and holds the scaled rows: for round
+// I, rows < 16 I the right factors (block I - 1 fresh, the older ones rescaled from the last round's
+// r, all factors at most 1), rows 48.. the left ones; k's last block is not needed once the
+// diagonal is done. The scaled rows are not exact in TF32 even for 16-bit inputs, so their six
+// tile products are 3xTF32.
+template <int DK>
+__device__ __forceinline__ void decayedBlocks(
+    float const* x, float const* k, float* y, float const* g, float* m, int ldm)
+{
+    constexpr int LK = DK + 4;
+    int const tid = threadIdx.x, warp = tid / kWarp;
+    for (int e = tid; e < C * 16; e += kThreads)
+    {
+        int const i = e / 16, j = i / 16 * 16 + e % 16;
+        if (j <= i)
+            m[i * ldm + j] = la::decayedDot(x + i * LK, k + j * LK, g + i * DK, g + j * DK, DK);
+    }
+    __syncthreads();
+    if (y != k)
+    {
+        for (int e = tid; e < (C - 16) * DK; e += kThreads)
+            y[e / DK * LK + e % DK] = k[e / DK * LK + e % DK];
+        __syncthreads();
+    }
+    for (int bi = 1; bi < C / 16; ++bi)
+    {
+        int const r = bi * 16;
+        for (int e = tid; e < (r + 16) * DK; e += kThreads)
+        {
+            int const j = e / DK, d = e % DK;
+            float const gr = g[r * DK + d];
+            if (j < r - 16)
+                y[j * LK + d] *= em_exp(gr - g[(r - 16) * DK + d]);
+            else if (j < r)
+                y[j * LK + d] *= em_exp(gr - g[j * DK + d]);
+            else
+                y[(C - 16 + j - r) * LK + d] = em_exp(g[j * DK + d] - gr) * x[j * LK + d];
+        }
+        __syncthreads();
+        if (warp < bi)
+        {
+            Acc acc[1];
+            zero(acc);
+            rowTiles<3, DK, 1, RowA, ColB>(acc, y + (C - 16) * LK, LK, 8, y + warp * 16 * LK, LK, 8, 0);
+            wm::store_matrix_sync(m + r * ldm + warp * 16, acc[0], ldm, wm::mem_row_major);
+        }
+        __syncthreads();
+    }
+}
+
 #endif
 
 template <int DK>
@@ -108,20 +164,43 @@ __global__ void __launch_bounds__(kThreads, 2) chunkPrepare(
     float* sG = sV + lines(C * LV); // [C]
     float* sBeta = sG + C;          // [C]
     float* sE = sBeta + C;          // [C] beta exp(G)
+    // per-key decay: the chunk's log decays, then decayedBlocks' scaled rows, where T and V go
+    static_assert(C * LK <= lines(C * LC) + lines(C * LV), "per-key scratch");
     int const tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
     int const mi = warp / 2, half = warp % 2;
     int const c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     int const r0 = c * C;
     int const t0 = s0 + r0;
     int const n = min(C, len - r0);
-    bool const gated = la::isGated(p.rule);
+    bool const keyed = la::keyedDecay(p);
+    bool const gated = la::isGated(p.rule) && !keyed; // per-head G in sG; 0 there for per-key decay
     bool const delta = la::isDelta(p.rule);
     int64_t const row0 = l.row(p, b, h, r0);
+    float* gChunk = ws + l.gcum + row0 * l.gw; // per-key G [C][DK]
 
     for (int i = tid; i < C * DK; i += kThreads)
     {
         int const r = i / DK, d = i % DK;
         sK[r * LK + d] = r < n && d < p.dk ? load<T>(io.key, la::keyOffset(p, b, t0 + r, h, d)) : 0.0f;
+    }
+    if (keyed)
+    {
+        // per-key G: the chunk's log decays staged where T goes, then a thread per key dim scans them
+        for (int i = tid; i < C * DK; i += kThreads)
+        {
+            int const r = i / DK, d = i % DK;
+            sT[i] = r < n && d < p.dk ? load<T>(io.decay, la::decayOffset(p, b, t0 + r, h, d)) : 0.0f;
+        }
+        __syncthreads();
+        if (tid < DK)
+        {
+            float acc = 0.0f;
+            for (int r = 0; r < C; ++r)
+            {
+                acc += sT[r * DK + tid];
+                gChunk[r * DK + tid] = acc;
+            }
+        }
     }
     if (warp == 0)
     {
@@ -142,8 +221,11 @@ __global__ void __launch_bounds__(kThreads, 2) chunkPrepare(
         g1 += __shfl_sync(kFullMask, g0, kWarp - 1);
         sG[lane] = g0;
         sG[lane + kWarp] = g1;
-        ws[l.gcum + row0 + lane] = g0;
-        ws[l.gcum + row0 + lane + kWarp] = g1;
+        if (!keyed)
+        {
+            gChunk[lane] = g0;
+            gChunk[lane + kWarp] = g1;
+        }
         for (int i = lane; i < C; i += kWarp) // i is lane or lane + 32: sG[i] is this lane's
         {
             float const beta = i < n ? (delta ? load<T>(io.beta, la::betaOffset(p, b, t0 + i, h)) : 1.0f) : 0.0f;
@@ -152,19 +234,24 @@ __global__ void __launch_bounds__(kThreads, 2) chunkPrepare(
         }
     }
     __syncthreads();
-    float const last = sG[C - 1];
     for (int i = tid; i < C * DK; i += kThreads)
     {
         int const r = i / DK, d = i % DK;
-        ws[l.kt + (row0 + r) * DK + d] = em_exp(last - sG[r]) * sK[r * LK + d];
+        float const g = keyed ? gChunk[(C - 1) * DK + d] - gChunk[r * DK + d] : sG[C - 1] - sG[r];
+        ws[l.kt + (row0 + r) * DK + d] = em_exp(g) * sK[r * LK + d];
     }
     if (delta)
     {
-        Acc acc[2]; // A = K K^T: row block mi, column blocks half and half + 2
-        zero(acc);
-        rowTiles<P, DK, 2, RowA, ColB>(acc, sK + mi * 16 * LK, LK, 8, sK + half * 16 * LK, LK, 8, 32 * LK);
-        storeTiles(sA + mi * 16 * LC + half * 16, LC, 32, acc);
-        __syncthreads();
+        if (keyed)
+            decayedBlocks<DK>(sK, sK, sT, gChunk, sA, LC);
+        else
+        {
+            Acc acc[2]; // A = K K^T: row block mi, column blocks half and half + 2
+            zero(acc);
+            rowTiles<P, DK, 2, RowA, ColB>(acc, sK + mi * 16 * LK, LK, 8, sK + half * 16 * LK, LK, 8, 32 * LK);
+            storeTiles(sA + mi * 16 * LC + half * 16, LC, 32, acc);
+            __syncthreads();
+        }
         for (int i = tid; i < C * C; i += kThreads)
         {
             int const r = i / C, j = i % C;
@@ -175,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunkPrepare(
         for (int i = tid; i < C * DK; i += kThreads)
         {
             int const r = i / DK, d = i % DK;
-            sK[r * LK + d] *= sE[r];
+            sK[r * LK + d] *= keyed ? sE[r] * em_exp(gChunk[r * DK + d]) : sE[r];
         }
         __syncthreads();
         constexpr int NW = DK / 32; // W = T diag(beta e^G) K: row block mi, half of the DK / 16 column blocks
@@ -213,7 +300,7 @@ constexpr int kWarps = kThreads / kWarp;
 template <int DK, int BV>
 __host__ __device__ constexpr int stageFloats()
 {
-    return 2 * lines(C * (DK + 4)) + lines(C * (BV + 4)) + 32;
+    return 2 * lines(C * (DK + 4)) + lines(C * (BV + 4)) + DK;
 }
 
 template <int DK, int BV, int STAGES>
@@ -238,12 +325,13 @@ __global__ void __launch_bounds__(kThreads, 1) chunkState(la::Params const p, Li
     static_assert(NS <= BV / 16 && (KS == 1 || KS == 2), "tile split");
     extern __shared__ __align__(128) float sm[];
     float* sS = sm;                                         // [DK][LS]
-    float* sStage = sS + lines(DK * LS);                    // STAGES x {W [C][LK], K~ [C][LK], U [C][LS], G tail [4]}
+    float* sStage = sS + lines(DK * LS);                    // STAGES x {W [C][LK], K~ [C][LK], U [C][LS], G_last [DK]}
     float* sPart = sStage + STAGES * stageFloats<DK, BV>(); // KS = 2: [C][LS]
     int const tid = threadIdx.x, warp = tid / kWarp;
     int const v0 = blockIdx.x * BV, h = blockIdx.y, b = blockIdx.z;
     int const chunks = (len + C - 1) / C;
     bool const delta = la::isDelta(p.rule);
+    bool const keyed = la::keyedDecay(p);
     int const ri = warp * NS / (BV / 16);
     int const ci = warp * NS % (BV / 16);
     bool const holds = warp * NS < tiles;
@@ -278,7 +366,9 @@ __global__ void __launch_bounds__(kThreads, 1) chunkState(la::Params const p, Li
             int const r = i / (BV / 4), q = i % (BV / 4) * 4;
             copy16(su + r * LS + q, ws + l.u + (row0 + r) * l.dv + v0 + q);
         }
-        if (tid == 0)
+        if (keyed && tid < DK / 4)
+            copy16(su + lines(C * LS) + 4 * tid, ws + l.gcum + (row0 + C - 1) * DK + 4 * tid);
+        else if (!keyed && tid == 0)
             copy16(su + lines(C * LS), ws + l.gcum + row0 + C - 4);
         copyCommit();
     };
@@ -351,13 +441,30 @@ __global__ void __launch_bounds__(kThreads, 1) chunkState(la::Params const p, Li
         }
         if (holds)
         {
-            float const decay = em_exp(sU[lines(C * LS) + 3]);
-            EM_UNROLL
-            for (int f = 0; f < NS; ++f)
+            float const* last = sU + lines(C * LS); // G_last: [DK] per key, at [3] per head
+            if (keyed)
+            {
+                // the warp's tiles of S at the chunk start are still in sS: scale their rows there
+                for (int e = threadIdx.x % kWarp; e < 16 * NS * 16; e += kWarp)
+                {
+                    int const d = ri * 16 + e / (NS * 16), j = ci * 16 + e % (NS * 16);
+                    sS[d * LS + j] *= em_exp(last[d]);
+                }
+                __syncwarp();
                 EM_UNROLL
-            for (int i = 0; i < s[f].num_elements; ++i)
-                s[f].x[i] *= decay;
-            // S <- exp(G_last) S + K~^T U
+                for (int f = 0; f < NS; ++f)
+                    wm::load_matrix_sync(s[f], sS + ri * 16 * LS + (ci + f) * 16, LS, wm::mem_row_major);
+            }
+            else
+            {
+                float const decay = em_exp(last[3]);
+                EM_UNROLL
+                for (int f = 0; f < NS; ++f)
+                    EM_UNROLL
+                for (int i = 0; i < s[f].num_elements; ++i)
+                    s[f].x[i] *= decay;
+            }
+            // S <- diag(exp(G_last)) S + K~^T U
             rowTiles<P, C, NS, ColA, RowB>(s, sKt + ri * 16, LK, 8 * LK, sU + ci * 16, LS, 8 * LS, 16);
         }
     }
@@ -404,6 +511,8 @@ __global__ void __launch_bounds__(kThreads, 2) chunkOutput(la::Params const p, L
     int const t0 = s0 + r0;
     int const n = min(C, len - r0);
     int64_t const row0 = l.row(p, b, h, r0);
+    bool const keyed = la::keyedDecay(p);
+    float const* gChunk = ws + l.gcum + row0 * l.gw; // per-key G [C][DK]
 
     for (int i = tid; i < C * DK; i += kThreads)
     {
@@ -414,18 +523,21 @@ __global__ void __launch_bounds__(kThreads, 2) chunkOutput(la::Params const p, L
     }
     for (int i = tid; i < C; i += kThreads)
     {
-        float const g = ws[l.gcum + row0 + i];
+        float const g = keyed ? 0.0f : gChunk[i];
         sG[i] = g;
         sE[i] = em_exp(g);
     }
     __syncthreads();
+    if (keyed)
+        decayedBlocks<DK>(sQ, sKS, sKS, gChunk, sA, LC);
+    else
     {
         Acc acc[2]; // Q K^T: row block mi, column blocks half and half + 2
         zero(acc);
         rowTiles<P, DK, 2, RowA, ColB>(acc, sQ + mi * 16 * LK, LK, 8, sKS + half * 16 * LK, LK, 8, 32 * LK);
         storeTiles(sA + mi * 16 * LC + half * 16, LC, 32, acc);
+        __syncthreads();
     }
-    __syncthreads();
     for (int i = tid; i < C * C; i += kThreads)
     {
         int const r = i / C, j = i % C;
@@ -434,7 +546,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunkOutput(la::Params const p, L
     for (int i = tid; i < C * DK; i += kThreads)
     {
         int const r = i / DK, d = i % DK;
-        sQ[r * LK + d] *= sE[r];
+        sQ[r * LK + d] *= keyed ? em_exp(gChunk[r * DK + d]) : sE[r];
     }
     float const* gS = ws + l.stateAt(p, b, h, c);
     for (int i = tid; i < DK * BV; i += kThreads)

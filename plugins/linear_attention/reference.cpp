@@ -85,27 +85,46 @@ struct Chunked
 
     float key(int b, int t, int h, int d) const { return d < p.dk ? F(io.key)[la::keyOffset(p, b, t, h, d)] : 0.0f; }
 
+    // G_i at key dim d (one value per row for per-head decay).
+    float g(float const* G, int i, int d) const { return G[int64_t(i) * l.gw + (l.gw > 1 ? d : 0)]; }
+
+    // The decayed product of row x (token i) and row k (token j <= i) as the kernels factor it.
+    float decayedDot(float const* G, float const* x, int i, float const* k, int j) const
+    {
+        std::vector<float> gi(l.dk), gj(l.dk), gr(l.dk);
+        for (int d = 0; d < l.dk; ++d)
+        {
+            gi[d] = g(G, i, d);
+            gj[d] = g(G, j, d);
+            gr[d] = g(G, i / 16 * 16, d);
+        }
+        return i / 16 == j / 16 ? la::decayedDot(x, k, gi.data(), gj.data(), l.dk)
+                                : la::decayedDotVia(x, k, gi.data(), gj.data(), gr.data(), l.dk);
+    }
+
     // Pass 1 for the chunk of `n` tokens at t0 (segment row r0).
     void prepare(int b, int h, int t0, int r0, int n)
     {
         int const C = la::kChunk;
-        float* G = &ws[l.gcum + l.row(p, b, h, r0)];
-        std::vector<float> beta(C, 0.0f), A(C * C, 0.0f), T(C * C, 0.0f);
-        float acc = 0.0f;
-        for (int i = 0; i < C; ++i)
+        float* G = &ws[l.gcum + l.row(p, b, h, r0) * l.gw];
+        std::vector<float> beta(C, 0.0f), A(C * C, 0.0f), T(C * C, 0.0f), K(size_t(C) * l.dk, 0.0f);
+        for (int i = 0; i < n; ++i)
+            for (int d = 0; d < p.dk; ++d)
+                K[size_t(i) * l.dk + d] = key(b, t0 + i, h, d);
+        for (int d = 0; d < l.gw; ++d)
         {
-            acc += gated && i < n ? F(io.decay)[la::decayOffset(p, b, t0 + i, h, 0)] : 0.0f;
-            G[i] = acc;
-            beta[i] = i < n ? (delta ? F(io.beta)[la::betaOffset(p, b, t0 + i, h)] : 1.0f) : 0.0f;
+            float acc = 0.0f;
+            for (int i = 0; i < C; ++i)
+            {
+                acc += gated && i < n && d < p.dk ? F(io.decay)[la::decayOffset(p, b, t0 + i, h, d)] : 0.0f;
+                G[i * l.gw + d] = acc;
+            }
         }
+        for (int i = 0; i < C; ++i)
+            beta[i] = i < n ? (delta ? F(io.beta)[la::betaOffset(p, b, t0 + i, h)] : 1.0f) : 0.0f;
         for (int i = 0; i < n; ++i)
             for (int j = 0; j < i; ++j)
-            {
-                float dot = 0.0f;
-                for (int d = 0; d < p.dk; ++d)
-                    dot += key(b, t0 + i, h, d) * key(b, t0 + j, h, d);
-                A[i * C + j] = delta ? beta[i] * em_exp(G[i] - G[j]) * dot : 0.0f;
-            }
+                A[i * C + j] = delta ? beta[i] * decayedDot(G, &K[size_t(i) * l.dk], i, &K[size_t(j) * l.dk], j) : 0.0f;
         for (int c = 0; c < C; ++c)
             la::unitLowerInverseColumn(A.data(), C, T.data(), C, c, C);
         for (int i = 0; i < C; ++i)
@@ -115,9 +134,9 @@ struct Chunked
             {
                 float w = 0.0f;
                 for (int m = 0; m <= i && m < n; ++m)
-                    w += T[i * C + m] * beta[m] * em_exp(G[m]) * key(b, t0 + m, h, d);
+                    w += T[i * C + m] * beta[m] * em_exp(g(G, m, d)) * K[size_t(m) * l.dk + d];
                 ws[l.w + r * l.dk + d] = delta ? w : 0.0f;
-                ws[l.kt + r * l.dk + d] = i < n ? em_exp(G[C - 1] - G[i]) * key(b, t0 + i, h, d) : 0.0f;
+                ws[l.kt + r * l.dk + d] = em_exp(g(G, C - 1, d) - g(G, i, d)) * K[size_t(i) * l.dk + d];
             }
             for (int j = 0; j < l.dv; ++j)
             {
@@ -146,8 +165,10 @@ struct Chunked
                         ws_ += ws[l.w + (r0 + i) * l.dk + d] * state[d * l.dv + j];
                     u[i * l.dv + j] -= ws_;
                 }
-            float const last = em_exp(ws[l.gcum + r0 + C - 1]);
+            float const* G = &ws[l.gcum + r0 * l.gw];
             for (int d = 0; d < l.dk; ++d)
+            {
+                float const last = em_exp(g(G, C - 1, d));
                 for (int j = 0; j < l.dv; ++j)
                 {
                     float add = 0.0f;
@@ -155,6 +176,7 @@ struct Chunked
                         add += ws[l.kt + (r0 + i) * l.dk + d] * u[i * l.dv + j];
                     state[d * l.dv + j] = last * state[d * l.dv + j] + add;
                 }
+            }
         }
     }
 
@@ -164,24 +186,28 @@ struct Chunked
         int const C = la::kChunk;
         int const h = hq / group;
         int64_t const r0 = l.row(p, b, h, c * C);
-        float const* G = &ws[l.gcum + r0];
+        float const* G = &ws[l.gcum + r0 * l.gw];
         float const* S = &ws[l.stateAt(p, b, h, c)];
-        auto q = [&](int i, int d) { return d < p.dk ? F(io.query)[la::queryOffset(p, b, t0 + i, hq, d)] : 0.0f; };
+        std::vector<float> q(l.dk, 0.0f), k(l.dk, 0.0f);
         for (int i = 0; i < n; ++i)
-            for (int j = 0; j < p.dv; ++j)
+        {
+            for (int d = 0; d < p.dk; ++d)
+                q[d] = F(io.query)[la::queryOffset(p, b, t0 + i, hq, d)];
+            std::vector<float> o(p.dv, 0.0f);
+            for (int d = 0; d < l.dk; ++d)
+                for (int j = 0; j < p.dv; ++j)
+                    o[j] += em_exp(g(G, i, d)) * q[d] * S[d * l.dv + j];
+            for (int m = 0; m <= i; ++m)
             {
-                float o = 0.0f;
-                for (int d = 0; d < l.dk; ++d)
-                    o += em_exp(G[i]) * q(i, d) * S[d * l.dv + j];
-                for (int m = 0; m <= i; ++m)
-                {
-                    float dot = 0.0f;
-                    for (int d = 0; d < p.dk; ++d)
-                        dot += q(i, d) * key(b, t0 + m, h, d);
-                    o += em_exp(G[i] - G[m]) * dot * ws[l.u + (r0 + m) * l.dv + j];
-                }
-                F(io.output)[la::outputOffset(p, b, t0 + i, hq, j)] = p.scale * o;
+                for (int d = 0; d < p.dk; ++d)
+                    k[d] = key(b, t0 + m, h, d);
+                float const dot = decayedDot(G, q.data(), i, k.data(), m);
+                for (int j = 0; j < p.dv; ++j)
+                    o[j] += dot * ws[l.u + (r0 + m) * l.dv + j];
             }
+            for (int j = 0; j < p.dv; ++j)
+                F(io.output)[la::outputOffset(p, b, t0 + i, hq, j)] = p.scale * o[j];
+        }
     }
 
     void run()

@@ -132,30 +132,36 @@ def _seen(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # LinearAttention
 
-LA_CASES = [  # name, b, t, hq, hkv, dk, dv, per_key_decay, beta_per_head
-    ("mha 64x64", 2, 9, 4, 4, 64, 64, False, True),
-    ("gqa odd 5x7", 3, 7, 6, 2, 5, 7, True, False),
-    ("dk 33 dv 130", 1, 5, 2, 1, 33, 130, True, True),
-    ("dk 100", 2, 4, 2, 2, 100, 24, False, True),
-    ("dk 128 gqa", 2, 6, 8, 2, 128, 128, True, True),
-    ("dk 256", 1, 3, 1, 1, 256, 40, False, True),
-    ("b0 t1", 1, 1, 3, 3, 16, 16, True, True),
+LA_CASES = [  # name, b, t, hq, hkv, dk, dv, per_key_decay, beta_per_head, largest log decay
+    ("mha 64x64", 2, 9, 4, 4, 64, 64, False, True, 0.5),
+    ("gqa odd 5x7", 3, 7, 6, 2, 5, 7, True, False, 0.5),
+    ("dk 33 dv 130", 1, 5, 2, 1, 33, 130, True, True, 0.5),
+    ("dk 100", 2, 4, 2, 2, 100, 24, False, True, 0.5),
+    ("dk 128 gqa", 2, 6, 8, 2, 128, 128, True, True, 0.5),
+    ("dk 256", 1, 3, 1, 1, 256, 40, False, True, 0.5),
+    ("b0 t1", 1, 1, 3, 3, 16, 16, True, True, 0.5),
 ]
 LA_QUICK = [LA_CASES[1], LA_CASES[4]]
-# prompts long enough for the chunked form: several chunks, a partial last one, GQA, d_k != d_v
-LA_LONG = [  # name, b, t, hq, hkv, dk, dv, per_key_decay, beta_per_head
-    ("long gqa 128", 2, 333, 8, 2, 128, 128, False, True),
-    ("long 64 dv 96", 1, 700, 4, 4, 64, 96, False, False),
-    ("long dk 20 dv 130", 1, 130, 2, 1, 20, 130, False, True),
+# prompts long enough for the chunked form: several chunks, a partial last one, GQA, d_k != d_v,
+# per-key decay mild and strong (exp(-G) past float32 inside a chunk)
+LA_LONG = [
+    ("long gqa 128", 2, 333, 8, 2, 128, 128, False, True, 0.5),
+    ("long 64 dv 96", 1, 700, 4, 4, 64, 96, False, False, 0.5),
+    ("long dk 20 dv 130", 1, 130, 2, 1, 20, 130, False, True, 0.5),
+    ("long per-key gqa 128", 1, 333, 8, 2, 128, 128, True, True, 0.5),
+    ("long per-key strong 64 dv 80", 2, 200, 2, 2, 64, 80, True, True, 8.0),
 ]
-LA_LONG_QUICK = [("long quick", 1, 150, 4, 2, 64, 80, False, True)]
+LA_LONG_QUICK = [
+    ("long quick", 1, 150, 4, 2, 64, 80, False, True, 0.5),
+    ("long quick per-key strong", 1, 100, 2, 1, 32, 16, True, True, 8.0),
+]
 
 
 def check_linear_attention(h: Harness, quick: bool) -> None:
     from edgemem.ops.linear_attention import UPDATE_RULES, linear_attention
 
     cases = (LA_QUICK + LA_LONG_QUICK) if quick else (LA_CASES + LA_LONG)
-    for name, b, t, hq, hkv, dk, dv, per_key, beta_heads in cases:
+    for name, b, t, hq, hkv, dk, dv, per_key, beta_heads, strength in cases:
         for rule in UPDATE_RULES:
             for dtype in h.dtypes:
                 g = torch.Generator().manual_seed(zlib.crc32(f"{name} {rule}".encode()))
@@ -165,7 +171,7 @@ def check_linear_attention(h: Harness, quick: bool) -> None:
                 v = rand(b, t, hkv * dv)
                 s0 = rand(b, hkv, dk, dv)
                 gated, delta = rule in ("gated", "gated_delta"), rule in ("delta", "gated_delta")
-                decay = -torch.rand(b, t, hkv * (dk if per_key else 1), generator=g, dtype=F64) * 0.5
+                decay = -torch.rand(b, t, hkv * (dk if per_key else 1), generator=g, dtype=F64) * strength
                 beta = torch.rand(b, t, hkv if beta_heads else 1, generator=g, dtype=F64)
                 if not gated:
                     decay = torch.zeros(b, t, hkv, dtype=F64)
@@ -194,7 +200,7 @@ def check_linear_attention(h: Harness, quick: bool) -> None:
                     ref = h.ref.linear_attention(*[_cpu(x) for x in args], **kw)
                 got = h.dev.linear_attention(*args, **kw)
                 h.record("LinearAttention", f"{name} {rule}", dtype, "prefill", got, want, ref)
-                if not per_key and dk <= 128:
+                if dk <= 128:
                     # the chunked form alone, then in segments of one chunk (the state passing through)
                     got = h.dev.linear_attention(*args, path="chunked", **kw)
                     h.record("LinearAttention", f"{name} {rule}", dtype, "chunked", got, want, ref)
@@ -617,25 +623,28 @@ def time_decode(h: Harness, peak: float) -> list[Timing]:
 def time_prefill(h: Harness) -> list[tuple[str, str, float | None, float | None, float | None]]:
     """LinearAttention prefill (T tokens in one call, gated delta rule): the sequential and the chunked
     kernels' µs per call (CUDA-graph device time), and flash-linear-attention's chunked form
-    (chunk_gated_delta_rule) where installed."""
+    (chunk_gated_delta_rule; chunk_kda for per-key decay) where installed."""
     dev, rows = h.device, []
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+        from fla.ops.kda import chunk_kda as fla_keyed
     except Exception:
-        fla_chunk = None
-    shapes = [(1, 16, 128, t) for t in (16, 32, 64, 128)] + [
-        (1, 4, 64, 64),
-        (1, 16, 128, 512),
-        (1, 16, 128, 4096),
-        (8, 16, 128, 512),
-        (1, 32, 64, 4096),
+        fla_chunk = fla_keyed = None
+    shapes = [(1, 16, 128, t, False) for t in (16, 32, 64, 128)] + [
+        (1, 4, 64, 64, False),
+        (1, 16, 128, 512, False),
+        (1, 16, 128, 4096, False),
+        (8, 16, 128, 512, False),
+        (1, 32, 64, 4096, False),
+        (1, 16, 128, 512, True),
+        (1, 16, 128, 4096, True),
     ]
-    for b, heads, d, t in shapes:
+    for b, heads, d, t, per_key in shapes:
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             q = torch.randn(b, t, heads * d, device=dev, dtype=dtype)
             k = torch.nn.functional.normalize(torch.randn(b, t, heads, d, device=dev), dim=-1).flatten(2).to(dtype)
             v = torch.randn(b, t, heads * d, device=dev, dtype=dtype)
-            g = torch.full((b, t, heads), -0.01, device=dev, dtype=dtype)
+            g = torch.full((b, t, heads * (d if per_key else 1)), -0.01, device=dev, dtype=dtype)
             beta = torch.full((b, t, heads), 0.5, device=dev, dtype=dtype)
             s0, s1 = torch.zeros(b, heads, d, d, device=dev), torch.zeros(b, heads, d, d, device=dev)
             o = torch.empty_like(v)
@@ -666,11 +675,11 @@ def time_prefill(h: Harness) -> list[tuple[str, str, float | None, float | None,
             if fla_chunk is not None:
                 fq, fk, fv = (x.view(b, t, heads, d) for x in (q, k, v))
                 try:
-                    fn = lambda: fla_chunk(  # noqa: E731
+                    fn = lambda: (fla_keyed if per_key else fla_chunk)(  # noqa: E731
                         fq,
                         fk,
                         fv,
-                        g,
+                        g.view(b, t, heads, d) if per_key else g,
                         beta,
                         scale=d**-0.5,
                         initial_state=s0,  # noqa: E731
@@ -678,8 +687,10 @@ def time_prefill(h: Harness) -> list[tuple[str, str, float | None, float | None,
                     )
                     theirs = timed(fn)
                 except Exception as e:
-                    h.notes.append(f"fla chunk_gated_delta_rule failed at T={t}: {type(e).__name__}: {e}")
-            rows.append((f"b{b} {heads} heads {d}x{d}, T={t}", _dt(dtype), seq, chunked, theirs))
+                    op = "chunk_kda" if per_key else "chunk_gated_delta_rule"
+                    h.notes.append(f"fla {op} failed at T={t}: {type(e).__name__}: {e}")
+            keyed = ", per-key decay" if per_key else ""
+            rows.append((f"b{b} {heads} heads {d}x{d}{keyed}, T={t}", _dt(dtype), seq, chunked, theirs))
     return rows
 
 
@@ -814,7 +825,8 @@ def report(
             "## LinearAttention prefill (one call of T tokens, gated delta rule, CUDA-graph device time)",
             "",
             "sequential: the tokens in order with the state in registers; chunked: the tensor-core form "
-            "(auto takes it from 128 tokens at batch x kv heads <= 64); fla: chunk_gated_delta_rule on the same inputs; "  # noqa: E501
+            "(auto takes it from 128 tokens at batch x kv heads <= 64, per-head decay); fla: chunk_gated_delta_rule "
+            "(chunk_kda for per-key decay) on the same inputs; "
             "speed vs fla = fla µs / chunked µs.",
             "",
             "| case | dtype | sequential µs | chunked µs | chunked µs/token | fla µs | speed vs fla |",

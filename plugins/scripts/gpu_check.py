@@ -18,8 +18,10 @@ workspace of one chunk, so the state passes from segment to segment); NeuralMemo
 Timing: each decode kernel (T = 1, in place) against the memory floor of the design,
 t >= bytes / bandwidth, with bandwidth both the device's peak (memory clock x bus width) and a
 measured device-to-device copy; LinearAttention prefill in both forms beside
-flash-linear-attention's chunk_gated_delta_rule; NeuralMemory prefill in both forms; BandedAttention
-in both forms beside a dense attention with a [T, T] mask (PyTorch's scaled_dot_product_attention).
+flash-linear-attention's chunk_gated_delta_rule (chunk_kda for per-key decay); NeuralMemory prefill
+in both forms; BandedAttention in both forms beside a dense attention with a [T, T] mask (PyTorch's
+scaled_dot_product_attention); and each kernel's share of a chunked prefill (ours and fla's) and of
+a WindowAttention decode split, from PyTorch's profiler.
 
 `--cpu-self-test` runs the same harness with the CPU reference standing in for the kernels
 (float32, no timing): a check of this script on a machine without a GPU.
@@ -29,10 +31,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 import time
 import zlib
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -770,8 +774,124 @@ def time_banded(h: Harness) -> list[tuple[str, str, float | None, float | None, 
 # ---------------------------------------------------------------------------------------------
 
 
+def _kernel_name(name: str) -> str:
+    """A profiler's kernel name without return type, namespaces and arguments."""
+    name = name.removeprefix("void ").replace("(anonymous namespace)::", "")
+    base = re.split(r"[<(]", name, maxsplit=1)[0]
+    return base.rsplit("::", 1)[-1] or name[:60]
+
+
+def kernel_breakdown(h: Harness) -> list[tuple[str, str, float, float]]:
+    """Device µs per call of every kernel a call launches (PyTorch's profiler over CUPTI): the
+    chunked LinearAttention prefill beside flash-linear-attention's on the same inputs, and the
+    WindowAttention decode split. Rows: call, kernel, launches per call, µs per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev, rows, reps = h.device, [], 5
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+        from fla.ops.kda import chunk_kda as fla_keyed
+    except Exception:
+        fla_chunk = fla_keyed = None
+
+    def profiled(label: str, fn) -> None:
+        try:
+            fn()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(reps):
+                    fn()
+                torch.cuda.synchronize()
+        except Exception as e:
+            h.notes.append(f"kernel breakdown of {label} failed: {type(e).__name__}: {e}")
+            return
+        for ev in prof.key_averages():
+            us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+            if us > 0:
+                rows.append((label, _kernel_name(ev.key), ev.count / reps, us / reps))
+
+    b, heads, d, t = 1, 16, 128, 4096
+    for dtype, per_key in ((torch.float16, False), (torch.float32, False), (torch.float16, True)):
+        q = torch.randn(b, t, heads * d, device=dev, dtype=dtype)
+        k = torch.nn.functional.normalize(torch.randn(b, t, heads, d, device=dev), dim=-1).flatten(2).to(dtype)
+        v = torch.randn(b, t, heads * d, device=dev, dtype=dtype)
+        g = torch.full((b, t, heads * (d if per_key else 1)), -0.01, device=dev, dtype=dtype)
+        beta = torch.full((b, t, heads), 0.5, device=dev, dtype=dtype)
+        s0, s1 = torch.zeros(b, heads, d, d, device=dev), torch.zeros(b, heads, d, d, device=dev)
+        kw = dict(update_rule="gated_delta", scale=d**-0.5, q_num_heads=heads, kv_num_heads=heads)
+        nbytes = h.dev.linear_attention_workspace(q, v, g, beta, path="chunked", **kw)
+        ws = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        o = torch.empty_like(v)
+        case = f"16 heads 128x128{', per-key decay' if per_key else ''}, T={t}, {_dt(dtype)}"
+        run = partial(
+            h.dev.linear_attention, q, k, v, s0, g, beta, path="chunked", workspace=ws, output=o, present_state=s1, **kw
+        )
+        profiled(f"edgemem chunked, {case}", run)
+        if dtype == torch.float16 and not per_key:
+            # the default 64 MiB budget runs T = 4096 at 16 heads in three segments; this, in one
+            big = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+            run = partial(
+                h.dev.linear_attention,
+                q,
+                k,
+                v,
+                s0,
+                g,
+                beta,
+                path="chunked",
+                workspace=big,
+                output=o,
+                present_state=s1,
+                **kw,
+            )
+            profiled(f"edgemem chunked in one segment (256 MiB workspace), {case}", run)
+            del big
+        if fla_chunk is not None:
+            fq, fk, fv = (x.view(b, t, heads, d) for x in (q, k, v))
+            fg = g.view(b, t, heads, d) if per_key else g
+            op, name = (fla_keyed, "chunk_kda") if per_key else (fla_chunk, "chunk_gated_delta_rule")
+            run = partial(op, fq, fk, fv, fg, beta, scale=d**-0.5, initial_state=s0, output_final_state=True)
+            profiled(f"fla {name}, {case}", run)
+    window = 512
+    q, k, v = (torch.randn(1, 1, heads * d, device=dev) for _ in range(3))
+    rk, rv = (torch.randn(1, heads, window, d, device=dev) for _ in range(2))
+    pk, pv = (torch.randn(1, heads, 0, d, device=dev) for _ in range(2))
+    pos = torch.full((1,), 10 * window, dtype=torch.int64, device=dev)
+    nbytes = h.dev.window_attention_workspace(q, v, rk, pk, num_heads=heads, window=window)
+    ws = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    o = torch.empty_like(q)
+    run = partial(
+        h.dev.window_attention,
+        q,
+        k,
+        v,
+        rk,
+        rv,
+        pos,
+        pk,
+        pv,
+        num_heads=heads,
+        window=window,
+        dilation=[1] * heads,
+        scale=d**-0.5,
+        output=o,
+        present_key=rk,
+        present_value=rv,
+        workspace=ws,
+    )
+    profiled("edgemem WindowAttention decode, 16 heads d128, window 512, fp32", run)
+    return rows
+
+
 def report(
-    h: Harness, timings: list[Timing], prefill: list, memory: list, banded: list, device_name: str, elapsed: float
+    h: Harness,
+    timings: list[Timing],
+    prefill: list,
+    memory: list,
+    banded: list,
+    breakdown: list,
+    device_name: str,
+    elapsed: float,
 ) -> str:
     lines = [f"# edgemem kernel check — {device_name}", ""]
     failed = [r for r in h.rows if not r.ok]
@@ -873,6 +993,16 @@ def report(
                 f"| {case} | {dt} | {f(rows_us)} | {f(tiled_us)} | {f(dense_us)} | "
                 f"{r(rows_us, tiled_us)} | {r(dense_us, tiled_us)} |"
             )
+    if breakdown:
+        lines += [
+            "",
+            "## Where a call's time goes (PyTorch profiler over CUPTI, device µs per call, 5 calls)",
+            "",
+            "| call | kernel | launches per call | µs per call |",
+            "|---|---|---|---|",
+        ]
+        for call, kernel, launches, us in breakdown:
+            lines.append(f"| {call} | {kernel} | {launches:g} | {us:.1f} |")
     for n in h.notes:
         lines.append(f"- note: {n}")
     return "\n".join(lines) + "\n"
@@ -910,7 +1040,7 @@ def main() -> int:
             h.errors.append(f"{check.__name__}: {e}")
     if h.device.type == "cuda":
         torch.cuda.synchronize()
-    timings, prefill, memory, banded = [], [], [], []
+    timings, prefill, memory, banded, breakdown = [], [], [], [], []
     if not args.no_timing:
         peak = h.dev.lib.em_cuda_peak_bandwidth_gbs
         peak.restype = __import__("ctypes").c_double
@@ -918,7 +1048,11 @@ def main() -> int:
         prefill = time_prefill(h)
         memory = time_memory_prefill(h)
         banded = time_banded(h)
-    text = report(h, timings, prefill, memory, banded, device_name, time.time() - t0)
+        try:
+            breakdown = kernel_breakdown(h)
+        except Exception as e:  # the numbers above still get reported
+            h.notes.append(f"kernel breakdown failed: {type(e).__name__}: {e}")
+    text = report(h, timings, prefill, memory, banded, breakdown, device_name, time.time() - t0)
     print(text)
     if args.report:
         args.report.write_text(text)

@@ -519,6 +519,39 @@ def _fla_step():
     return fused_recurrent_gated_delta_rule, None
 
 
+def _prefill_inputs(dev, b: int, t: int, heads: int, d: int, dtype: torch.dtype, per_key: bool) -> tuple:
+    """A gated-delta prefill's inputs for timing: q, k (unit rows), v, log decay -0.01 (per head or per
+    key dim), beta 0.5, zero states in and out."""
+    q = torch.randn(b, t, heads * d, device=dev, dtype=dtype)
+    k = torch.nn.functional.normalize(torch.randn(b, t, heads, d, device=dev), dim=-1).flatten(2).to(dtype)
+    v = torch.randn(b, t, heads * d, device=dev, dtype=dtype)
+    g = torch.full((b, t, heads * (d if per_key else 1)), -0.01, device=dev, dtype=dtype)
+    beta = torch.full((b, t, heads), 0.5, device=dev, dtype=dtype)
+    s0, s1 = torch.zeros(b, heads, d, d, device=dev), torch.zeros(b, heads, d, d, device=dev)
+    return q, k, v, g, beta, s0, s1
+
+
+def _window_step(h: Harness, b: int, heads: int, d: int, window: int, persistent: int, dtype: torch.dtype):
+    """A WindowAttention decode step on a full ring, in place: the call's tensors and keywords, and the
+    workspace bytes its split form takes (0: none)."""
+    dev = h.device
+    q, k, v = (torch.randn(b, 1, heads * d, device=dev, dtype=dtype) for _ in range(3))
+    rk, rv = (torch.randn(b, heads, window, d, device=dev, dtype=dtype) for _ in range(2))
+    pk, pv = (torch.randn(b, heads, persistent, d, device=dev, dtype=dtype) for _ in range(2))
+    pos = torch.full((b,), 10 * window, dtype=torch.int64, device=dev)
+    kw = dict(
+        num_heads=heads,
+        window=window,
+        dilation=[1] * heads,
+        scale=d**-0.5,
+        output=torch.empty_like(q),
+        present_key=rk,
+        present_value=rv,
+    )
+    nbytes = h.dev.window_attention_workspace(q, v, rk, pk, num_heads=heads, window=window)
+    return (q, k, v, rk, rv, pos, pk, pv), kw, nbytes
+
+
 def time_decode(h: Harness, peak: float) -> list[Timing]:
     dev, out = h.device, []
     copy = _copy_gbs(dev)
@@ -565,27 +598,15 @@ def time_decode(h: Harness, peak: float) -> list[Timing]:
 
     def wa(case, b, heads, d, window, persistent, dtype):
         e = torch.tensor([], dtype=dtype).element_size()
-        q, k, v = (torch.randn(b, 1, heads * d, device=dev, dtype=dtype) for _ in range(3))
-        rk, rv = (torch.randn(b, heads, window, d, device=dev, dtype=dtype) for _ in range(2))
-        pk, pv = (torch.randn(b, heads, persistent, d, device=dev, dtype=dtype) for _ in range(2))
-        pos = torch.full((b,), 10 * window, dtype=torch.int64, device=dev)
-        o = torch.empty_like(q)
-        kw = dict(
-            num_heads=heads,
-            window=window,
-            dilation=[1] * heads,
-            scale=d**-0.5,
-            output=o,
-            present_key=rk,
-            present_value=rv,
-        )
+        args, kw, nbytes = _window_step(h, b, heads, d, window, persistent, dtype)
+        q, rk, pk = args[0], args[3], args[6]
         ring = 2 * rk.numel() * e  # every slot is read once (window keys) and one slot written
         io = (4 * q.numel() + 2 * pk.numel()) * e
         forms = [("one block per head", torch.empty(0, dtype=torch.uint8, device=dev))]
-        if nbytes := h.dev.window_attention_workspace(q, v, rk, pk, num_heads=heads, window=window):
+        if nbytes:
             forms.append(("keys split over blocks", torch.empty(nbytes, dtype=torch.uint8, device=dev)))
         for form, ws in forms:
-            step = lambda: h.dev.window_attention(q, k, v, rk, rv, pos, pk, pv, **kw, workspace=ws)  # noqa: E731,B023
+            step = partial(h.dev.window_attention, *args, **kw, workspace=ws)
             us, graph_us = _time_us(step), _graph_us(step)
             out.append(
                 Timing("WindowAttention", f"{case}, {form}", _dt(dtype), us, ring + io, ring, peak, copy, graph_us)
@@ -645,12 +666,7 @@ def time_prefill(h: Harness) -> list[tuple[str, str, float | None, float | None,
     ]
     for b, heads, d, t, per_key in shapes:
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            q = torch.randn(b, t, heads * d, device=dev, dtype=dtype)
-            k = torch.nn.functional.normalize(torch.randn(b, t, heads, d, device=dev), dim=-1).flatten(2).to(dtype)
-            v = torch.randn(b, t, heads * d, device=dev, dtype=dtype)
-            g = torch.full((b, t, heads * (d if per_key else 1)), -0.01, device=dev, dtype=dtype)
-            beta = torch.full((b, t, heads), 0.5, device=dev, dtype=dtype)
-            s0, s1 = torch.zeros(b, heads, d, d, device=dev), torch.zeros(b, heads, d, d, device=dev)
+            q, k, v, g, beta, s0, s1 = _prefill_inputs(dev, b, t, heads, d, dtype, per_key)
             o = torch.empty_like(v)
             kw = dict(
                 update_rule="gated_delta",
@@ -812,12 +828,7 @@ def kernel_breakdown(h: Harness) -> list[tuple[str, str, float, float]]:
 
     b, heads, d, t = 1, 16, 128, 4096
     for dtype, per_key in ((torch.float16, False), (torch.float32, False), (torch.float16, True)):
-        q = torch.randn(b, t, heads * d, device=dev, dtype=dtype)
-        k = torch.nn.functional.normalize(torch.randn(b, t, heads, d, device=dev), dim=-1).flatten(2).to(dtype)
-        v = torch.randn(b, t, heads * d, device=dev, dtype=dtype)
-        g = torch.full((b, t, heads * (d if per_key else 1)), -0.01, device=dev, dtype=dtype)
-        beta = torch.full((b, t, heads), 0.5, device=dev, dtype=dtype)
-        s0, s1 = torch.zeros(b, heads, d, d, device=dev), torch.zeros(b, heads, d, d, device=dev)
+        q, k, v, g, beta, s0, s1 = _prefill_inputs(dev, b, t, heads, d, dtype, per_key)
         kw = dict(update_rule="gated_delta", scale=d**-0.5, q_num_heads=heads, kv_num_heads=heads)
         nbytes = h.dev.linear_attention_workspace(q, v, g, beta, path="chunked", **kw)
         ws = torch.empty(nbytes, dtype=torch.uint8, device=dev)
@@ -852,33 +863,9 @@ def kernel_breakdown(h: Harness) -> list[tuple[str, str, float, float]]:
             op, name = (fla_keyed, "chunk_kda") if per_key else (fla_chunk, "chunk_gated_delta_rule")
             run = partial(op, fq, fk, fv, fg, beta, scale=d**-0.5, initial_state=s0, output_final_state=True)
             profiled(f"fla {name}, {case}", run)
-    window = 512
-    q, k, v = (torch.randn(1, 1, heads * d, device=dev) for _ in range(3))
-    rk, rv = (torch.randn(1, heads, window, d, device=dev) for _ in range(2))
-    pk, pv = (torch.randn(1, heads, 0, d, device=dev) for _ in range(2))
-    pos = torch.full((1,), 10 * window, dtype=torch.int64, device=dev)
-    nbytes = h.dev.window_attention_workspace(q, v, rk, pk, num_heads=heads, window=window)
+    args, kw, nbytes = _window_step(h, 1, heads, d, 512, 0, torch.float32)
     ws = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    o = torch.empty_like(q)
-    run = partial(
-        h.dev.window_attention,
-        q,
-        k,
-        v,
-        rk,
-        rv,
-        pos,
-        pk,
-        pv,
-        num_heads=heads,
-        window=window,
-        dilation=[1] * heads,
-        scale=d**-0.5,
-        output=o,
-        present_key=rk,
-        present_value=rv,
-        workspace=ws,
-    )
+    run = partial(h.dev.window_attention, *args, **kw, workspace=ws)
     profiled("edgemem WindowAttention decode, 16 heads d128, window 512, fp32", run)
     return rows
 

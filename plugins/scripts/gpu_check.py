@@ -870,6 +870,15 @@ def kernel_breakdown(h: Harness) -> list[tuple[str, str, float, float]]:
     return rows
 
 
+def _us(x: float | None) -> str:
+    return f"{x:.1f}" if x is not None else "-"
+
+
+def _per_token(case: str, us: float | None) -> str:
+    """µs per token of a call whose case name ends in "T=<tokens>"."""
+    return f"{us / int(case.rsplit('T=', 1)[1]):.3f}" if us is not None else "-"
+
+
 def report(
     h: Harness,
     timings: list[Timing],
@@ -939,12 +948,10 @@ def report(
             "| case | dtype | sequential µs | chunked µs | chunked µs/token | fla µs | speed vs fla |",
             "|---|---|---|---|---|---|---|",
         ]
-        f = lambda x: f"{x:.1f}" if x is not None else "-"  # noqa: E731
         for case, dt, seq, chunked, theirs in prefill:
-            t = int(case.rsplit("T=", 1)[1])
-            per = f"{chunked / t:.3f}" if chunked is not None else "-"
+            per = _per_token(case, chunked)
             ratio = f"{theirs / chunked:.2f}×" if chunked and theirs else "-"
-            lines.append(f"| {case} | {dt} | {f(seq)} | {f(chunked)} | {per} | {f(theirs)} | {ratio} |")
+            lines.append(f"| {case} | {dt} | {_us(seq)} | {_us(chunked)} | {per} | {_us(theirs)} | {ratio} |")
     if memory:
         lines += [
             "",
@@ -956,12 +963,10 @@ def report(
             "| case | dtype | sequential µs | chunked µs | chunked µs/token | speed-up |",
             "|---|---|---|---|---|---|",
         ]
-        f = lambda x: f"{x:.1f}" if x is not None else "-"  # noqa: E731
         for case, dt, seq, chunked in memory:
-            t = int(case.rsplit("T=", 1)[1])
-            per = f"{chunked / t:.3f}" if chunked is not None else "-"
+            per = _per_token(case, chunked)
             ratio = f"{seq / chunked:.2f}×" if chunked and seq else "-"
-            lines.append(f"| {case} | {dt} | {f(seq)} | {f(chunked)} | {per} | {ratio} |")
+            lines.append(f"| {case} | {dt} | {_us(seq)} | {_us(chunked)} | {per} | {ratio} |")
     if banded:
         lines += [
             "",
@@ -973,11 +978,10 @@ def report(
             "| case | dtype | rows µs | tiled µs | dense µs | tiled vs rows | tiled vs dense |",
             "|---|---|---|---|---|---|---|",
         ]
-        f = lambda x: f"{x:.1f}" if x is not None else "-"  # noqa: E731
         r = lambda a, b: f"{a / b:.2f}×" if a and b else "-"  # noqa: E731
         for case, dt, rows_us, tiled_us, dense_us in banded:
             lines.append(
-                f"| {case} | {dt} | {f(rows_us)} | {f(tiled_us)} | {f(dense_us)} | "
+                f"| {case} | {dt} | {_us(rows_us)} | {_us(tiled_us)} | {_us(dense_us)} | "
                 f"{r(rows_us, tiled_us)} | {r(dense_us, tiled_us)} |"
             )
     if breakdown:

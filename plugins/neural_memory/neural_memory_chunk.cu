@@ -1,5 +1,6 @@
-// NeuralMemory prefill in the chunked form of neural_memory.h on tensor cores (core/mma.cuh: TF32
-// products, 3xTF32 for float32 I/O). A block per (batch, head), 256 threads, walks the call's
+// NeuralMemory prefill in the chunked form of neural_memory.h on tensor cores (core/mma.cuh: 3xTF32
+// products for every I/O type: the gradient steps compound one TF32 pass's rounding beyond float16's
+// tolerance). A block per (batch, head), 256 threads, walks the call's
 // pieces (up to 16 tokens sharing the chunk weights) in order; per piece, in phases separated by
 // __syncthreads():
 //   load      q, k, v rows (zero past the piece's n tokens), the gates, the coefficients
@@ -17,8 +18,6 @@
 #include "launch.h"
 #include "mma.cuh"
 
-#include <type_traits>
-
 namespace edgemem
 {
 namespace cuda
@@ -26,6 +25,7 @@ namespace cuda
 namespace
 {
 
+constexpr int P = 3; // 3xTF32 (core/mma.cuh)
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / kWarp;
 constexpr int R = nm::kPieceRows;
@@ -68,7 +68,7 @@ __host__ __device__ inline Smem smemLayout(int d, int e)
 
 // out[16 x cols] = x[16 x k] . m, a warp per 16-column tile; x in shared memory (row stride ldx), m
 // [k x cols] row-major (Transposed: m^T, m being [cols x k] row-major).
-template <int P, int KMAX, bool Transposed>
+template <int KMAX, bool Transposed>
 __device__ __forceinline__ void product(float* out, int ldo, float const* x, int ldx, float const* m, int k, int cols)
 {
     int const warp = threadIdx.x / kWarp;
@@ -84,7 +84,7 @@ __device__ __forceinline__ void product(float* out, int ldo, float const* x, int
     }
 }
 
-template <typename T, int P>
+template <typename T>
 __global__ void __launch_bounds__(kThreads, 1) neuralMemoryChunkKernel(nm::Params const p, NeuralMemoryIO const io)
 {
     extern __shared__ __align__(128) float sm[];
@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, 1) neuralMemoryChunkKernel(nm::Param
         float const* c2 = start ? (first ? lay2.w_in : lay2.w_out) : (first ? lay2.c_in : lay2.c_out);
         if (deep)
         {
-            product<P, kMaxHeadDim, false>(sH, L.lde, sK, L.ldd, c1, D, E);
+            product<kMaxHeadDim, false>(sH, L.lde, sK, L.ldd, c1, D, E);
             __syncthreads();
             for (int i = tid; i < R * E; i += kThreads)
             {
@@ -172,10 +172,10 @@ __global__ void __launch_bounds__(kThreads, 1) neuralMemoryChunkKernel(nm::Param
                 sA[r * L.lde + c] = nm::activate(sH[r * L.lde + c], p.activation);
             }
             __syncthreads();
-            product<P, nm::kMaxHidden, false>(sZ, L.ldd, sA, L.lde, c2, E, D);
+            product<nm::kMaxHidden, false>(sZ, L.ldd, sA, L.lde, c2, E, D);
         }
         else
-            product<P, kMaxHeadDim, false>(sZ, L.ldd, sK, L.ldd, c1, D, D);
+            product<kMaxHeadDim, false>(sZ, L.ldd, sK, L.ldd, c1, D, D);
         __syncthreads();
 
         // dl/dz, a warp per row
@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(kThreads, 1) neuralMemoryChunkKernel(nm::Param
         __syncthreads();
         if (deep) // dh = (dz C2^T) * act'(h)
         {
-            product<P, kMaxHeadDim, true>(sXa, L.ldm, sZ, L.ldd, c2, D, E);
+            product<kMaxHeadDim, true>(sXa, L.ldm, sZ, L.ldd, c2, D, E);
             __syncthreads();
             for (int i = tid; i < R * E; i += kThreads)
             {
@@ -334,7 +334,7 @@ __global__ void __launch_bounds__(kThreads, 1) neuralMemoryChunkKernel(nm::Param
 
 #else
 
-template <typename T, int P>
+template <typename T>
 __global__ void neuralMemoryChunkKernel(nm::Params const, NeuralMemoryIO const)
 {
 }
@@ -344,8 +344,7 @@ __global__ void neuralMemoryChunkKernel(nm::Params const, NeuralMemoryIO const)
 template <typename T>
 int launch(nm::Params const& p, NeuralMemoryIO const& io, cudaStream_t stream)
 {
-    constexpr int P = std::is_same<T, float>::value ? 3 : 1;
-    auto kernel = neuralMemoryChunkKernel<T, P>;
+    auto kernel = neuralMemoryChunkKernel<T>;
     size_t const smem = size_t(smemLayout(p.d, p.e).floats) * sizeof(float);
     if (int const st = allowSharedMemory(kernel, smem))
         return st;

@@ -648,7 +648,7 @@ def time_decode(h: Harness, peak: float) -> list[Timing]:
 def time_prefill(h: Harness) -> list[tuple[str, str, float | None, float | None, float | None]]:
     """LinearAttention prefill (T tokens in one call, gated delta rule): the sequential and the chunked
     kernels' µs per call (CUDA-graph device time), and flash-linear-attention's chunked form
-    (chunk_gated_delta_rule; chunk_kda for per-key decay) where installed."""
+    (chunk_gated_delta_rule in fp32 and fp16; chunk_kda for per-key decay in fp16) where installed."""
     dev, rows = h.device, []
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
@@ -692,7 +692,9 @@ def time_prefill(h: Harness) -> list[tuple[str, str, float | None, float | None,
             seq = timed(lambda: h.dev.linear_attention(q, k, v, s0, g, beta, path="sequential", **kw))
             chunked = timed(lambda: h.dev.linear_attention(q, k, v, s0, g, beta, path="chunked", workspace=ws, **kw))
             theirs = None
-            if fla_chunk is not None:
+            # fla's Triton kernels tune themselves on first use in each dtype (chunk_kda's over many
+            # configurations each): its peers are timed in fp32 and fp16, chunk_kda in fp16
+            if fla_chunk is not None and dtype in ((torch.float16,) if per_key else (torch.float32, torch.float16)):
                 fq, fk, fv = (x.view(b, t, heads, d) for x in (q, k, v))
                 try:
                     fn = lambda: (fla_keyed if per_key else fla_chunk)(  # noqa: E731
@@ -1024,29 +1026,47 @@ def main() -> int:
         )
         device_name = torch.cuda.get_device_name()
     t0 = time.time()
+    parts: dict[str, list] = {"timings": [], "prefill": [], "memory": [], "banded": [], "breakdown": []}
+
+    def text() -> str:
+        return report(h, *parts.values(), device_name, time.time() - t0)
+
+    def section(name: str, run) -> None:
+        # each section's time on stderr, and the report so far on disk: a run cut short keeps what it measured
+        start = time.time()
+        run()
+        print(f"gpu_check: {name} done in {time.time() - start:.0f} s", file=sys.stderr, flush=True)
+        if args.report:
+            args.report.write_text(text())
+
     for check in (check_linear_attention, check_window_attention, check_banded_attention, check_neural_memory):
-        try:
-            check(h, args.quick)
-        except NativeError as e:
-            h.errors.append(f"{check.__name__}: {e}")
-    if h.device.type == "cuda":
-        torch.cuda.synchronize()
-    timings, prefill, memory, banded, breakdown = [], [], [], [], []
+
+        def numerics(check=check) -> None:
+            try:
+                check(h, args.quick)
+            except NativeError as e:
+                h.errors.append(f"{check.__name__}: {e}")
+            if h.device.type == "cuda":
+                torch.cuda.synchronize()
+
+        section(check.__name__, numerics)
     if not args.no_timing:
         peak = h.dev.lib.em_cuda_peak_bandwidth_gbs
         peak.restype = __import__("ctypes").c_double
-        timings = time_decode(h, peak(torch.cuda.current_device()))
-        prefill = time_prefill(h)
-        memory = time_memory_prefill(h)
-        banded = time_banded(h)
-        try:
-            breakdown = kernel_breakdown(h)
-        except Exception as e:  # the numbers above still get reported
-            h.notes.append(f"kernel breakdown failed: {type(e).__name__}: {e}")
-    text = report(h, timings, prefill, memory, banded, breakdown, device_name, time.time() - t0)
-    print(text)
-    if args.report:
-        args.report.write_text(text)
+        section("time_decode", lambda: parts.update(timings=time_decode(h, peak(torch.cuda.current_device()))))
+        section("time_memory_prefill", lambda: parts.update(memory=time_memory_prefill(h)))
+        section("time_banded", lambda: parts.update(banded=time_banded(h)))
+        # last of the tables: fla's kernels tune themselves on first use
+        section("time_prefill", lambda: parts.update(prefill=time_prefill(h)))
+
+        def breakdown() -> None:
+            try:
+                parts.update(breakdown=kernel_breakdown(h))
+            except Exception as e:  # the numbers above still get reported
+                h.notes.append(f"kernel breakdown failed: {type(e).__name__}: {e}")
+
+        section("kernel_breakdown", breakdown)
+    print(text())
     return 0 if all(r.ok for r in h.rows) and not h.errors else 1
 
 

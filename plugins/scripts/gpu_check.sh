@@ -12,8 +12,8 @@
 #      vs prefill, LinearAttention's chunked form, against edgemem.ops (float64) and the CPU
 #      reference; decode timing against the memory-bandwidth floor; prefill timing; both beside
 #      flash-linear-attention where it is installed;
-#   3. compute-sanitizer memcheck and racecheck over the quick case set (skipped with a note if
-#      compute-sanitizer is not installed);
+#   3. compute-sanitizer memcheck and racecheck over the quick case set, the two side by side
+#      (skipped with a note if compute-sanitizer is not installed);
 #   4. the plugin harness with --enqueue (tests/plugin_harness.cpp): every plugin through TensorRT's
 #      build and runtime calls, then enqueue against the op's kernel and the CPU reference (skipped
 #      with a note without TensorRT headers);
@@ -67,22 +67,31 @@ if [ -z "$sanitizer" ] && [ -x /usr/local/cuda/bin/compute-sanitizer ]; then san
     echo "## compute-sanitizer"
     echo
 } >>"$report"
+# one tool over the quick case set; its exit status in $build/sanitizer_TOOL.rc
+sanitize() {
+    local tool=$1 log=$build/sanitizer_$1.log rc
+    # only the edgemem kernels (their mangled names contain "edgemem"), not PyTorch's
+    "$sanitizer" --tool "$tool" --error-exitcode 99 --kernel-name kns=edgemem \
+        "$python" "$here/gpu_check.py" --build "$build" --quick --no-timing >"$log" 2>&1
+    rc=$?
+    if grep -q -i -E "unrecognized option|invalid (value|option)|unknown option" "$log"; then
+        # an older compute-sanitizer without kernel filters: check every kernel
+        "$sanitizer" --tool "$tool" --error-exitcode 99 \
+            "$python" "$here/gpu_check.py" --build "$build" --quick --no-timing >"$log" 2>&1
+        rc=$?
+    fi
+    echo $rc >"$build/sanitizer_$tool.rc"
+}
 if [ -z "$sanitizer" ]; then
     echo "compute-sanitizer not found: memcheck and racecheck skipped" | tee -a "$report"
 else
+    note "compute-sanitizer --tool memcheck and racecheck, side by side"
+    sanitize memcheck &
+    sanitize racecheck &
+    wait
     for tool in memcheck racecheck; do
-        note "compute-sanitizer --tool $tool"
         log=$build/sanitizer_$tool.log
-        # only the edgemem kernels (their mangled names contain "edgemem"), not PyTorch's
-        "$sanitizer" --tool "$tool" --error-exitcode 99 --kernel-name kns=edgemem \
-            "$python" "$here/gpu_check.py" --build "$build" --quick --no-timing >"$log" 2>&1
-        rc=$?
-        if grep -q -i -E "unrecognized option|invalid (value|option)|unknown option" "$log"; then
-            # an older compute-sanitizer without kernel filters: check every kernel
-            "$sanitizer" --tool "$tool" --error-exitcode 99 \
-                "$python" "$here/gpu_check.py" --build "$build" --quick --no-timing >"$log" 2>&1
-            rc=$?
-        fi
+        rc=$(cat "$build/sanitizer_$tool.rc")
         summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$log" | tail -n1)
         if [ $rc -eq 0 ]; then
             echo "- $tool: clean (${summary:-no summary line})" | tee -a "$report"

@@ -1,8 +1,9 @@
 // Tensor-core tiles shared by the chunked kernels: 16 x 16 x 8 TF32 warp matrix operations on
-// float32 tiles (shared or global memory), accumulated in float32. Float16 and bfloat16 inputs are
-// exact in TF32, so one product per tile suffices (P = 1); float32 inputs are split x = hi + lo
-// into two TF32 numbers and multiplied as hi.hi + hi.lo + lo.hi (P = 3; the dropped lo.lo term is
-// below float32 rounding). sm_80 and later; below, the helpers are not defined and the kernels
+// float32 tiles (shared or global memory), accumulated in float32. P = 1: one TF32 product per tile
+// (float16 and bfloat16 inputs are exact in TF32; values computed from them are rounded). P = 3:
+// each operand split x = hi + lo into two TF32 numbers and multiplied as hi.hi + hi.lo + lo.hi (the
+// dropped lo.lo term is below float32 rounding), for float32 inputs and where one pass's rounding
+// compounds (NeuralMemory's gradient steps). sm_80 and later; below, the helpers are not defined and the kernels
 // that use them compile empty.
 #pragma once
 

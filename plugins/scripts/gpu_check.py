@@ -326,7 +326,7 @@ BA_CASES = [  # name, b, t, heads, d, dv, window, dilation, persistent, global f
     ("tiles, many globals", 2, 300, 2, 64, 64, 8, (1, 2), 20, 0.1),
     ("tiles 16x32", 1, 150, 2, 16, 32, 4, (1, 3), 5, 0.05),
 ]
-BA_QUICK = [BA_CASES[0], BA_CASES[5]]
+BA_QUICK = [BA_CASES[0], BA_CASES[4], BA_CASES[5]]
 
 
 def check_banded_attention(h: Harness, quick: bool) -> None:
@@ -376,7 +376,7 @@ NM_CASES = [  # name, b, t, heads, d, e, depth, chunk, activation, norm, positio
     ("16x32 gelu, short chunks", 2, 21, 2, 16, 32, 2, 5, "gelu", True, (3, 0)),
     ("ttt-linear 64, long chunks", 1, 50, 2, 64, 64, 1, 40, "identity", True, (9,)),
 ]
-NM_QUICK = [NM_CASES[2], NM_CASES[5], NM_CASES[7]]
+NM_QUICK = [NM_CASES[2], NM_CASES[5], NM_CASES[6], NM_CASES[7]]
 
 
 def check_neural_memory(h: Harness, quick: bool) -> None:

@@ -67,7 +67,7 @@ if [ -z "$sanitizer" ] && [ -x /usr/local/cuda/bin/compute-sanitizer ]; then san
     echo "## compute-sanitizer"
     echo
 } >>"$report"
-# one tool over the quick case set; its exit status in $build/sanitizer_TOOL.rc
+# one tool over the quick case set; returns its exit status
 sanitize() {
     local tool=$1 log=$build/sanitizer_$1.log rc
     # only the edgemem kernels (their mangled names contain "edgemem"), not PyTorch's
@@ -80,18 +80,21 @@ sanitize() {
             "$python" "$here/gpu_check.py" --build "$build" --quick --no-timing >"$log" 2>&1
         rc=$?
     fi
-    echo $rc >"$build/sanitizer_$tool.rc"
+    return $rc
 }
 if [ -z "$sanitizer" ]; then
     echo "compute-sanitizer not found: memcheck and racecheck skipped" | tee -a "$report"
 else
     note "compute-sanitizer --tool memcheck and racecheck, side by side"
-    sanitize memcheck &
-    sanitize racecheck &
-    wait
+    declare -A job
     for tool in memcheck racecheck; do
+        sanitize "$tool" &
+        job[$tool]=$!
+    done
+    for tool in memcheck racecheck; do
+        wait "${job[$tool]}"
+        rc=$?
         log=$build/sanitizer_$tool.log
-        rc=$(cat "$build/sanitizer_$tool.rc")
         summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$log" | tail -n1)
         if [ $rc -eq 0 ]; then
             echo "- $tool: clean (${summary:-no summary line})" | tee -a "$report"

@@ -636,6 +636,7 @@ KERNELS = (
     "windowAttentionKernel",
     "bandedAttentionKernel",
     "bandedTileKernel",
+    "bandedMmaKernel",
     "neuralMemoryKernel",
     "neuralMemoryChunkKernel",
 )

@@ -25,13 +25,14 @@ namespace cuda
 // BandedAttention over a whole sequence (prefill / encoder). dilation: host array. A warp per query row.
 int bandedAttention(attn::BandedParams const& p, int32_t const* dilation, BandedAttentionIO const& io, DType dtype,
     DType persistent_dtype, cudaStream_t stream);
-// The tiled form (banded_attention_tile.cu: blocks of 64 query rows against 16-key tiles on tensor
+// The tiled form (banded_attention_tile.cu: blocks of 64 query rows against tiles of keys on tensor
 // cores, sm_80 or later; global query rows by the row-per-warp kernel); kUnsupported where it does
-// not apply: d or d_v not a multiple of 16 or above 128.
+// not apply: d or d_v not a multiple of 16 or above 128, or 16-bit I/O whose query, key, value or
+// persistent tensors are not 16-byte aligned.
 int bandedAttentionTiled(attn::BandedParams const& p, int32_t const* dilation, BandedAttentionIO const& io, DType dtype,
     DType persistent_dtype, cudaStream_t stream);
 // The tiled kernel alone (sizes checked, T >= 1): every row but the global ones; kUnsupported below
-// sm_80 or beyond the device's shared memory.
+// sm_80, beyond the device's shared memory or for unaligned 16-bit tensors.
 int bandedTiles(attn::BandedParams const& p, int32_t const* dilation, BandedAttentionIO const& io, DType dtype,
     DType persistent_dtype, cudaStream_t stream);
 } // namespace cuda

@@ -106,7 +106,8 @@ EM_HD bool bandAllowed(int64_t i, int64_t j, int window, int dilation, bool caus
 // rounded down to a tile (band rule and global keys inside it by bandAllowed); then the global keys
 // outside the span, ascending, that a causal block can reach (j <= its last row), 16 a tile; then
 // the persistent keys. One online softmax per row runs over them (softmax_tile). Global query
-// rows attend every key: the row-per-warp form computes them.
+// rows attend every key: the row-per-warp form computes them. The kernel for 16-bit I/O takes the
+// same keys in the same order 64 a tile.
 constexpr int kBandRows = 64;
 constexpr int kKeyTile = 16;
 

@@ -1,16 +1,20 @@
-// Tensor-core tiles shared by the chunked kernels: 16 x 16 x 8 TF32 warp matrix operations on
-// float32 tiles (shared or global memory), accumulated in float32. P = 1: one TF32 product per tile
-// (float16 and bfloat16 inputs are exact in TF32; values computed from them are rounded). P = 3:
-// each operand split x = hi + lo into two TF32 numbers and multiplied as hi.hi + hi.lo + lo.hi (the
-// dropped lo.lo term is below float32 rounding), for float32 inputs and where one pass's rounding
-// compounds (NeuralMemory's gradient steps). sm_80 and later; below, the helpers are not defined and the kernels
-// that use them compile empty.
+// Tensor-core tiles shared by the chunked and tiled kernels. First, 16 x 16 x 8 TF32 warp matrix
+// operations on float32 tiles (shared or global memory), accumulated in float32. P = 1: one TF32
+// product per tile (float16 and bfloat16 inputs are exact in TF32; values computed from them are
+// rounded). P = 3: each operand split x = hi + lo into two TF32 numbers and multiplied as
+// hi.hi + hi.lo + lo.hi (the dropped lo.lo term is below float32 rounding), for float32 inputs and
+// where one pass's rounding compounds (NeuralMemory's gradient steps). Then mma.sync m16n8k16 on
+// 16-bit operands in registers, whose fragment layouts are known, so a kernel can keep its
+// accumulators in registers and work on them row by row (attention's softmax). sm_80 and later;
+// below, the helpers are not defined and the kernels that use them compile empty.
 #pragma once
 
 #include <cuda_runtime.h>
 #include <mma.h>
 
-#include "core/common.h"
+#include <type_traits>
+
+#include "core/device.cuh"
 
 namespace edgemem
 {
@@ -126,6 +130,83 @@ __device__ __forceinline__ void storeTiles(float* p, int ld, int step, Acc const
     EM_UNROLL
     for (int j = 0; j < NT; ++j)
         wm::store_matrix_sync(p + j * step, acc[j], ld, wm::mem_row_major);
+}
+
+// mma.sync m16n8k16, float16 or bfloat16 operands O, float32 accumulators, in the PTX ISA's
+// fragment layouts; lane = 4 g + q. A (16 x 16, row major): a[0] row g, columns 2q and 2q + 1;
+// a[1] row g + 8; a[2], a[3] the same 8 columns on. B (16 x 8): b0 rows 2q and 2q + 1 of column g,
+// b1 8 rows on. C (16 x 8): c[0], c[1] row g, columns 2q and 2q + 1; c[2], c[3] row g + 8. Two C
+// tiles side by side (16 columns), rounded and packed, are therefore an A operand.
+template <typename O>
+__device__ __forceinline__ void mma16816(float (&c)[4], uint32_t const (&a)[4], uint32_t b0, uint32_t b1);
+
+template <>
+__device__ __forceinline__ void mma16816<__half>(float (&c)[4], uint32_t const (&a)[4], uint32_t b0, uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], uint32_t const (&a)[4], uint32_t b0, uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats rounded to O, lo in the low half (the lower column of a fragment register).
+template <typename O>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi)
+{
+    __half2 const x = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t const*>(&x);
+}
+
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi)
+{
+    __nv_bfloat162 const x = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t const*>(&x);
+}
+
+// 8 consecutive elements of x (type X: O or float) from element i on, 16-byte aligned, as O.
+template <typename O, typename X>
+__device__ __forceinline__ uint4 load8(void const* x, int64_t i)
+{
+    if constexpr (std::is_same<O, X>::value)
+        return *reinterpret_cast<uint4 const*>(static_cast<X const*>(x) + i);
+    else
+    {
+        static_assert(std::is_same<X, float>::value, "O or float");
+        float4 const* f = reinterpret_cast<float4 const*>(static_cast<float const*>(x) + i);
+        float4 const u = f[0], v = f[1];
+        return make_uint4(pack2<O>(u.x, u.y), pack2<O>(u.z, u.w), pack2<O>(v.x, v.y), pack2<O>(v.z, v.w));
+    }
+}
+
+// ldmatrix .x4 from shared memory: lane l passes the address of row l % 8 (16 bytes, 16-byte
+// aligned) of 8 x 8 matrix l / 8 of 16-bit elements, and r[m] receives matrix m's fragment: row g,
+// columns 2q and 2q + 1; with Trans, rows 2q and 2q + 1 of column g (a B operand from a row-major
+// [k][n] array).
+template <bool Trans>
+__device__ __forceinline__ void ldmatrix4(uint32_t (&r)[4], void const* row)
+{
+    unsigned const at = static_cast<unsigned>(__cvta_generic_to_shared(row));
+    if constexpr (Trans)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(at));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(at));
 }
 
 #endif

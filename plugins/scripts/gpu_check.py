@@ -360,6 +360,16 @@ def check_banded_attention(h: Harness, quick: bool) -> None:
                 if d % 16 == 0 and dv % 16 == 0 and max(d, dv) <= 128:
                     got = h.dev.banded_attention(*args, **kw, tiled=True)
                     h.record("BandedAttention", case, dtype, "tiled", [got], [want], ref)
+                    if persistent and dtype != torch.float32:
+                        # float32 persistent memory beside 16-bit I/O: the tiled kernel rounds it to the I/O type
+                        seen = [_seen(x, dtype) for x in (q, k, v)]
+                        mem = [_seen(x, torch.float32) for x in (pk, pv)]
+                        want32 = banded_attention(
+                            *seen, global_mask=mask, persistent_key=mem[0], persistent_value=mem[1], **kw
+                        )
+                        args32 = args[:4] + [h.put(x, torch.float32) for x in (pk, pv)]
+                        got = h.dev.banded_attention(*args32, **kw, tiled=True)
+                        h.record("BandedAttention", case, dtype, "tiled, fp32 memory", [got], [want32])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -172,8 +172,8 @@ struct PairSum
     __device__ __forceinline__ float operator()(float x) const { return x + __shfl_xor_sync(kFullMask, x, 1); }
 };
 
-// One block's state and its key tile step.
-template <typename T, typename PT>
+// One block's state and its key tile step (float32 I/O; PT: the persistent memory's type).
+template <typename PT>
 struct Block
 {
     attn::BandedParams const& p;
@@ -195,7 +195,7 @@ struct Block
             if (j >= 0)
                 y = kind == kPersistentTile
                     ? load<PT>(px, attn::headRowOffset(p.heads, p.persistent, width, b, h, j) + e)
-                    : load<T>(x, attn::rowOffset(p.seq, p.heads, width, b, j, h) + e);
+                    : load<float>(x, attn::rowOffset(p.seq, p.heads, width, b, j, h) + e);
             dst[c * ld + e] = y;
         }
     }
@@ -247,7 +247,7 @@ struct Block
     }
 };
 
-template <typename T, typename PT>
+template <typename PT>
 __global__ void __launch_bounds__(kThreads, 2)
     bandedTileKernel(attn::BandedParams const p, Dilation const dilation, BandedAttentionIO const io)
 {
@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     int* sKeys = reinterpret_cast<int*>(sm + L.keys);
     float* sWarp = sm + L.warp + warp * Smem::kWarpFloats;
     // a lane holds half of the columns of one of its warp's 16 rows
-    Block<T, PT> blk{p, io, L, sm + L.q, sm + L.k, sm + L.v, sm + L.o, sWarp, sWarp + lines(16 * LS), sKeys,
+    Block<PT> blk{p, io, L, sm + L.q, sm + L.k, sm + L.v, sm + L.o, sWarp, sWarp + lines(16 * LS), sKeys,
         io.global_mask + int64_t(b) * p.seq, tid, warp, lane / 2, lane % 2, i0 + warp * 16 + lane / 2, b, h,
         dilation.v[h], softmax_empty()};
     int const D = p.d, DV = p.dv;
@@ -269,7 +269,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     {
         int const r = x / D, c = x % D;
         blk.sQ[r * L.ldq + c]
-            = i0 + r < p.seq ? load<T>(io.query, attn::rowOffset(p.seq, p.heads, D, b, i0 + r, h) + c) : 0.0f;
+            = i0 + r < p.seq ? load<float>(io.query, attn::rowOffset(p.seq, p.heads, D, b, i0 + r, h) + c) : 0.0f;
     }
     for (int x = tid; x < kRows * DV; x += kThreads)
         blk.sO[(x / DV) * L.ldv + x % DV] = 0.0f;
@@ -284,7 +284,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         float const inv = 1.0f / blk.st.l;
         int64_t const out = attn::rowOffset(p.seq, p.heads, DV, b, blk.i, h);
         for (int e = blk.half * (DV / 2); e < (blk.half + 1) * (DV / 2); ++e)
-            store<T>(io.output, out + e, blk.sO[(warp * 16 + blk.row) * L.ldv + e] * inv);
+            store<float>(io.output, out + e, blk.sO[(warp * 16 + blk.row) * L.ldv + e] * inv);
     }
 }
 
@@ -475,7 +475,7 @@ __global__ void __launch_bounds__(kThreads, 2) bandedMmaKernel(
 
 #else
 
-template <typename T, typename PT>
+template <typename PT>
 __global__ void bandedTileKernel(attn::BandedParams const, Dilation const, BandedAttentionIO const)
 {
 }
@@ -514,8 +514,8 @@ int bandedTiles(attn::BandedParams const& p, int32_t const* dilation, BandedAtte
             if constexpr (std::is_same<T, float>::value)
             {
                 size_t const smem = size_t(smemLayout(p.d, p.dv).floats) * sizeof(float);
-                return memory32 ? launch(bandedTileKernel<float, float>, smem, p, dil, io, stream)
-                                : launch(bandedTileKernel<float, __half>, smem, p, dil, io, stream);
+                return memory32 ? launch(bandedTileKernel<float>, smem, p, dil, io, stream)
+                                : launch(bandedTileKernel<__half>, smem, p, dil, io, stream);
             }
             else
             {

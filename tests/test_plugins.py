@@ -765,20 +765,28 @@ def _trt_id(root: Path) -> str:
 
 @pytest.fixture(scope="session")
 def trt_libs(tmp_path_factory) -> dict[Path, Path | str]:
-    """Builds the plugin library against each TensorRT root (one arch: the glue is what differs)."""
+    """Builds the plugin library and the harness against each TensorRT root, each into a folder of its own. One
+    build tree serves them all, reconfigured for each root: the kernels (one arch) compile once, the glue per root."""
     out: dict[Path, Path | str] = {}
+    if not shutil.which("cmake") or not shutil.which("nvcc"):
+        return {root: "cmake and nvcc are needed to build the plugin library" for root in TRT_ROOTS}
+    build = tmp_path_factory.mktemp("trt_build")
     for root in TRT_ROOTS:
-        if not shutil.which("cmake") or not shutil.which("nvcc"):
-            out[root] = "cmake and nvcc are needed to build the plugin library"
-            continue
-        build = tmp_path_factory.mktemp(f"trt_{root.name}")
+        if (build / "CMakeCache.txt").exists():
+            _run(["cmake", "-S", str(PLUGINS), "-B", str(build), f"-DTensorRT_ROOT={root}"])
         info = _cmake_build(
             build,
             f"-DTensorRT_ROOT={root}",
             "-DCMAKE_CUDA_ARCHITECTURES=87",
             targets=("edgemem_trt_plugins", "edgemem_plugin_harness"),
         )
-        out[root] = build / "libedgemem_trt_plugins.so" if info.get("tensorrt") else f"no TensorRT headers under {root}"
+        if not info.get("tensorrt"):
+            out[root] = f"no TensorRT headers under {root}"
+            continue
+        folder = tmp_path_factory.mktemp(f"trt_{root.name}")
+        for name in ("libedgemem_trt_plugins.so", "edgemem_plugin_harness"):
+            shutil.copy2(build / name, folder / name)
+        out[root] = folder / "libedgemem_trt_plugins.so"
     return out
 
 

@@ -1,11 +1,16 @@
-"""Building plugins/ for the tests that load its libraries (test_plugins.py, test_rtx.py): one CMake
-configure + build per tree, a failing command shown with the end of its output."""
+"""Building plugins/ for the tests that load its libraries or read its compile (test_plugins.py,
+test_kernel_archs.py, test_rtx.py): one CMake configure + build per tree, a failing command shown with
+the end of its output, and the kept ptxas output read back (registers, spills, local memory)."""
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 from pathlib import Path
+
+import pytest
 
 PLUGINS = Path(__file__).resolve().parents[1] / "plugins"
 JOBS = str(os.cpu_count() or 2)
@@ -29,3 +34,69 @@ def cmake_build(build: Path, *args: str, targets: tuple[str, ...] = ()) -> dict[
         cmd += ["--target", t]
     run(cmd)
     return dict(line.split("=", 1) for line in (build / "edgemem_build.txt").read_text().splitlines() if "=" in line)
+
+
+def need_nvcc() -> None:
+    if not shutil.which("cmake"):
+        pytest.skip("cmake is not installed")
+    if not shutil.which("nvcc") and not os.environ.get("CUDACXX") and not Path("/usr/local/cuda/bin/nvcc").exists():
+        pytest.skip("nvcc (the CUDA compiler) is not installed: the kernels cannot be compiled here")
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA kernels: every kernel compiled for every architecture asked for, with no spills, no local memory
+
+PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(sm_\d+)'")
+PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+PTXAS_USED = re.compile(r"Used (\d+) registers")
+KERNELS = (
+    "linearAttentionKernel",
+    "chunkPrepare",
+    "chunkState",
+    "chunkOutput",
+    "windowAttentionKernel",
+    "bandedAttentionKernel",
+    "bandedTileKernel",
+    "bandedMmaKernel",
+    "neuralMemoryKernel",
+    "neuralMemoryChunkKernel",
+)
+
+
+def ptxas_report(build: Path) -> list[dict]:
+    """One row per (kernel instantiation, architecture) from the kept ptxas -v output."""
+    rows, current = [], None
+    for log in sorted((build / "ptxas").glob("*.log")):
+        for line in log.read_text().splitlines():
+            if m := PTXAS_ENTRY.search(line):
+                current = dict(kernel=m.group(1), arch=m.group(2), file=log.name)
+                rows.append(current)
+            elif current and (m := PTXAS_FRAME.search(line)):
+                current.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+            elif current and (m := PTXAS_USED.search(line)):
+                current["registers"] = int(m.group(1))
+                current["lmem"] = "lmem" in line
+    return rows
+
+
+def _demangle(symbols: list[str]) -> dict[str, str]:
+    """Readable kernel names (c++filt when present), without the namespaces."""
+    filt = shutil.which("c++filt")
+    out = run([filt], input="\n".join(symbols)).stdout.splitlines() if filt else symbols
+    tidy = lambda s: re.sub(r"\(.*\)$", "", re.sub(r"edgemem::cuda::(\(anonymous namespace\)::)?", "", s))  # noqa: E731
+    return {sym: tidy(name).removeprefix("void ") for sym, name in zip(symbols, out)}
+
+
+def assert_no_spills(build: Path, archs: tuple[str, ...]) -> None:
+    """Every kernel family of KERNELS compiled for every arch in `archs`, none spilling or using local memory."""
+    rows = ptxas_report(build)
+    assert rows, "no ptxas output kept under <build>/ptxas"
+    for family in KERNELS:
+        for arch in archs:
+            assert any(family in r["kernel"] and r["arch"] == f"sm_{arch}" for r in rows), (family, arch)
+    bad = [r for r in rows if r.get("stack", 1) or r.get("spill_stores", 1) or r.get("spill_loads", 1) or r.get("lmem")]
+    assert not bad, "kernels using local memory or spilling:\n" + "\n".join(map(str, bad))
+    # the table in the test log (pytest -s)
+    names = _demangle([r["kernel"] for r in rows])
+    for r in rows:
+        print(f"{r['arch']:>6} {names[r['kernel']]:<60} {r['registers']:>4} registers")

@@ -35,6 +35,7 @@ PLUGINS = ROOT / "plugins"
 sys.path.insert(0, str(PLUGINS / "python"))
 
 from edgemem_native import Native, NativeError  # noqa: E402
+from plugin_build import assert_no_spills, need_nvcc  # noqa: E402
 from plugin_build import cmake_build as _cmake_build  # noqa: E402
 from plugin_build import run as _run  # noqa: E402
 
@@ -84,17 +85,10 @@ def ref(build_dir) -> Native:
     return Native(lib)
 
 
-def _need_nvcc() -> None:
-    if not shutil.which("cmake"):
-        pytest.skip("cmake is not installed")
-    if not shutil.which("nvcc") and not os.environ.get("CUDACXX") and not Path("/usr/local/cuda/bin/nvcc").exists():
-        pytest.skip("nvcc (the CUDA compiler) is not installed: the kernels cannot be compiled here")
-
-
 @pytest.fixture(scope="session")
 def kernels_build(build_dir, ref) -> Path:
     """Every target of the tree (the kernels for sm_87/89/90); skips without nvcc."""
-    _need_nvcc()
+    need_nvcc()
     info = _cmake_build(build_dir)
     if info.get("cuda") != "ON":
         pytest.skip("CMake found no usable CUDA compiler (put nvcc on PATH or set CUDACXX)")
@@ -625,46 +619,6 @@ def test_reference_neural_memory_steps_in_place(ref):
 # ---------------------------------------------------------------------------------------------
 # CUDA kernels: compile for every default architecture with no spills, no local memory
 
-PTXAS_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(sm_\d+)'")
-PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
-PTXAS_USED = re.compile(r"Used (\d+) registers")
-KERNELS = (
-    "linearAttentionKernel",
-    "chunkPrepare",
-    "chunkState",
-    "chunkOutput",
-    "windowAttentionKernel",
-    "bandedAttentionKernel",
-    "bandedTileKernel",
-    "bandedMmaKernel",
-    "neuralMemoryKernel",
-    "neuralMemoryChunkKernel",
-)
-
-
-def ptxas_report(build: Path) -> list[dict]:
-    """One row per (kernel instantiation, architecture) from the kept ptxas -v output."""
-    rows, current = [], None
-    for log in sorted((build / "ptxas").glob("*.log")):
-        for line in log.read_text().splitlines():
-            if m := PTXAS_ENTRY.search(line):
-                current = dict(kernel=m.group(1), arch=m.group(2), file=log.name)
-                rows.append(current)
-            elif current and (m := PTXAS_FRAME.search(line)):
-                current.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
-            elif current and (m := PTXAS_USED.search(line)):
-                current["registers"] = int(m.group(1))
-                current["lmem"] = "lmem" in line
-    return rows
-
-
-def _demangle(symbols: list[str]) -> dict[str, str]:
-    """Readable kernel names (c++filt when present), without the namespaces."""
-    filt = shutil.which("c++filt")
-    out = _run([filt], input="\n".join(symbols)).stdout.splitlines() if filt else symbols
-    tidy = lambda s: re.sub(r"\(.*\)$", "", re.sub(r"edgemem::cuda::(\(anonymous namespace\)::)?", "", s))  # noqa: E731
-    return {sym: tidy(name).removeprefix("void ") for sym, name in zip(symbols, out)}
-
 
 def test_gpu_check_harness_passes_on_the_cpu_reference(ref, build_dir):
     """gpu_check.py (the GPU acceptance script) run with the CPU reference standing in for the
@@ -686,45 +640,11 @@ def test_gpu_check_harness_passes_on_the_cpu_reference(ref, build_dir):
     assert passed == total and total >= 30, proc.stdout[:500]
 
 
-def _assert_no_spills(build: Path, archs: tuple[str, ...]) -> None:
-    rows = ptxas_report(build)
-    assert rows, "no ptxas output kept under <build>/ptxas"
-    for family in KERNELS:
-        for arch in archs:
-            assert any(family in r["kernel"] and r["arch"] == f"sm_{arch}" for r in rows), (family, arch)
-    bad = [r for r in rows if r.get("stack", 1) or r.get("spill_stores", 1) or r.get("spill_loads", 1) or r.get("lmem")]
-    assert not bad, "kernels using local memory or spilling:\n" + "\n".join(map(str, bad))
-    # the table in the test log (pytest -s)
-    names = _demangle([r["kernel"] for r in rows])
-    for r in rows:
-        print(f"{r['arch']:>6} {names[r['kernel']]:<60} {r['registers']:>4} registers")
-
-
 def test_kernels_compile_without_spills(kernels_build):
     info = dict(line.split("=", 1) for line in (kernels_build / "edgemem_build.txt").read_text().splitlines())
     assert info["architectures"].split(";") == list(ARCHS)
-    _assert_no_spills(kernels_build, ARCHS)
+    assert_no_spills(kernels_build, ARCHS)
     assert (kernels_build / "libedgemem_kernels.so").exists()
-
-
-# TensorRT for RTX's other targets (Turing, Ampere, consumer Blackwell) and Blackwell (B200, Thor)
-EXTRA_ARCHS = ("75", "80", "86", "100", "110", "120", "121")
-
-
-@pytest.mark.slow
-def test_kernels_compile_without_spills_beyond_the_defaults(tmp_path_factory):
-    _need_nvcc()
-    listed = _run([shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc", "--list-gpu-arch"]).stdout.split()
-    archs = tuple(a for a in EXTRA_ARCHS if f"compute_{a}" in listed)
-    if not archs:
-        pytest.skip(f"this nvcc compiles none of sm_{', sm_'.join(EXTRA_ARCHS)}")
-    build = tmp_path_factory.mktemp("kernels_extra")
-    info = _cmake_build(
-        build, "-DEDGEMEM_BUILD_TRT=OFF", f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(archs)}", targets=("edgemem_kernels",)
-    )
-    if info.get("cuda") != "ON":
-        pytest.skip("CMake found no usable CUDA compiler (put nvcc on PATH or set CUDACXX)")
-    _assert_no_spills(build, archs)
 
 
 def test_kernel_library_exposes_the_reference_abi(kernels_build):

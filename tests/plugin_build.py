@@ -26,8 +26,9 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 def cmake_build(build: Path, *args: str, targets: tuple[str, ...] = ()) -> dict[str, str]:
-    """Configure `plugins/` into `build` (once) and build `targets` (default: all); returns edgemem_build.txt."""
-    if not (build / "CMakeCache.txt").exists():
+    """Configure `plugins/` into `build` (a new tree, or an existing one with new `args`: CMake redoes only what
+    they change) and build `targets` (default: all); returns edgemem_build.txt."""
+    if args or not (build / "CMakeCache.txt").exists():
         run(["cmake", "-S", str(PLUGINS), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", *args])
     cmd = ["cmake", "--build", str(build), "-j", JOBS]
     for t in targets:

@@ -692,8 +692,6 @@ def trt_libs(tmp_path_factory) -> dict[Path, Path | str]:
         return {root: "cmake and nvcc are needed to build the plugin library" for root in TRT_ROOTS}
     build = tmp_path_factory.mktemp("trt_build")
     for root in TRT_ROOTS:
-        if (build / "CMakeCache.txt").exists():
-            _run(["cmake", "-S", str(PLUGINS), "-B", str(build), f"-DTensorRT_ROOT={root}"])
         info = _cmake_build(
             build,
             f"-DTensorRT_ROOT={root}",

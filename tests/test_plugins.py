@@ -653,6 +653,30 @@ def test_kernel_library_exposes_the_reference_abi(kernels_build):
     assert lib.cuda and lib.lib.em_cuda_abi_version() == ref_abi(kernels_build)
 
 
+def test_kernel_library_takes_either_chunked_walk(kernels_build, ref):
+    """The CUDA C ABI's LinearAttention paths, in its host code (no GPU needed): both chunked walks size the
+    workspace the CPU reference's chunked form lays out, the sequential path none, and a path it does not
+    know is refused as a bad argument before anything runs."""
+    import ctypes
+
+    from edgemem_native import LA_PATHS, LAIO
+
+    lib = Native(kernels_build / "libedgemem_kernels.so").lib
+    b, t, hq, hkv, dk, dv = 2, 300, 4, 2, 64, 96
+    q, v = torch.zeros(b, t, hq * dk), torch.zeros(b, t, hkv * dv)
+    g, beta = torch.zeros(b, t, hkv), torch.zeros(b, t, hkv)
+    kw = dict(update_rule="gated_delta", scale=dk**-0.5, q_num_heads=hq, kv_num_heads=hkv)
+    params, _ = Native._la_params(q, v, g, beta, *kw.values())
+    want = ref.linear_attention_workspace(q, v, g, beta, path="chunked", **kw)
+    assert want > 0
+    sizes = {path: lib.em_cuda_linear_attention_workspace(ctypes.byref(params), n) for path, n in LA_PATHS.items()}
+    assert sizes == {"auto": want, "sequential": 0, "chunked": want, "chunked-mma": want}
+    unknown = max(LA_PATHS.values()) + 1
+    assert lib.em_cuda_linear_attention_workspace(ctypes.byref(params), unknown) == 0
+    status = lib.em_cuda_linear_attention(ctypes.byref(params), ctypes.byref(LAIO()), 0, unknown, None, 0, None)
+    assert status == 1  # kBadArgument
+
+
 def ref_abi(build: Path) -> int:
     return Native(build / "libedgemem_reference.so").lib.em_ref_abi_version()
 

@@ -3,9 +3,10 @@
 // product per tile (float16 and bfloat16 inputs are exact in TF32; values computed from them are
 // rounded). P = 3: each operand split x = hi + lo into two TF32 numbers and multiplied as
 // hi.hi + hi.lo + lo.hi (the dropped lo.lo term is below float32 rounding), for float32 inputs and
-// where one pass's rounding compounds (NeuralMemory's gradient steps). Then mma.sync m16n8k16 on
-// 16-bit operands in registers, whose fragment layouts are known, so a kernel can keep its
-// accumulators in registers and work on them row by row (attention's softmax). sm_80 and later;
+// where one pass's rounding compounds (NeuralMemory's gradient steps). Then mma.sync, m16n8k16 on
+// 16-bit operands and m16n8k8 on TF32 ones, in registers, whose fragment layouts are known, so a
+// kernel can keep its accumulators in registers and work on them row by row (attention's softmax)
+// or feed them to the next product (a state walked from chunk to chunk). sm_80 and later;
 // below, the helpers are not defined and the kernels that use them compile empty.
 #pragma once
 
@@ -189,6 +190,44 @@ __device__ __forceinline__ uint4 load8(void const* x, int64_t i)
         float4 const u = f[0], v = f[1];
         return make_uint4(pack2<O>(u.x, u.y), pack2<O>(u.z, u.w), pack2<O>(v.x, v.y), pack2<O>(v.z, v.w));
     }
+}
+
+// A float32 as TF32 operands of mma.sync m16n8k8, as rowTiles rounds them: P = 1, hi = x rounded;
+// P = 3, also lo = (x - hi) rounded.
+template <int P>
+struct Tf32
+{
+    uint32_t hi, lo;
+    __device__ __forceinline__ explicit Tf32(float x)
+    {
+        float const h = wm::__float_to_tf32(x);
+        hi = __float_as_uint(h);
+        lo = P == 3 ? __float_as_uint(wm::__float_to_tf32(x - h)) : 0u;
+    }
+};
+
+// mma.sync m16n8k8 on TF32 operands, float32 accumulators (lane = 4 g + q). A (16 x 8, row major):
+// a[0] row g, column q; a[1] row g + 8; a[2], a[3] the same rows, column q + 4. B (8 x 8): b0 row q
+// of column g, b1 row q + 4. C as m16n8k16's: c[0], c[1] row g, columns 2q and 2q + 1; c[2], c[3]
+// row g + 8. A k step may take its 8 columns in any order if B's rows take the same one, so a C
+// tile is an A operand as {c[0], c[2], c[1], c[3]} (k slot q is column 2q, slot q + 4 column 2q + 1)
+// with b0, b1 from rows 2q and 2q + 1. P = 3: lo.hi + hi.lo + hi.hi, as rowTiles.
+template <int P>
+__device__ __forceinline__ void mma1688(float (&c)[4], Tf32<P> const (&a)[4], Tf32<P> b0, Tf32<P> b1)
+{
+    auto step = [&](uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t x0, uint32_t x1)
+    {
+        asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                     "{%8, %9}, {%0, %1, %2, %3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(x0), "r"(x1));
+    };
+    if constexpr (P == 3)
+    {
+        step(a[0].lo, a[1].lo, a[2].lo, a[3].lo, b0.hi, b1.hi);
+        step(a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.lo, b1.lo);
+    }
+    step(a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.hi, b1.hi);
 }
 
 // ldmatrix .x4 from shared memory: lane l passes the address of row l % 8 (16 bytes, 16-byte

@@ -31,8 +31,8 @@ namespace cuda
 // state in registers: decode steps, short prompts) and chunked (linear_attention_chunk.cu: tensor
 // cores, needs a workspace, d_k <= 128, sm_80 or later). kAuto takes the chunked
 // form where it applies and chunkedPays says so; kChunked returns kUnsupported where it does not
-// apply. kChunkedMma: the chunked form with its state walk (chunkWalk) and, for per-head decay,
-// its output pass (chunkOutputMma) on mma.sync with the accumulators in registers; kAuto keeps
+// apply. kChunkedMma: the chunked form with its state walk (chunkWalk) and, for 16-bit I/O and
+// per-head decay, its output pass (chunkOutputMma) on mma.sync, accumulators in registers; kAuto keeps
 // kChunked until a GPU run of gpu_check.py has checked and timed them. io dtype:
 // query/key/value/decay/beta/output.
 enum class LaPath : int

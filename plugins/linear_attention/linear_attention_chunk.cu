@@ -14,8 +14,8 @@
 //   output   a block per (chunk, query head, batch x value tile): (Q K^T masked) U + (Q e^G) S.
 // Per-key decay: G [C][DK] goes through the workspace, K K^T and Q K^T become decayedBlocks, the
 // walk scales the rows of its state tiles in shared memory.
-// LaPath::kChunkedMma swaps the state walk for chunkWalk and, for per-head decay, the output pass
-// for chunkOutputMma: mma.sync with the accumulators kept in registers (see each).
+// LaPath::kChunkedMma swaps the state walk for chunkWalk and, for 16-bit I/O and per-head decay, the
+// output pass for chunkOutputMma: mma.sync with the accumulators kept in registers (see each).
 #include "device.cuh"
 #include "launch.h"
 #include "mma.cuh"
@@ -507,24 +507,24 @@ __global__ void __launch_bounds__(kWalkWarps* kWarp, 1) chunkWalk(la::Params con
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     constexpr int LW = DK + 8, LK = DK + 4, NK = DK / 8, NT = C / 8;
-    int const threads = blockDim.x, BV = threads / 2, LU = BV + 4; // 16 value columns a warp
+    int const threads = blockDim.x, bv = threads / 2, lu = bv + 4; // 16 value columns a warp
     extern __shared__ __align__(128) float sm[];
     int const tid = threadIdx.x, lane = tid % kWarp, g = lane / 4, q = lane % 4;
-    int const v0 = blockIdx.x * BV, h = blockIdx.y, b = blockIdx.z;
+    int const v0 = blockIdx.x * bv, h = blockIdx.y, b = blockIdx.z;
     int const vr = tid / kWarp * 16 + g; // this lane's rows of S^T and U^T: value columns v0 + vr and + 8
     int const chunks = (len + C - 1) / C;
     bool const delta = la::isDelta(p.rule);
     bool const keyed = la::keyedDecay(p);
 
     // s[k][i] = S[8 k + 2 q + i % 2][v0 + vr + 8 (i / 2)]; the state comes and goes through shared
-    // memory as [DK][BV + 4] (where the first stage goes)
+    // memory as [DK][bv + 4] (where the first stage goes)
     float s[NK][4];
     float* sS = sm;
-    auto tile = [&](int k, int i) { return sS + (8 * k + 2 * q + i % 2) * LU + vr + 8 * (i / 2); };
-    for (int i = tid; i < DK * BV; i += threads)
+    auto tile = [&](int k, int i) { return sS + (8 * k + 2 * q + i % 2) * lu + vr + 8 * (i / 2); };
+    for (int i = tid; i < DK * bv; i += threads)
     {
-        int const d = i / BV, j = i % BV;
-        sS[d * LU + j] = d < p.dk && v0 + j < p.dv ? past[la::stateOffset(p, b, h, d, v0 + j)] : 0.0f;
+        int const d = i / bv, j = i % bv;
+        sS[d * lu + j] = d < p.dk && v0 + j < p.dv ? past[la::stateOffset(p, b, h, d, v0 + j)] : 0.0f;
     }
     __syncthreads();
     EM_UNROLL
@@ -544,15 +544,15 @@ __global__ void __launch_bounds__(kWalkWarps* kWarp, 1) chunkWalk(la::Params con
             copy16(st + lines(C * LW) + r * LK + x, ws + l.kt + (row0 + r) * DK + x);
         }
         float* su = st + lines(C * LW) + lines(C * LK);
-        for (int i = tid; i < C * BV / 4; i += threads)
+        for (int i = tid; i < C * bv / 4; i += threads)
         {
-            int const r = i / (BV / 4), x = i % (BV / 4) * 4;
-            copy16(su + r * LU + x, ws + l.u + (row0 + r) * l.dv + v0 + x);
+            int const r = i / (bv / 4), x = i % (bv / 4) * 4;
+            copy16(su + r * lu + x, ws + l.u + (row0 + r) * l.dv + v0 + x);
         }
         if (keyed && tid < DK / 4)
-            copy16(su + lines(C * LU) + 4 * tid, ws + l.gcum + (row0 + C - 1) * DK + 4 * tid);
+            copy16(su + lines(C * lu) + 4 * tid, ws + l.gcum + (row0 + C - 1) * DK + 4 * tid);
         else if (!keyed && tid == 0)
-            copy16(su + lines(C * LU), ws + l.gcum + row0 + C - 4);
+            copy16(su + lines(C * lu), ws + l.gcum + row0 + C - 4);
         copyCommit();
     };
 
@@ -590,7 +590,7 @@ __global__ void __launch_bounds__(kWalkWarps* kWarp, 1) chunkWalk(la::Params con
         float const* sW = st;
         float const* sKt = sW + lines(C * LW);
         float const* sU = sKt + lines(C * LK);
-        float const* last = sU + lines(C * LU); // G_last: [DK] per key, at [3] per head
+        float const* last = sU + lines(C * lu); // G_last: [DK] per key, at [3] per head
 
         // u[j][i] = U[8 j + 2 q + i % 2][v0 + vr + 8 (i / 2)], from U0
         float u[NT][4];
@@ -598,7 +598,7 @@ __global__ void __launch_bounds__(kWalkWarps* kWarp, 1) chunkWalk(la::Params con
         for (int j = 0; j < NT; ++j)
             EM_UNROLL
         for (int i = 0; i < 4; ++i)
-            u[j][i] = sU[(8 * j + 2 * q + i % 2) * LU + vr + 8 * (i / 2)];
+            u[j][i] = sU[(8 * j + 2 * q + i % 2) * lu + vr + 8 * (i / 2)];
         if (delta)
         {
             EM_UNROLL
@@ -647,11 +647,11 @@ __global__ void __launch_bounds__(kWalkWarps* kWarp, 1) chunkWalk(la::Params con
     for (int i = 0; i < 4; ++i)
         *tile(k, i) = s[k][i];
     __syncthreads();
-    for (int i = tid; i < DK * BV; i += threads)
+    for (int i = tid; i < DK * bv; i += threads)
     {
-        int const d = i / BV, j = i % BV;
+        int const d = i / bv, j = i % bv;
         if (d < p.dk && v0 + j < p.dv)
-            present[la::stateOffset(p, b, h, d, v0 + j)] = sS[d * LU + j];
+            present[la::stateOffset(p, b, h, d, v0 + j)] = sS[d * lu + j];
     }
 #endif
 }
@@ -756,29 +756,31 @@ __global__ void __launch_bounds__(kThreads, 2) chunkOutput(la::Params const p, L
 #endif
 }
 
-// The output pass on mma.sync m16n8k8 (LaPath::kChunkedMma, per-head decay): a block of 4 warps
+// The output pass on mma.sync m16n8k8 (LaPath::kChunkedMma, 16-bit I/O, per-head decay): a block of 4 warps
 // per (chunk, query head, batch x 64 value columns), warp w the 16 query rows 16 w .. of the chunk.
 // Its Q K^T tiles stay in accumulators, are masked and decayed there, M_rj = [j <= r] exp(G_r - G_j)
 // (Q K^T)_rj, and feed M U as A operands (core/mma.cuh); (Q e^G) S takes Q's fragments scaled by
-// their row's exp(G). Q and K are staged in the I/O type (exact in TF32 when 16-bit), S and U as
-// float32; one barrier. Key tiles above a warp's rows are skipped (M is lower triangular).
+// their row's exp(G). Q and K are staged in the I/O type (exact in TF32), S and U as float32; one
+// barrier. Key tiles above a warp's rows are skipped (M is lower triangular). Products as chunkOutput's
+// for 16-bit I/O: one TF32 pass.
 constexpr int kOutMmaColumns = 64;
 
 template <typename T, int DK>
 __host__ __device__ constexpr int outputMmaBytes()
 {
-    // Q, K [C][DK + 16 / sizeof(T)] (rows 4 words apart mod 32: a warp's fragment reads hit distinct
-    // banks), S [DK][64 + 8], U [C][64 + 4] float32, G [C]
-    return 2 * C * (DK + 16 / int(sizeof(T))) * int(sizeof(T))
+    // Q, K [C][DK + 8] 16-bit (rows 4 words apart mod 32: a warp's fragment reads hit distinct banks),
+    // S [DK][64 + 8], U [C][64 + 4] float32, G [C]
+    static_assert(sizeof(T) == 2, "16-bit I/O");
+    return 2 * C * (DK + 8) * int(sizeof(T))
         + (DK * (kOutMmaColumns + 8) + C * (kOutMmaColumns + 4) + C) * int(sizeof(float));
 }
 
-template <typename T, int DK, int P>
+template <typename T, int DK>
 __global__ void __launch_bounds__(4 * kWarp) chunkOutputMma(la::Params const p, LinearAttentionIO const io,
     la::ChunkLayout const l, int const s0, int const len, float const* ws)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    constexpr int BV = kOutMmaColumns, LQ = DK + 16 / int(sizeof(T)), LS = BV + 8, LU = BV + 4;
+    constexpr int P = 1, BV = kOutMmaColumns, LQ = DK + 8, LS = BV + 8, LU = BV + 4;
     constexpr int NK = DK / 8, NT = C / 8, NV = BV / 8;
     extern __shared__ __align__(128) float sm[];
     float* sS = sm;                       // [DK][LS]
@@ -941,10 +943,13 @@ int runChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout
                        : (two ? chunkState<DK, 32, P, 2> : chunkState<DK, 32, P, 1>);
     auto walkMma = chunkWalk<DK, P>;
     auto output = wide ? chunkOutput<T, DK, P, 64> : chunkOutput<T, DK, P, 32>;
-    // chunkOutputMma: per-head decay, where its shared memory fits
-    constexpr size_t outMmaBytes = outputMmaBytes<T, DK>();
-    bool const mmaOut = mmaWalk && !la::keyedDecay(p) && outMmaBytes <= size_t(dev.smem);
-    auto outputMma = chunkOutputMma<T, DK, P>;
+    // chunkOutputMma: 16-bit I/O and per-head decay, where its shared memory fits (float32 I/O has
+    // chunkOutput: its Q and K would take twice the room)
+    using H = std::conditional_t<std::is_same<T, float>::value, __half, T>;
+    constexpr size_t outMmaBytes = outputMmaBytes<H, DK>();
+    bool const mmaOut
+        = mmaWalk && !std::is_same<T, float>::value && !la::keyedDecay(p) && outMmaBytes <= size_t(dev.smem);
+    auto outputMma = chunkOutputMma<H, DK>;
     if (prep > size_t(dev.smem) || state > size_t(dev.smem) || out > size_t(dev.smem))
         return kUnsupported;
     if (!allow(prepare, prep) || !(mmaWalk ? allow(walkMma, state) : allow(walk, state))

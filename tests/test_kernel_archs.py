@@ -12,7 +12,9 @@ from plugin_build import assert_no_spills, cmake_build, need_nvcc, run
 
 pytestmark = pytest.mark.slow
 
-EXTRA_ARCHS = ("75", "80", "86", "100", "110", "120", "121")
+# sm_121 (GB10) is left out: ptxas of CUDA 13.0 gives every kernel the same registers, stack and spills there
+# as on sm_120 (plugins/README.md)
+EXTRA_ARCHS = ("75", "80", "86", "100", "110", "120")
 
 
 def test_kernels_compile_without_spills_beyond_the_defaults(tmp_path_factory):

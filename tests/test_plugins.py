@@ -16,6 +16,7 @@ The kernels themselves run in plugins/scripts/gpu_check.sh on a machine with a G
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import math
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PLUGINS = ROOT / "plugins"
 sys.path.insert(0, str(PLUGINS / "python"))
 
-from edgemem_native import Native, NativeError  # noqa: E402
+from edgemem_native import LA_PATHS, LAIO, Native, NativeError  # noqa: E402
 from plugin_build import assert_no_spills, need_nvcc  # noqa: E402
 from plugin_build import cmake_build as _cmake_build  # noqa: E402
 from plugin_build import run as _run  # noqa: E402
@@ -653,14 +654,10 @@ def test_kernel_library_exposes_the_reference_abi(kernels_build):
     assert lib.cuda and lib.lib.em_cuda_abi_version() == ref_abi(kernels_build)
 
 
-def test_kernel_library_takes_either_chunked_walk(kernels_build, ref):
-    """The CUDA C ABI's LinearAttention paths, in its host code (no GPU needed): both chunked walks size the
+def test_kernel_library_takes_either_chunked_path(kernels_build, ref):
+    """The CUDA C ABI's LinearAttention paths, in its host code (no GPU needed): both chunked paths size the
     workspace the CPU reference's chunked form lays out, the sequential path none, and a path it does not
     know is refused as a bad argument before anything runs."""
-    import ctypes
-
-    from edgemem_native import LA_PATHS, LAIO
-
     lib = Native(kernels_build / "libedgemem_kernels.so").lib
     b, t, hq, hkv, dk, dv = 2, 300, 4, 2, 64, 96
     q, v = torch.zeros(b, t, hq * dk), torch.zeros(b, t, hkv * dv)

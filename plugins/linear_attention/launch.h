@@ -58,7 +58,7 @@ size_t linearAttentionWorkspace(la::Params const& p, LaPath path = LaPath::kAuto
 int linearAttention(la::Params const& p, LinearAttentionIO const& io, DType dtype, void* workspace,
     size_t workspace_bytes, cudaStream_t stream, LaPath path = LaPath::kAuto);
 int linearAttentionChunked(la::Params const& p, LinearAttentionIO const& io, DType dtype, void* workspace,
-    size_t workspace_bytes, cudaStream_t stream, bool mmaWalk);
+    size_t workspace_bytes, cudaStream_t stream, bool mmaPath);
 
 } // namespace cuda
 } // namespace edgemem

@@ -913,7 +913,7 @@ bool allow(K kernel, size_t bytes)
 
 template <typename T, int DK>
 int runChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout const& l, float* ws, Device const& dev,
-    bool mmaWalk, cudaStream_t stream)
+    bool mmaPath, cudaStream_t stream)
 {
     constexpr int P = std::is_same<T, float>::value ? 3 : 1;
     constexpr size_t prep = prepareFloats<DK>() * sizeof(float);
@@ -934,7 +934,7 @@ int runChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout
     auto walkBytes = [&](int stages) { return size_t(stages) * walkStageFloats<DK>(nw) * sizeof(float); };
     int const stages = walkBytes(2) <= size_t(dev.smem) ? 2 : 1;
     bool const two = stateBytes(2) <= size_t(dev.smem);
-    size_t const state = mmaWalk ? walkBytes(stages) : stateBytes(two ? 2 : 1);
+    size_t const state = mmaPath ? walkBytes(stages) : stateBytes(two ? 2 : 1);
     bool const wide = outputFloats<DK, 64>() * sizeof(float) <= size_t(dev.smem);
     int const ov = wide ? 64 : 32;
     size_t const out = (wide ? outputFloats<DK, 64>() : outputFloats<DK, 32>()) * sizeof(float);
@@ -948,11 +948,11 @@ int runChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout
     using H = std::conditional_t<std::is_same<T, float>::value, __half, T>;
     constexpr size_t outMmaBytes = outputMmaBytes<H, DK>();
     bool const mmaOut
-        = mmaWalk && !std::is_same<T, float>::value && !la::keyedDecay(p) && outMmaBytes <= size_t(dev.smem);
+        = mmaPath && !std::is_same<T, float>::value && !la::keyedDecay(p) && outMmaBytes <= size_t(dev.smem);
     auto outputMma = chunkOutputMma<H, DK>;
     if (prep > size_t(dev.smem) || state > size_t(dev.smem) || out > size_t(dev.smem))
         return kUnsupported;
-    if (!allow(prepare, prep) || !(mmaWalk ? allow(walkMma, state) : allow(walk, state))
+    if (!allow(prepare, prep) || !(mmaPath ? allow(walkMma, state) : allow(walk, state))
         || !(mmaOut ? allow(outputMma, outMmaBytes) : allow(output, out)))
         return kCudaError;
     for (int s0 = 0; s0 < p.seq; s0 += l.tokens)
@@ -962,7 +962,7 @@ int runChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout
         float const* past = s0 == 0 ? io.past_state : io.present_state;
         prepare<<<dim3(chunks, unsigned(p.kv_heads), unsigned(p.batch)), kThreads, prep, stream>>>(
             p, io, l, s0, len, ws);
-        if (mmaWalk)
+        if (mmaPath)
             walkMma<<<dim3(unsigned(l.dv / (16 * nw)), unsigned(p.kv_heads), unsigned(p.batch)), nw * kWarp, state,
                 stream>>>(p, l, len, stages, past, io.present_state, ws);
         else
@@ -982,13 +982,13 @@ int runChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout
 
 template <typename T>
 int dispatchChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout const& l, float* ws,
-    Device const& dev, bool mmaWalk, cudaStream_t stream)
+    Device const& dev, bool mmaPath, cudaStream_t stream)
 {
     switch (l.dk)
     {
-    case 32: return runChunked<T, 32>(p, io, l, ws, dev, mmaWalk, stream);
-    case 64: return runChunked<T, 64>(p, io, l, ws, dev, mmaWalk, stream);
-    case 128: return runChunked<T, 128>(p, io, l, ws, dev, mmaWalk, stream);
+    case 32: return runChunked<T, 32>(p, io, l, ws, dev, mmaPath, stream);
+    case 64: return runChunked<T, 64>(p, io, l, ws, dev, mmaPath, stream);
+    case 128: return runChunked<T, 128>(p, io, l, ws, dev, mmaPath, stream);
     }
     return kUnsupported;
 }
@@ -1004,7 +1004,7 @@ size_t linearAttentionWorkspace(la::Params const& p, LaPath path)
 }
 
 int linearAttentionChunked(la::Params const& p, LinearAttentionIO const& io, DType dtype, void* workspace,
-    size_t workspace_bytes, cudaStream_t stream, bool mmaWalk)
+    size_t workspace_bytes, cudaStream_t stream, bool mmaPath)
 {
     if (!la::chunkable(p) || workspace == nullptr || reinterpret_cast<uintptr_t>(workspace) % 256 != 0)
         return kUnsupported;
@@ -1015,7 +1015,7 @@ int linearAttentionChunked(la::Params const& p, LinearAttentionIO const& io, DTy
     if (l.tokens == 0 || !dev.tensorCores)
         return kUnsupported;
     float* ws = static_cast<float*>(workspace);
-    return withType(dtype, [&](auto t) { return dispatchChunked<decltype(t)>(p, io, l, ws, dev, mmaWalk, stream); });
+    return withType(dtype, [&](auto t) { return dispatchChunked<decltype(t)>(p, io, l, ws, dev, mmaPath, stream); });
 }
 
 } // namespace cuda

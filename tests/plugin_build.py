@@ -54,7 +54,6 @@ KERNELS = (
     "linearAttentionKernel",
     "chunkPrepare",
     "chunkState",
-    "chunkWalk",
     "chunkOutput",
     "chunkOutputMma",
     "windowAttentionKernel",

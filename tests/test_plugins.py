@@ -654,8 +654,8 @@ def test_kernel_library_exposes_the_reference_abi(kernels_build):
     assert lib.cuda and lib.lib.em_cuda_abi_version() == ref_abi(kernels_build)
 
 
-def test_kernel_library_takes_either_chunked_path(kernels_build, ref):
-    """The CUDA C ABI's LinearAttention paths, in its host code (no GPU needed): both chunked paths size the
+def test_kernel_library_sizes_the_chunked_workspace(kernels_build, ref):
+    """The CUDA C ABI's LinearAttention paths, in its host code (no GPU needed): auto and chunked size the
     workspace the CPU reference's chunked form lays out, the sequential path none, and a path it does not
     know is refused as a bad argument before anything runs."""
     lib = Native(kernels_build / "libedgemem_kernels.so").lib
@@ -667,7 +667,7 @@ def test_kernel_library_takes_either_chunked_path(kernels_build, ref):
     want = ref.linear_attention_workspace(q, v, g, beta, path="chunked", **kw)
     assert want > 0
     sizes = {path: lib.em_cuda_linear_attention_workspace(ctypes.byref(params), n) for path, n in LA_PATHS.items()}
-    assert sizes == {"auto": want, "sequential": 0, "chunked": want, "chunked-mma": want}
+    assert sizes == {"auto": want, "sequential": 0, "chunked": want}
     unknown = max(LA_PATHS.values()) + 1
     assert lib.em_cuda_linear_attention_workspace(ctypes.byref(params), unknown) == 0
     status = lib.em_cuda_linear_attention(ctypes.byref(params), ctypes.byref(LAIO()), 0, unknown, None, 0, None)

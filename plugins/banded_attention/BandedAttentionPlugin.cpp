@@ -138,7 +138,7 @@ int32_t BandedAttentionPlugin::launch(
     io.persistent_key = inputs[kPersistentKey];
     io.persistent_value = inputs[kPersistentValue];
     io.output = outputs[0];
-    return status(cuda::bandedAttention(p, mDilation.data(), io, DType(dtypeOf(inputDesc[kQuery].type)),
+    return status(cuda::bandedAttentionPrefill(p, mDilation.data(), io, DType(dtypeOf(inputDesc[kQuery].type)),
         DType(dtypeOf(inputDesc[kPersistentKey].type)), stream));
 }
 

@@ -143,6 +143,25 @@ int bandedAttentionTiled(attn::BandedParams const& p, int32_t const* dilation, B
     return rows(p, dilation, io, dtype, persistent_dtype, true, stream);
 }
 
+bool tilesPay(attn::BandedParams const& p, int32_t const* dilation)
+{
+    if (p.seq < kTiledFrom)
+        return false;
+    for (int h = 0; h < p.heads; ++h)
+        if (dilation[h] != 1)
+            return false;
+    return true;
+}
+
+int bandedAttentionPrefill(attn::BandedParams const& p, int32_t const* dilation, BandedAttentionIO const& io,
+    DType dtype, DType persistent_dtype, cudaStream_t stream)
+{
+    if (tilesPay(p, dilation))
+        if (int const st = bandedAttentionTiled(p, dilation, io, dtype, persistent_dtype, stream); st != kUnsupported)
+            return st;
+    return bandedAttention(p, dilation, io, dtype, persistent_dtype, stream);
+}
+
 } // namespace cuda
 } // namespace edgemem
 

@@ -35,6 +35,13 @@ int bandedAttentionTiled(attn::BandedParams const& p, int32_t const* dilation, B
 // sm_80, beyond the device's shared memory or for unaligned 16-bit tensors.
 int bandedTiles(attn::BandedParams const& p, int32_t const* dilation, BandedAttentionIO const& io, DType dtype,
     DType persistent_dtype, cudaStream_t stream);
+// The plugin's form: the tiled one where it applies and tilesPay says so, else a warp per row.
+// tilesPay, from measurement (benchmarks/README.md): the tiled form was timed, and won, from
+// kTiledFrom tokens on undilated bands (it scores a dilated band's span densely).
+constexpr int kTiledFrom = 1024;
+bool tilesPay(attn::BandedParams const& p, int32_t const* dilation);
+int bandedAttentionPrefill(attn::BandedParams const& p, int32_t const* dilation, BandedAttentionIO const& io,
+    DType dtype, DType persistent_dtype, cudaStream_t stream);
 } // namespace cuda
 } // namespace edgemem
 

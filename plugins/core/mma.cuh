@@ -6,7 +6,7 @@
 // where one pass's rounding compounds (NeuralMemory's gradient steps). Then mma.sync, m16n8k16 on
 // 16-bit operands and m16n8k8 on TF32 ones, in registers, whose fragment layouts are known, so a
 // kernel can keep its accumulators in registers and work on them row by row (attention's softmax)
-// or feed them to the next product (a state walked from chunk to chunk). sm_80 and later;
+// or feed them to the next product (masked scores into M U). sm_80 and later;
 // below, the helpers are not defined and the kernels that use them compile empty.
 #pragma once
 

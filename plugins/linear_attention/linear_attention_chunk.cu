@@ -14,8 +14,8 @@
 //   output   a block per (chunk, query head, batch x value tile): (Q K^T masked) U + (Q e^G) S.
 // Per-key decay: G [C][DK] goes through the workspace, K K^T and Q K^T become decayedBlocks, the
 // walk scales the rows of its state tiles in shared memory.
-// LaPath::kChunkedMma swaps the state walk for chunkWalk and, for 16-bit I/O and per-head decay, the
-// output pass for chunkOutputMma: mma.sync with the accumulators kept in registers (see each).
+// For 16-bit I/O and per-head decay the output pass is chunkOutputMma instead: mma.sync m16n8k8
+// with its score tiles kept in registers.
 #include "device.cuh"
 #include "launch.h"
 #include "mma.cuh"
@@ -483,179 +483,6 @@ __global__ void __launch_bounds__(kThreads, 1) chunkState(la::Params const p, Li
 #endif
 }
 
-// The state walk on mma.sync m16n8k8 with the state in registers (LaPath::kChunkedMma). Warp w of a block
-// holds S^T for the value columns v0 + 16 w .. + 16 (rows) and every key dim (columns): DK / 8
-// accumulator tiles. Each chunk in the transposed form, so that both products take their A operand
-// from accumulators (core/mma.cuh) and B from the staged rows of W and K~:
-//   U^T = U0^T - S^T W^T,    S^T <- S^T diag(exp(G_last)) + U^T K~.
-// The warps share the staged chunk only; a block of one warp per SM keeps the chain short.
-constexpr int kWalkWarps = 4; // a block's most
-
-template <int DK>
-__host__ __device__ constexpr int walkStageFloats(int nw)
-{
-    // W [C][DK + 8] (rows 8 floats apart: the warp's 8-byte reads of 4 rows fall in distinct banks),
-    // K~ [C][DK + 4], U0 [C][16 nw + 4], G_last [DK]; the state [DK][16 nw + 4] fits in W's place
-    static_assert(DK * (16 * kWalkWarps + 4) <= lines(C * (DK + 8)), "state in the first stage");
-    return lines(C * (DK + 8)) + lines(C * (DK + 4)) + lines(C * (16 * nw + 4)) + DK;
-}
-
-// blockDim.x / 32 warps, 1 to kWalkWarps.
-template <int DK, int P>
-__global__ void __launch_bounds__(kWalkWarps* kWarp, 1) chunkWalk(la::Params const p, la::ChunkLayout const l,
-    int const len, int const stages, float const* past, float* present, float* ws)
-{
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    constexpr int LW = DK + 8, LK = DK + 4, NK = DK / 8, NT = C / 8;
-    int const threads = blockDim.x, bv = threads / 2, lu = bv + 4; // 16 value columns a warp
-    extern __shared__ __align__(128) float sm[];
-    int const tid = threadIdx.x, lane = tid % kWarp, g = lane / 4, q = lane % 4;
-    int const v0 = blockIdx.x * bv, h = blockIdx.y, b = blockIdx.z;
-    int const vr = tid / kWarp * 16 + g; // this lane's rows of S^T and U^T: value columns v0 + vr and + 8
-    int const chunks = (len + C - 1) / C;
-    bool const delta = la::isDelta(p.rule);
-    bool const keyed = la::keyedDecay(p);
-
-    // s[k][i] = S[8 k + 2 q + i % 2][v0 + vr + 8 (i / 2)]; the state comes and goes through shared
-    // memory as [DK][bv + 4] (where the first stage goes)
-    float s[NK][4];
-    float* sS = sm;
-    auto tile = [&](int k, int i) { return sS + (8 * k + 2 * q + i % 2) * lu + vr + 8 * (i / 2); };
-    for (int i = tid; i < DK * bv; i += threads)
-    {
-        int const d = i / bv, j = i % bv;
-        sS[d * lu + j] = d < p.dk && v0 + j < p.dv ? past[la::stateOffset(p, b, h, d, v0 + j)] : 0.0f;
-    }
-    __syncthreads();
-    EM_UNROLL
-    for (int k = 0; k < NK; ++k)
-        EM_UNROLL
-    for (int i = 0; i < 4; ++i)
-        s[k][i] = *tile(k, i);
-
-    auto fetch = [&](int c, float* st)
-    {
-        int64_t const row0 = l.row(p, b, h, c * C);
-        for (int i = tid; i < C * DK / 4; i += threads)
-        {
-            int const r = i / (DK / 4), x = i % (DK / 4) * 4;
-            if (delta)
-                copy16(st + r * LW + x, ws + l.w + (row0 + r) * DK + x);
-            copy16(st + lines(C * LW) + r * LK + x, ws + l.kt + (row0 + r) * DK + x);
-        }
-        float* su = st + lines(C * LW) + lines(C * LK);
-        for (int i = tid; i < C * bv / 4; i += threads)
-        {
-            int const r = i / (bv / 4), x = i % (bv / 4) * 4;
-            copy16(su + r * lu + x, ws + l.u + (row0 + r) * l.dv + v0 + x);
-        }
-        if (keyed && tid < DK / 4)
-            copy16(su + lines(C * lu) + 4 * tid, ws + l.gcum + (row0 + C - 1) * DK + 4 * tid);
-        else if (!keyed && tid == 0)
-            copy16(su + lines(C * lu), ws + l.gcum + row0 + C - 4);
-        copyCommit();
-    };
-
-    __syncthreads(); // sS is free
-    if (stages == 2)
-        fetch(0, sm);
-    for (int c = 0; c < chunks; ++c)
-    {
-        float* st = sm + (stages == 2 ? (c & 1) * walkStageFloats<DK>(threads / kWarp) : 0);
-        __syncthreads(); // the buffer the next fetch fills is free
-        if (stages == 2)
-        {
-            if (c + 1 < chunks)
-            {
-                fetch(c + 1, sm + ((c + 1) & 1) * walkStageFloats<DK>(threads / kWarp));
-                copyWait<1>();
-            }
-            else
-                copyWait<0>();
-        }
-        else
-        {
-            fetch(c, st);
-            copyWait<0>();
-        }
-        int64_t const row0 = l.row(p, b, h, c * C);
-        // the state at the chunk start, for the output kernel
-        float* gS = ws + l.stateAt(p, b, h, c) + 2 * q * l.dv + v0 + vr;
-        EM_UNROLL
-        for (int k = 0; k < NK; ++k, gS += 8 * l.dv)
-            EM_UNROLL
-        for (int i = 0; i < 4; ++i)
-            gS[i % 2 * l.dv + 8 * (i / 2)] = s[k][i];
-        __syncthreads(); // every thread's copies have landed
-        float const* sW = st;
-        float const* sKt = sW + lines(C * LW);
-        float const* sU = sKt + lines(C * LK);
-        float const* last = sU + lines(C * lu); // G_last: [DK] per key, at [3] per head
-
-        // u[j][i] = U[8 j + 2 q + i % 2][v0 + vr + 8 (i / 2)], from U0
-        float u[NT][4];
-        EM_UNROLL
-        for (int j = 0; j < NT; ++j)
-            EM_UNROLL
-        for (int i = 0; i < 4; ++i)
-            u[j][i] = sU[(8 * j + 2 * q + i % 2) * lu + vr + 8 * (i / 2)];
-        if (delta)
-        {
-            EM_UNROLL
-            for (int k = 0; k < NK; ++k)
-            {
-                Tf32<P> const a[4] = {Tf32<P>(-s[k][0]), Tf32<P>(-s[k][2]), Tf32<P>(-s[k][1]), Tf32<P>(-s[k][3])};
-                EM_UNROLL
-                for (int j = 0; j < NT; ++j)
-                {
-                    float2 const w = *reinterpret_cast<float2 const*>(sW + (8 * j + g) * LW + 8 * k + 2 * q);
-                    mma1688<P>(u[j], a, Tf32<P>(w.x), Tf32<P>(w.y));
-                }
-            }
-            float* gU = ws + l.u + (row0 + 2 * q) * l.dv + v0 + vr;
-            EM_UNROLL
-            for (int j = 0; j < NT; ++j, gU += 8 * l.dv)
-                EM_UNROLL
-            for (int i = 0; i < 4; ++i)
-                gU[i % 2 * l.dv + 8 * (i / 2)] = u[j][i];
-        }
-        float const decay = keyed ? 0.0f : em_exp(last[3]);
-        EM_UNROLL
-        for (int k = 0; k < NK; ++k)
-        {
-            float const e0 = keyed ? em_exp(last[8 * k + 2 * q]) : decay;
-            float const e1 = keyed ? em_exp(last[8 * k + 2 * q + 1]) : decay;
-            s[k][0] *= e0;
-            s[k][1] *= e1;
-            s[k][2] *= e0;
-            s[k][3] *= e1;
-        }
-        EM_UNROLL
-        for (int j = 0; j < NT; ++j)
-        {
-            Tf32<P> const a[4] = {Tf32<P>(u[j][0]), Tf32<P>(u[j][2]), Tf32<P>(u[j][1]), Tf32<P>(u[j][3])};
-            float const* kt = sKt + (8 * j + 2 * q) * LK + g;
-            EM_UNROLL
-            for (int k = 0; k < NK; ++k)
-                mma1688<P>(s[k], a, Tf32<P>(kt[8 * k]), Tf32<P>(kt[LK + 8 * k]));
-        }
-    }
-    __syncthreads();
-    EM_UNROLL
-    for (int k = 0; k < NK; ++k)
-        EM_UNROLL
-    for (int i = 0; i < 4; ++i)
-        *tile(k, i) = s[k][i];
-    __syncthreads();
-    for (int i = tid; i < DK * bv; i += threads)
-    {
-        int const d = i / bv, j = i % bv;
-        if (d < p.dk && v0 + j < p.dv)
-            present[la::stateOffset(p, b, h, d, v0 + j)] = sS[d * lu + j];
-    }
-#endif
-}
-
 template <int DK, int BV>
 __host__ __device__ constexpr int outputFloats()
 {
@@ -756,7 +583,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunkOutput(la::Params const p, L
 #endif
 }
 
-// The output pass on mma.sync m16n8k8 (LaPath::kChunkedMma, 16-bit I/O, per-head decay): a block of 4 warps
+// The output pass on mma.sync m16n8k8 (16-bit I/O, per-head decay): a block of 4 warps
 // per (chunk, query head, batch x 64 value columns), warp w the 16 query rows 16 w .. of the chunk.
 // Its Q K^T tiles stay in accumulators, are masked and decayed there, M_rj = [j <= r] exp(G_r - G_j)
 // (Q K^T)_rj, and feed M U as A operands (core/mma.cuh); (Q e^G) S takes Q's fragments scaled by
@@ -913,7 +740,7 @@ bool allow(K kernel, size_t bytes)
 
 template <typename T, int DK>
 int runChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout const& l, float* ws, Device const& dev,
-    bool mmaPath, cudaStream_t stream)
+    cudaStream_t stream)
 {
     constexpr int P = std::is_same<T, float>::value ? 3 : 1;
     constexpr size_t prep = prepareFloats<DK>() * sizeof(float);
@@ -927,33 +754,24 @@ int runChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout
                              : (stages == 2 ? stateFloats<DK, 32, 2>() : stateFloats<DK, 32, 1>()))
             * sizeof(float);
     };
-    // chunkWalk: one warp (16 value columns) a block, more where the blocks would outnumber the SMs
-    int nw = 1;
-    while (nw < kWalkWarps && int64_t(l.dv / (16 * nw)) * heads > dev.sms)
-        nw *= 2;
-    auto walkBytes = [&](int stages) { return size_t(stages) * walkStageFloats<DK>(nw) * sizeof(float); };
-    int const stages = walkBytes(2) <= size_t(dev.smem) ? 2 : 1;
     bool const two = stateBytes(2) <= size_t(dev.smem);
-    size_t const state = mmaPath ? walkBytes(stages) : stateBytes(two ? 2 : 1);
+    size_t const state = stateBytes(two ? 2 : 1);
     bool const wide = outputFloats<DK, 64>() * sizeof(float) <= size_t(dev.smem);
     int const ov = wide ? 64 : 32;
     size_t const out = (wide ? outputFloats<DK, 64>() : outputFloats<DK, 32>()) * sizeof(float);
     auto prepare = chunkPrepare<T, DK, P>;
     auto walk = narrow ? (two ? chunkState<DK, 16, P, 2> : chunkState<DK, 16, P, 1>)
                        : (two ? chunkState<DK, 32, P, 2> : chunkState<DK, 32, P, 1>);
-    auto walkMma = chunkWalk<DK, P>;
     auto output = wide ? chunkOutput<T, DK, P, 64> : chunkOutput<T, DK, P, 32>;
     // chunkOutputMma: 16-bit I/O and per-head decay, where its shared memory fits (float32 I/O has
     // chunkOutput: its Q and K would take twice the room)
     using H = std::conditional_t<std::is_same<T, float>::value, __half, T>;
     constexpr size_t outMmaBytes = outputMmaBytes<H, DK>();
-    bool const mmaOut
-        = mmaPath && !std::is_same<T, float>::value && !la::keyedDecay(p) && outMmaBytes <= size_t(dev.smem);
+    bool const mmaOut = !std::is_same<T, float>::value && !la::keyedDecay(p) && outMmaBytes <= size_t(dev.smem);
     auto outputMma = chunkOutputMma<H, DK>;
     if (prep > size_t(dev.smem) || state > size_t(dev.smem) || out > size_t(dev.smem))
         return kUnsupported;
-    if (!allow(prepare, prep) || !(mmaPath ? allow(walkMma, state) : allow(walk, state))
-        || !(mmaOut ? allow(outputMma, outMmaBytes) : allow(output, out)))
+    if (!allow(prepare, prep) || !allow(walk, state) || !(mmaOut ? allow(outputMma, outMmaBytes) : allow(output, out)))
         return kCudaError;
     for (int s0 = 0; s0 < p.seq; s0 += l.tokens)
     {
@@ -962,12 +780,8 @@ int runChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout
         float const* past = s0 == 0 ? io.past_state : io.present_state;
         prepare<<<dim3(chunks, unsigned(p.kv_heads), unsigned(p.batch)), kThreads, prep, stream>>>(
             p, io, l, s0, len, ws);
-        if (mmaPath)
-            walkMma<<<dim3(unsigned(l.dv / (16 * nw)), unsigned(p.kv_heads), unsigned(p.batch)), nw * kWarp, state,
-                stream>>>(p, l, len, stages, past, io.present_state, ws);
-        else
-            walk<<<dim3(unsigned(l.dv / bv), unsigned(p.kv_heads), unsigned(p.batch)), kThreads, state, stream>>>(
-                p, io, l, len, past, ws);
+        walk<<<dim3(unsigned(l.dv / bv), unsigned(p.kv_heads), unsigned(p.batch)), kThreads, state, stream>>>(
+            p, io, l, len, past, ws);
         if (mmaOut)
             outputMma<<<dim3(chunks, unsigned(p.q_heads), unsigned(p.batch) * unsigned(l.dv / kOutMmaColumns)),
                 4 * kWarp, outMmaBytes, stream>>>(p, io, l, s0, len, ws);
@@ -982,13 +796,13 @@ int runChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout
 
 template <typename T>
 int dispatchChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout const& l, float* ws,
-    Device const& dev, bool mmaPath, cudaStream_t stream)
+    Device const& dev, cudaStream_t stream)
 {
     switch (l.dk)
     {
-    case 32: return runChunked<T, 32>(p, io, l, ws, dev, mmaPath, stream);
-    case 64: return runChunked<T, 64>(p, io, l, ws, dev, mmaPath, stream);
-    case 128: return runChunked<T, 128>(p, io, l, ws, dev, mmaPath, stream);
+    case 32: return runChunked<T, 32>(p, io, l, ws, dev, stream);
+    case 64: return runChunked<T, 64>(p, io, l, ws, dev, stream);
+    case 128: return runChunked<T, 128>(p, io, l, ws, dev, stream);
     }
     return kUnsupported;
 }
@@ -1004,7 +818,7 @@ size_t linearAttentionWorkspace(la::Params const& p, LaPath path)
 }
 
 int linearAttentionChunked(la::Params const& p, LinearAttentionIO const& io, DType dtype, void* workspace,
-    size_t workspace_bytes, cudaStream_t stream, bool mmaPath)
+    size_t workspace_bytes, cudaStream_t stream)
 {
     if (!la::chunkable(p) || workspace == nullptr || reinterpret_cast<uintptr_t>(workspace) % 256 != 0)
         return kUnsupported;
@@ -1015,7 +829,7 @@ int linearAttentionChunked(la::Params const& p, LinearAttentionIO const& io, DTy
     if (l.tokens == 0 || !dev.tensorCores)
         return kUnsupported;
     float* ws = static_cast<float*>(workspace);
-    return withType(dtype, [&](auto t) { return dispatchChunked<decltype(t)>(p, io, l, ws, dev, mmaPath, stream); });
+    return withType(dtype, [&](auto t) { return dispatchChunked<decltype(t)>(p, io, l, ws, dev, stream); });
 }
 
 } // namespace cuda

@@ -205,7 +205,7 @@ int32_t NeuralMemoryPlugin::launch(
         io.present_momentum[l] = static_cast<float*>(outputs[3 + 3 * l]);
         io.present_chunk_weights[l] = static_cast<float*>(outputs[4 + 3 * l]);
     }
-    return status(cuda::neuralMemory(p, io, DType(dtypeOf(inputDesc[kQuery].type)), stream));
+    return status(cuda::neuralMemoryPrefill(p, io, DType(dtypeOf(inputDesc[kQuery].type)), stream));
 }
 
 nvinfer1::IPluginCreatorInterface* NeuralMemoryCreator()

@@ -64,6 +64,12 @@ int neuralMemory(nm::Params const& p, NeuralMemoryIO const& io, DType dtype, cud
 int neuralMemoryChunked(nm::Params const& p, NeuralMemoryIO const& io, DType dtype, cudaStream_t stream);
 // The chunked kernel alone (T >= 1, B >= 1, sizes checked): launched, or kUnsupported.
 int neuralMemoryPieces(nm::Params const& p, NeuralMemoryIO const& io, DType dtype, cudaStream_t stream);
+// The plugin's prefill: the chunked form where it applies and piecesPay says so, else the
+// sequential kernel. piecesPay, from measurement (benchmarks/README.md): a piece costs what a few
+// sequential tokens cost, so the chunked form wins once a call holds a whole piece and chunks are
+// that long (shorter chunks cut every piece short).
+inline bool piecesPay(nm::Params const& p) { return p.seq >= nm::kPieceRows && p.chunk >= nm::kPieceRows; }
+int neuralMemoryPrefill(nm::Params const& p, NeuralMemoryIO const& io, DType dtype, cudaStream_t stream);
 } // namespace cuda
 } // namespace edgemem
 

@@ -295,6 +295,14 @@ int neuralMemoryChunked(nm::Params const& p, NeuralMemoryIO const& io, DType dty
     return node(p, io, dtype, stream, [&] { return neuralMemoryPieces(p, io, dtype, stream); });
 }
 
+int neuralMemoryPrefill(nm::Params const& p, NeuralMemoryIO const& io, DType dtype, cudaStream_t stream)
+{
+    if (piecesPay(p))
+        if (int const st = neuralMemoryChunked(p, io, dtype, stream); st != kUnsupported)
+            return st;
+    return neuralMemory(p, io, dtype, stream);
+}
+
 } // namespace cuda
 } // namespace edgemem
 

@@ -2,7 +2,7 @@
 
 Driven by gpu_check.sh (which builds the libraries and runs compute-sanitizer); run alone as
 
-    python plugins/scripts/gpu_check.py --build BUILD_DIR [--quick] [--no-timing] [--report FILE]
+    python plugins/scripts/gpu_check.py --build BUILD_DIR [--quick] [--no-timing] [--report FILE] [--op OP ...]
 
 BUILD_DIR holds libedgemem_kernels.so and libedgemem_reference.so (cmake -S plugins -B BUILD_DIR).
 Every case runs the kernels through their C ABI on torch CUDA tensors and compares with
@@ -1011,6 +1011,14 @@ def report(
     return "\n".join(lines) + "\n"
 
 
+CHECKS = {
+    "linear": check_linear_attention,
+    "window": check_window_attention,
+    "banded": check_banded_attention,
+    "memory": check_neural_memory,
+}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--build", type=Path, required=True, help="build dir with libedgemem_{kernels,reference}.so")
@@ -1018,6 +1026,9 @@ def main() -> int:
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--report", type=Path, help="write the markdown report here too")
     ap.add_argument("--cpu-self-test", action="store_true", help="check this script with the CPU reference")
+    ap.add_argument(
+        "--op", action="append", choices=sorted(CHECKS), help="check these ops only (repeatable; default: every op)"
+    )
     args = ap.parse_args()
 
     ref = Native(args.build / "libedgemem_reference.so")
@@ -1049,7 +1060,7 @@ def main() -> int:
         if args.report:
             args.report.write_text(text())
 
-    for check in (check_linear_attention, check_window_attention, check_banded_attention, check_neural_memory):
+    for check in (CHECKS[op] for op in CHECKS if op in (args.op or CHECKS)):
 
         def numerics(check=check) -> None:
             try:

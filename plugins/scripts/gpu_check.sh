@@ -12,7 +12,8 @@
 #      vs prefill, LinearAttention's chunked form, against edgemem.ops (float64) and the CPU
 #      reference; decode timing against the memory-bandwidth floor; prefill timing; both beside
 #      flash-linear-attention where it is installed;
-#   3. compute-sanitizer memcheck and racecheck over the quick case set, the two side by side
+#   3. compute-sanitizer memcheck and racecheck over the quick case set, one job per tool and op,
+#      SANITIZER_JOBS of them at a time (default 2; a large GPU host takes 8: every job at once)
 #      (skipped with a note if compute-sanitizer is not installed);
 #   4. the plugin harness with --enqueue (tests/plugin_harness.cpp): every plugin through TensorRT's
 #      build and runtime calls, then enqueue against the op's kernel and the CPU reference (skipped
@@ -67,42 +68,46 @@ if [ -z "$sanitizer" ] && [ -x /usr/local/cuda/bin/compute-sanitizer ]; then san
     echo "## compute-sanitizer"
     echo
 } >>"$report"
-# one tool over the quick case set; returns its exit status
+ops=(linear window banded memory)
+# one tool over one op's quick cases; its exit status goes to the log's .rc beside it
 sanitize() {
-    local tool=$1 log=$build/sanitizer_$1.log rc
+    local tool=$1 op=$2 log=$build/sanitizer_$1_$2.log rc
+    local check=("$python" "$here/gpu_check.py" --build "$build" --quick --no-timing --op "$op")
     # only the edgemem kernels (their mangled names contain "edgemem"), not PyTorch's
-    "$sanitizer" --tool "$tool" --error-exitcode 99 --kernel-name kns=edgemem \
-        "$python" "$here/gpu_check.py" --build "$build" --quick --no-timing >"$log" 2>&1
+    "$sanitizer" --tool "$tool" --error-exitcode 99 --kernel-name kns=edgemem "${check[@]}" >"$log" 2>&1
     rc=$?
     if grep -q -i -E "unrecognized option|invalid (value|option)|unknown option" "$log"; then
         # an older compute-sanitizer without kernel filters: check every kernel
-        "$sanitizer" --tool "$tool" --error-exitcode 99 \
-            "$python" "$here/gpu_check.py" --build "$build" --quick --no-timing >"$log" 2>&1
+        "$sanitizer" --tool "$tool" --error-exitcode 99 "${check[@]}" >"$log" 2>&1
         rc=$?
     fi
-    return $rc
+    echo $rc >"$log.rc"
 }
 if [ -z "$sanitizer" ]; then
     echo "compute-sanitizer not found: memcheck and racecheck skipped" | tee -a "$report"
 else
-    note "compute-sanitizer --tool memcheck and racecheck, side by side"
-    declare -A job
+    jobs_max=${SANITIZER_JOBS:-2}
+    note "compute-sanitizer --tool memcheck and racecheck, one job per tool and op, $jobs_max at a time"
     for tool in memcheck racecheck; do
-        sanitize "$tool" &
-        job[$tool]=$!
+        for op in "${ops[@]}"; do
+            while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n; done
+            sanitize "$tool" "$op" &
+        done
     done
+    wait
     for tool in memcheck racecheck; do
-        wait "${job[$tool]}"
-        rc=$?
-        log=$build/sanitizer_$tool.log
-        summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$log" | tail -n1)
-        if [ $rc -eq 0 ]; then
-            echo "- $tool: clean (${summary:-no summary line})" | tee -a "$report"
-        else
-            status=1
-            echo "- $tool: FAILED, exit $rc (${summary:-see log}); log: $log" | tee -a "$report"
-            grep -m 20 -E "=========" "$log" >&2 || true
-        fi
+        for op in "${ops[@]}"; do
+            log=$build/sanitizer_${tool}_$op.log
+            rc=$(cat "$log.rc" 2>/dev/null || echo "none")
+            summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$log" | tail -n1)
+            if [ "$rc" = 0 ]; then
+                echo "- $tool, $op: clean (${summary:-no summary line})" | tee -a "$report"
+            else
+                status=1
+                echo "- $tool, $op: FAILED, exit $rc (${summary:-see log}); log: $log" | tee -a "$report"
+                grep -m 20 -E "=========" "$log" >&2 || true
+            fi
+        done
     done
 fi
 

@@ -14,8 +14,8 @@
 //   output   a block per (chunk, query head, batch x value tile): (Q K^T masked) U + (Q e^G) S.
 // Per-key decay: G [C][DK] goes through the workspace, K K^T and Q K^T become decayedBlocks, the
 // walk scales the rows of its state tiles in shared memory.
-// For 16-bit I/O and per-head decay the output pass is chunkOutputMma instead: mma.sync m16n8k8
-// with its score tiles kept in registers.
+// For 16-bit I/O and per-head decay the output pass is chunkOutputMma instead: 4 warps, mma.sync
+// m16n8k8 with its score tiles kept in registers.
 #include "device.cuh"
 #include "launch.h"
 #include "mma.cuh"

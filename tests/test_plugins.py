@@ -642,15 +642,12 @@ def test_gpu_check_harness_passes_on_the_cpu_reference(ref, build_dir):
 
 
 def test_gpu_check_takes_one_op_at_a_time(ref, build_dir):
-    """--op narrows gpu_check.py to the named ops' checks (what gpu_check.sh runs each sanitizer job on), and
-    an op it does not know is refused by name."""
+    """--op narrows gpu_check.py to the named ops' checks (what gpu_check.sh runs each sanitizer job on)."""
     script = [sys.executable, str(PLUGINS / "scripts" / "gpu_check.py"), "--build", str(build_dir), "--cpu-self-test"]
     proc = subprocess.run([*script, "--quick", "--op", "banded"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ops = set(re.findall(r"^\| (\w+) \| .* \| \d\.\de[+-]\d+ \| .* \| (?:ok|FAIL) \|$", proc.stdout, re.M))
     assert ops == {"BandedAttention"}, ops
-    proc = subprocess.run([*script, "--op", "attention"], capture_output=True, text=True)
-    assert proc.returncode == 2 and "invalid choice: 'attention'" in proc.stderr
 
 
 def test_kernels_compile_without_spills(kernels_build):

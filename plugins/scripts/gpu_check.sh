@@ -26,6 +26,11 @@ plugins=$(dirname "$here")
 repo=$(dirname "$plugins")
 build=${1:-$repo/build/gpu_check}
 python=${PYTHON:-python3}
+jobs_max=${SANITIZER_JOBS:-2}
+if ! [[ $jobs_max =~ ^[1-9][0-9]*$ ]]; then
+    echo "error: SANITIZER_JOBS='$jobs_max': expected a whole number of jobs, 1 or more" >&2
+    exit 2
+fi
 report=$build/gpu_check_report.md
 status=0
 
@@ -68,7 +73,8 @@ if [ -z "$sanitizer" ] && [ -x /usr/local/cuda/bin/compute-sanitizer ]; then san
     echo "## compute-sanitizer"
     echo
 } >>"$report"
-ops=(linear window banded memory)
+# the ops gpu_check.py checks, as its --op names them
+read -r -a ops < <("$python" -c "import sys; sys.path.insert(0, '$here'); import gpu_check; print(*gpu_check.CHECKS)")
 # one tool over one op's quick cases; its exit status goes to the log's .rc beside it
 sanitize() {
     local tool=$1 op=$2 log=$build/sanitizer_$1_$2.log rc
@@ -85,8 +91,11 @@ sanitize() {
 }
 if [ -z "$sanitizer" ]; then
     echo "compute-sanitizer not found: memcheck and racecheck skipped" | tee -a "$report"
+elif [ ${#ops[@]} -eq 0 ]; then
+    status=1
+    echo "- compute-sanitizer: FAILED, gpu_check.py named no ops to check (its import failed)" | tee -a "$report"
 else
-    jobs_max=${SANITIZER_JOBS:-2}
+    rm -f "$build"/sanitizer_*.log.rc # a job that dies before writing its status reads as failed, not as an old run's
     note "compute-sanitizer --tool memcheck and racecheck, one job per tool and op, $jobs_max at a time"
     for tool in memcheck racecheck; do
         for op in "${ops[@]}"; do

@@ -663,6 +663,18 @@ def test_kernel_library_exposes_the_reference_abi(kernels_build):
     assert lib.cuda and lib.lib.em_cuda_abi_version() == ref_abi(kernels_build)
 
 
+def test_native_mirror_refuses_a_linear_attention_path_it_does_not_know(ref):
+    """The ctypes mirror names the paths the C ABI takes; another, such as the removed "chunked-mma", is
+    refused by name rather than run as the default form."""
+    q, v = torch.zeros(1, 4, 8), torch.zeros(1, 4, 8)
+    g, beta = torch.zeros(1, 4, 1), torch.zeros(1, 4, 1)
+    kw = dict(update_rule="gated_delta", scale=0.5, q_num_heads=1, kv_num_heads=1)
+    with pytest.raises(ValueError, match="'chunked-mma': expected one of auto, sequential, chunked"):
+        ref.linear_attention(q, q, v, torch.zeros(1, 1, 8, 8), g, beta, path="chunked-mma", **kw)
+    with pytest.raises(ValueError, match="expected one of"):
+        ref.linear_attention_workspace(q, v, g, beta, path="fast", **kw)
+
+
 def test_kernel_library_sizes_the_chunked_workspace(kernels_build, ref):
     """The CUDA C ABI's LinearAttention paths, in its host code (no GPU needed): auto and chunked size the
     workspace the CPU reference's chunked form lays out, the sequential path none, and a path it does not

@@ -26,6 +26,11 @@ STATUS = {1: "bad argument", 2: "unsupported", 3: "CUDA error"}
 LA_PATHS = {"auto": 0, "sequential": 1, "chunked": 2}  # edgemem::cuda::LaPath
 
 
+def _check_path(path: str) -> None:
+    if path not in LA_PATHS:
+        raise ValueError(f"LinearAttention path {path!r}: expected one of {', '.join(LA_PATHS)}")
+
+
 def _struct(name, c_name, fields):
     return type(name, (ctypes.Structure,), {"_fields_": fields, "c_name": c_name})
 
@@ -242,6 +247,7 @@ class Native:
         the chunked form (default: as large as `linear_attention_workspace` says; a smaller one runs
         it in shorter segments). CPU reference: `path="chunked"` runs the chunked form there, in
         segments sized to `workspace` bytes (an int) if given."""
+        _check_path(path)
         params, (b, t, dv) = self._la_params(query, value, decay, beta, update_rule, scale, q_num_heads, kv_num_heads)
         if output is None:
             output = query.new_empty(b, t, q_num_heads * dv)
@@ -278,6 +284,7 @@ class Native:
     ) -> int:
         """Bytes of workspace a call on `path` uses for these shapes (0: none); the CPU reference's chunked form
         lays out the same bytes (on the CPU, pass them as `workspace`, an int)."""
+        _check_path(path)
         params, _ = self._la_params(query, value, decay, beta, update_rule, scale, q_num_heads, kv_num_heads)
         if self.cuda:
             return self.lib.em_cuda_linear_attention_workspace(ctypes.byref(params), LA_PATHS[path])

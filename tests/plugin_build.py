@@ -27,9 +27,21 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 def cmake_build(build: Path, *args: str, targets: tuple[str, ...] = ()) -> dict[str, str]:
     """Configure `plugins/` into `build` (a new tree, or an existing one with new `args`: CMake redoes only what
-    they change) and build `targets` (default: all); returns edgemem_build.txt."""
+    they change) and build `targets` (default: all); returns edgemem_build.txt. The fatbinaries are left at
+    nvcc's default compression unless `args` ask for it (-DEDGEMEM_COMPRESS_KERNELS=ON): it costs compile time."""
     if args or not (build / "CMakeCache.txt").exists():
-        run(["cmake", "-S", str(PLUGINS), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", *args])
+        run(
+            [
+                "cmake",
+                "-S",
+                str(PLUGINS),
+                "-B",
+                str(build),
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DEDGEMEM_COMPRESS_KERNELS=OFF",
+                *args,
+            ]
+        )
     cmd = ["cmake", "--build", str(build), "-j", JOBS]
     for t in targets:
         cmd += ["--target", t]

@@ -88,9 +88,10 @@ def ref(build_dir) -> Native:
 
 @pytest.fixture(scope="session")
 def kernels_build(build_dir, ref) -> Path:
-    """Every target of the tree (the kernels for sm_87/89/90); skips without nvcc."""
+    """Every target of the tree as shipped (the kernels for sm_87/89/90, fatbinaries compressed for size where
+    nvcc can); skips without nvcc."""
     need_nvcc()
-    info = _cmake_build(build_dir)
+    info = _cmake_build(build_dir, "-DEDGEMEM_COMPRESS_KERNELS=ON")
     if info.get("cuda") != "ON":
         pytest.skip("CMake found no usable CUDA compiler (put nvcc on PATH or set CUDACXX)")
     return build_dir
@@ -653,6 +654,8 @@ def test_gpu_check_takes_one_op_at_a_time(ref, build_dir):
 def test_kernels_compile_without_spills(kernels_build):
     info = dict(line.split("=", 1) for line in (kernels_build / "edgemem_build.txt").read_text().splitlines())
     assert info["architectures"].split(";") == list(ARCHS)
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    assert info["fatbin_compression"] == ("size" if "--compress-mode" in _run([nvcc, "--help"]).stdout else "default")
     assert_no_spills(kernels_build, ARCHS)
     assert (kernels_build / "libedgemem_kernels.so").exists()
 

@@ -114,7 +114,7 @@ COMMANDS: dict[str, object] = {
     "edgemem export --arch titans-mag --out out/titans-mag --force": Run(add=SMALL),
     "edgemem verify out/titans-mag": Run(),
     "python3 -m venv .venv && . .venv/bin/activate && pip install --no-compile torch==2.13.0 && "
-    "pip install --no-compile -e '.[dev]' && "
+    "pip install --no-compile -e '.[dev]' && bash .ci/debian && "
     'python -m pytest -q -n 2 --dist loadfile -m "not slow" && python -m pytest -q -n 2 --dist loadfile -m slow': SameAsCI(),  # noqa: E501
     # README.md: export
     "edgemem export --arch A --out DIR [--target generic,ort,onnx27,trt] [--seed N] [--checkpoint PATH] "

@@ -190,6 +190,25 @@ def test_every_weight_projection_is_int8(fp32, quantized, method):
             assert zero_points and all(z.dtype == np.int8 and not z.any() for z in zero_points)
 
 
+@pytest.mark.parametrize("method", ["dynamic", "static"])
+def test_onnxruntime_targets_keep_int8_weights_to_7_bits(quantized, method):
+    """onnxruntime's u8s8 kernels on x86 CPUs without VNNI add pairs of products in saturating 16-bit sums:
+    the onnxruntime targets' weights stay within 7 bits (|q| <= 64) so no pair overflows; the trt target's
+    use the full 8 bits."""
+    _, files = _graph_files(quantized[method])
+    reach = {}
+    for path in files:
+        model = onnx.load(str(path))
+        int8 = [onnx.numpy_helper.to_array(i) for i in model.graph.initializer if i.data_type == onnx.TensorProto.INT8]
+        weights = [w for w in int8 if w.ndim == 2]
+        assert weights, path
+        target = path.parent.name
+        reach[target] = max(reach.get(target, 0), max(int(np.abs(w.astype(np.int32)).max()) for w in weights))
+    assert reach["ort"] <= 64 and reach["generic"] <= 64, reach
+    if method == "static":
+        assert reach["trt"] == 127, reach
+
+
 def test_static_trt_graphs_use_the_ort_calibration(quantized):
     for kind in ("prefill", "step"):
         scales = {}

@@ -14,6 +14,10 @@ int4: onnxruntime's `MatMulNBitsQuantizer` (weight-only, round-to-nearest): each
   kernel multiplies them as int8 per block (accuracy_level 4). Targets: the onnxruntime-runnable ones. No
   calibration data.
 
+On the onnxruntime targets the INT8 weights take 7 bits (onnxruntime's `reduce_range`): on x86 CPUs
+without VNNI its u8s8 kernels add pairs of uint8 x int8 products in saturating 16-bit sums, which
+full-range weights overflow without an error. The trt target keeps 8-bit weights.
+
 Only the recipe-approved projections (see `edgemem.quant.graph`) are quantized; outputs of MatMul/Gemm
 are never quantized, so nothing downstream (gates, decays, norms, custom nodes, state) sees INT8.
 The output directory is built beside its final place and renamed into it, like `edgemem export`.
@@ -314,13 +318,16 @@ def _quantize(
     cache: Path,
     block_size: int | None = None,
     embeddings: str = "fp32",
+    reduce_range: bool = False,
 ) -> None:
-    """onnxruntime.quantization on `nodes`; static ranges come from `feeds`, or from `cache` when None."""
+    """onnxruntime.quantization on `nodes`; static ranges come from `feeds`, or from `cache` when None.
+    `reduce_range`: INT8 weights in 7 bits (see calibrate's module docstring)."""
     common = dict(
         op_types_to_quantize=list(PROJECTION_OPS),
         per_channel=True,
         nodes_to_quantize=nodes,
         weight_type=QuantType.QInt8,
+        reduce_range=reduce_range,
     )
     quiet = _QuietQuantizer()
     logging.getLogger().addFilter(quiet)
@@ -497,7 +504,9 @@ def calibrate(
                     samples = (
                         feeds["prefill" if kind == PREFILL_LAST else kind] if feeds is not None and i == 0 else None
                     )
-                    _quantize(method, source, dest, nodes, samples, cache, block_size, embeddings)
+                    _quantize(
+                        method, source, dest, nodes, samples, cache, block_size, embeddings, target in ORT_TARGETS
+                    )
                     if method == "static":
                         source.unlink()
                     # the quantizers sort the nodes again: the export's order of the state outputs' nodes back;

@@ -65,6 +65,7 @@ PTXAS_USED = re.compile(r"Used (\d+) registers")
 KERNELS = (
     "linearAttentionKernel",
     "chunkPrepare",
+    "chunkPrepareMma",
     "chunkState",
     "chunkOutput",
     "chunkOutputMma",

@@ -667,21 +667,21 @@ def test_kernel_library_exposes_the_reference_abi(kernels_build):
 
 
 def test_native_mirror_refuses_a_linear_attention_path_it_does_not_know(ref):
-    """The ctypes mirror names the paths the C ABI takes; another, such as the removed "chunked-mma", is
-    refused by name rather than run as the default form."""
+    """The ctypes mirror names the paths the C ABI takes; another, such as "chunked-walk" (a path that was
+    removed), is refused by name rather than run as the default form."""
     q, v = torch.zeros(1, 4, 8), torch.zeros(1, 4, 8)
     g, beta = torch.zeros(1, 4, 1), torch.zeros(1, 4, 1)
     kw = dict(update_rule="gated_delta", scale=0.5, q_num_heads=1, kv_num_heads=1)
-    with pytest.raises(ValueError, match="'chunked-mma': expected one of auto, sequential, chunked"):
-        ref.linear_attention(q, q, v, torch.zeros(1, 1, 8, 8), g, beta, path="chunked-mma", **kw)
+    with pytest.raises(ValueError, match="'chunked-walk': expected one of auto, sequential, chunked, chunked-mma"):
+        ref.linear_attention(q, q, v, torch.zeros(1, 1, 8, 8), g, beta, path="chunked-walk", **kw)
     with pytest.raises(ValueError, match="expected one of"):
         ref.linear_attention_workspace(q, v, g, beta, path="fast", **kw)
 
 
 def test_kernel_library_sizes_the_chunked_workspace(kernels_build, ref):
-    """The CUDA C ABI's LinearAttention paths, in its host code (no GPU needed): auto and chunked size the
-    workspace the CPU reference's chunked form lays out, the sequential path none, and a path it does not
-    know is refused as a bad argument before anything runs."""
+    """The CUDA C ABI's LinearAttention paths, in its host code (no GPU needed): auto and both chunked paths
+    size the workspace the CPU reference's chunked form lays out, the sequential path none, and a path it
+    does not know is refused as a bad argument before anything runs."""
     lib = Native(kernels_build / "libedgemem_kernels.so").lib
     b, t, hq, hkv, dk, dv = 2, 300, 4, 2, 64, 96
     q, v = torch.zeros(b, t, hq * dk), torch.zeros(b, t, hkv * dv)
@@ -691,7 +691,7 @@ def test_kernel_library_sizes_the_chunked_workspace(kernels_build, ref):
     want = ref.linear_attention_workspace(q, v, g, beta, path="chunked", **kw)
     assert want > 0
     sizes = {path: lib.em_cuda_linear_attention_workspace(ctypes.byref(params), n) for path, n in LA_PATHS.items()}
-    assert sizes == {"auto": want, "sequential": 0, "chunked": want}
+    assert sizes == {"auto": want, "sequential": 0, "chunked": want, "chunked-mma": want}
     unknown = max(LA_PATHS.values()) + 1
     assert lib.em_cuda_linear_attention_workspace(ctypes.byref(params), unknown) == 0
     status = lib.em_cuda_linear_attention(ctypes.byref(params), ctypes.byref(LAIO()), 0, unknown, None, 0, None)

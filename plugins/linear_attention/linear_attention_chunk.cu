@@ -15,7 +15,8 @@
 // Per-key decay: G [C][DK] goes through the workspace, K K^T and Q K^T become decayedBlocks, the
 // walk scales the rows of its state tiles in shared memory.
 // For 16-bit I/O and per-head decay the output pass is chunkOutputMma instead: 4 warps, mma.sync
-// m16n8k8 with its score tiles kept in registers.
+// m16n8k8 with its score tiles kept in registers; there the chunked-mma path (LaPath::kChunkedMma)
+// also runs the prepare pass on mma.sync (chunkPrepareMma).
 #include "device.cuh"
 #include "launch.h"
 #include "mma.cuh"
@@ -37,10 +38,12 @@ constexpr int C = la::kChunk;
 
 // (I + A)^-1 of a strictly lower C x C matrix A, blockwise over 16 x 16 blocks: the diagonal
 // blocks by forward substitution (a thread per column), then block row I from the ones above it,
-// T_IJ = -T_II sum_{J <= M < I} A_IM T_MJ. Blocks above the diagonal are zeroed.
-template <int P>
+// T_IJ = -T_II sum_{J <= M < I} A_IM T_MJ. Blocks above the diagonal are zeroed. THREADS: the
+// block's threads.
+template <int P, int THREADS = kThreads>
 __device__ __forceinline__ void unitLowerInverse(float const* a, int lda, float* t, int ldt)
 {
+    static_assert(THREADS >= C && THREADS / kWarp >= C / 16 - 1, "a thread per column, a warp per block");
     int const tid = threadIdx.x, warp = tid / kWarp;
     if (tid < C)
     {
@@ -48,7 +51,7 @@ __device__ __forceinline__ void unitLowerInverse(float const* a, int lda, float*
         la::unitLowerInverseColumn(
             a + blk * 16 * lda + blk * 16, lda, t + blk * 16 * ldt + blk * 16, ldt, tid % 16, 16);
     }
-    for (int i = tid; i < C * C; i += kThreads)
+    for (int i = tid; i < C * C; i += THREADS)
     {
         int const r = i / C, c = i % C;
         if (c / 16 > r / 16)
@@ -292,6 +295,204 @@ __global__ void __launch_bounds__(kThreads, 2) chunkPrepare(
         zero(u);
         rowTiles<P, C, 2, RowA, RowB>(u, sT + mi * 16 * LC, LC, 8, sV + half * 32, LV, 8 * LV, 16, (mi + 1) * 16);
         storeTiles(ws + l.u + (row0 + mi * 16) * l.dv + v0 + half * 32, l.dv, 16, u);
+    }
+#endif
+}
+
+// The prepare pass on mma.sync (16-bit I/O, per-head decay): a block of 4 warps per (chunk, kv
+// head, batch), warp w the rows 16 w .. of the chunk. K is staged in the I/O type; K K^T runs on
+// m16n8k16 (exact products, float32 sums) and is masked and scaled in its accumulators,
+// A_rj = [j < r] beta_r exp(G_r - G_j) (K K^T)_rj, before unitLowerInverse takes it as float32;
+// W = T diag(beta e^G) K and U0 = T diag(beta) V take T's row block as m16n8k8 A operands (one
+// TF32 pass: chunkPrepare's rounding for 16-bit I/O). V is staged 64 columns at a time, the first
+// 64 with K.
+constexpr int kPrepMmaThreads = 4 * kWarp;
+constexpr int kPrepMmaColumns = 64;
+
+template <typename T, int DK>
+__host__ __device__ constexpr int prepareMmaBytes()
+{
+    // A, T [C][C + 4] and G, beta, beta e^G [C] float32; K [C][DK + 8] and V [C][64 + 8] in T (rows
+    // 4 words apart mod 32: a warp's fragment reads hit distinct banks)
+    static_assert(sizeof(T) == 2, "16-bit I/O");
+    return (2 * C * (C + 4) + 3 * C) * int(sizeof(float)) + C * (DK + 8 + kPrepMmaColumns + 8) * int(sizeof(T));
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+// Two 16-bit elements as one fragment register, x the lower.
+template <typename T>
+__device__ __forceinline__ uint32_t word(T const* x)
+{
+    return *reinterpret_cast<uint32_t const*>(x);
+}
+
+// One warp's 16 rows of T diag(s) X into out (float32, ld ldo; 16 x 8 NV columns), T's rows from t
+// (float32, ld ldt) over its first 8 ksteps columns (the rest is zero), X [C][ldx] in the I/O type,
+// s [C]: T's rows as m16n8k8 A operands, diag(s) X's as B operands, one TF32 pass.
+template <int NV, typename T>
+__device__ __forceinline__ void rowBlockProduct(
+    float const* t, int ldt, int ksteps, float const* s, T const* x, int ldx, float* out, int ldo)
+{
+    int const lane = threadIdx.x % kWarp, g = lane / 4, q = lane % 4;
+    float const* ta = t + g * ldt + q;
+    float const* tb = ta + 8 * ldt;
+    float acc[NV][4] = {};
+    EM_UNROLL
+    for (int k = 0; k < C / 8; ++k)
+    {
+        if (k >= ksteps)
+            break;
+        Tf32<1> const a[4] = {Tf32<1>(ta[8 * k]), Tf32<1>(tb[8 * k]), Tf32<1>(ta[8 * k + 4]), Tf32<1>(tb[8 * k + 4])};
+        float const s0 = s[8 * k + q], s1 = s[8 * k + q + 4];
+        T const* xr = x + (8 * k + q) * ldx + g;
+        EM_UNROLL
+        for (int v = 0; v < NV; ++v)
+            mma1688<1>(acc[v], a, Tf32<1>(s0 * toFloat(xr[8 * v])), Tf32<1>(s1 * toFloat(xr[4 * ldx + 8 * v])));
+    }
+    float* oa = out + g * ldo + 2 * q;
+    EM_UNROLL
+    for (int v = 0; v < NV; ++v)
+    {
+        *reinterpret_cast<float2*>(oa + 8 * v) = make_float2(acc[v][0], acc[v][1]);
+        *reinterpret_cast<float2*>(oa + 8 * ldo + 8 * v) = make_float2(acc[v][2], acc[v][3]);
+    }
+}
+#endif
+
+template <typename T, int DK>
+__global__ void __launch_bounds__(kPrepMmaThreads, 3) chunkPrepareMma(
+    la::Params const p, LinearAttentionIO const io, la::ChunkLayout const l, int const s0, int const len, float* ws)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    constexpr int P = 1, BV = kPrepMmaColumns, LQ = DK + 8, LV = BV + 8, LC = C + 4, NT = C / 8;
+    extern __shared__ __align__(128) float sm[];
+    float* sA = sm;                       // [C][LC]
+    float* sT = sA + C * LC;              // [C][LC]
+    float* sG = sT + C * LC;              // [C]
+    float* sBeta = sG + C;                // [C]
+    float* sE = sBeta + C;                // [C] beta exp(G)
+    T* sK = reinterpret_cast<T*>(sE + C); // [C][LQ]
+    T* sV = sK + C * LQ;                  // [C][LV]
+    int const tid = threadIdx.x, w = tid / kWarp, lane = tid % kWarp, g = lane / 4, q = lane % 4;
+    int const c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    int const r0 = c * C, t0 = s0 + r0, n = min(C, len - r0);
+    bool const gated = la::isGated(p.rule), delta = la::isDelta(p.rule);
+    int64_t const row0 = l.row(p, b, h, r0);
+    T const zero = fromFloat<T>(0.0f);
+    T const* key = static_cast<T const*>(io.key);
+    T const* value = static_cast<T const*>(io.value);
+    auto stageV = [&](int v0)
+    {
+        for (int i = tid; i < C * BV; i += kPrepMmaThreads)
+        {
+            int const r = i / BV, j = i % BV;
+            sV[r * LV + j] = r < n && v0 + j < p.dv ? value[la::valueOffset(p, b, t0 + r, h, v0 + j)] : zero;
+        }
+    };
+
+    for (int i = tid; i < C * DK; i += kPrepMmaThreads)
+    {
+        int const r = i / DK, d = i % DK;
+        sK[r * LQ + d] = r < n && d < p.dk ? key[la::keyOffset(p, b, t0 + r, h, d)] : zero;
+    }
+    if (delta)
+        stageV(0);
+    if (w == 0)
+    {
+        // G: inclusive scan of the log decays, tokens lane and lane + 32
+        float g0 = gated && lane < n ? load<T>(io.decay, la::decayOffset(p, b, t0 + lane, h, 0)) : 0.0f;
+        float g1 = gated && lane + kWarp < n ? load<T>(io.decay, la::decayOffset(p, b, t0 + lane + kWarp, h, 0)) : 0.0f;
+        EM_UNROLL
+        for (int o = 1; o < kWarp; o <<= 1)
+        {
+            float const x0 = __shfl_up_sync(kFullMask, g0, o);
+            float const x1 = __shfl_up_sync(kFullMask, g1, o);
+            if (lane >= o)
+            {
+                g0 += x0;
+                g1 += x1;
+            }
+        }
+        g1 += __shfl_sync(kFullMask, g0, kWarp - 1);
+        sG[lane] = g0;
+        sG[lane + kWarp] = g1;
+        ws[l.gcum + row0 + lane] = g0;
+        ws[l.gcum + row0 + lane + kWarp] = g1;
+        auto betaAt
+            = [&](int i) { return i < n ? (delta ? load<T>(io.beta, la::betaOffset(p, b, t0 + i, h)) : 1.0f) : 0.0f; };
+        float const b0 = betaAt(lane), b1 = betaAt(lane + kWarp);
+        sBeta[lane] = b0;
+        sBeta[lane + kWarp] = b1;
+        sE[lane] = b0 * em_exp(g0);
+        sE[lane + kWarp] = b1 * em_exp(g1);
+    }
+    __syncthreads();
+    for (int i = tid; i < C * DK / 4; i += kPrepMmaThreads) // K~ = exp(G_last - G) . K
+    {
+        int const r = i / (DK / 4), d = i % (DK / 4) * 4;
+        float const e = em_exp(sG[C - 1] - sG[r]);
+        T const* k = sK + r * LQ + d;
+        *reinterpret_cast<float4*>(ws + l.kt + (row0 + r) * DK + d)
+            = make_float4(e * toFloat(k[0]), e * toFloat(k[1]), e * toFloat(k[2]), e * toFloat(k[3]));
+    }
+    if (!delta)
+    {
+        for (int i = tid; i < C * l.dv; i += kPrepMmaThreads) // U0 = V
+        {
+            int const r = i / l.dv, j = i % l.dv;
+            ws[l.u + (row0 + r) * l.dv + j]
+                = r < n && j < p.dv ? toFloat(value[la::valueOffset(p, b, t0 + r, h, j)]) : 0.0f;
+        }
+        return;
+    }
+
+    int const ra = 16 * w + g, rb = ra + 8; // this lane's rows
+    {
+        // K K^T over the key tiles (8 columns) j <= 2 w + 1: the rest of the row block is above the diagonal
+        float m[NT][4] = {};
+        EM_UNROLL
+        for (int k = 0; k < DK / 16; ++k)
+        {
+            T const* ka = sK + ra * LQ + 16 * k + 2 * q;
+            T const* kb = sK + rb * LQ + 16 * k + 2 * q;
+            uint32_t const a[4] = {word(ka), word(kb), word(ka + 8), word(kb + 8)};
+            EM_UNROLL
+            for (int j = 0; j < NT; ++j)
+            {
+                if (j > 2 * w + 1)
+                    break;
+                T const* kr = sK + (8 * j + g) * LQ + 16 * k + 2 * q;
+                mma16816<T>(m[j], a, word(kr), word(kr + 8));
+            }
+        }
+        float const ga = sG[ra], gb = sG[rb], ba = sBeta[ra], bb = sBeta[rb];
+        EM_UNROLL
+        for (int j = 0; j < NT; ++j)
+        {
+            int const col = 8 * j + 2 * q;
+            float2 x, y;
+            x.x = col < ra ? ba * em_exp(ga - sG[col]) * m[j][0] : 0.0f;
+            x.y = col + 1 < ra ? ba * em_exp(ga - sG[col + 1]) * m[j][1] : 0.0f;
+            y.x = col < rb ? bb * em_exp(gb - sG[col]) * m[j][2] : 0.0f;
+            y.y = col + 1 < rb ? bb * em_exp(gb - sG[col + 1]) * m[j][3] : 0.0f;
+            *reinterpret_cast<float2*>(sA + ra * LC + col) = x;
+            *reinterpret_cast<float2*>(sA + rb * LC + col) = y;
+        }
+    }
+    __syncthreads();
+    unitLowerInverse<P, kPrepMmaThreads>(sA, LC, sT, LC);
+    // W = T diag(beta e^G) K, then U0 = T diag(beta) V 64 columns at a time
+    rowBlockProduct<DK / 8>(sT + 16 * w * LC, LC, 2 * w + 2, sE, sK, LQ, ws + l.w + (row0 + 16 * w) * DK, DK);
+    for (int v0 = 0; v0 < l.dv; v0 += BV)
+    {
+        if (v0 > 0)
+        {
+            __syncthreads(); // the last tile is consumed
+            stageV(v0);
+            __syncthreads();
+        }
+        rowBlockProduct<BV / 8>(
+            sT + 16 * w * LC, LC, 2 * w + 2, sBeta, sV, LV, ws + l.u + (row0 + 16 * w) * l.dv + v0, l.dv);
     }
 #endif
 }
@@ -740,7 +941,7 @@ bool allow(K kernel, size_t bytes)
 
 template <typename T, int DK>
 int runChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout const& l, float* ws, Device const& dev,
-    cudaStream_t stream)
+    bool mmaPrepare, cudaStream_t stream)
 {
     constexpr int P = std::is_same<T, float>::value ? 3 : 1;
     constexpr size_t prep = prepareFloats<DK>() * sizeof(float);
@@ -769,17 +970,26 @@ int runChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout
     constexpr size_t outMmaBytes = outputMmaBytes<H, DK>();
     bool const mmaOut = !std::is_same<T, float>::value && !la::keyedDecay(p) && outMmaBytes <= size_t(dev.smem);
     auto outputMma = chunkOutputMma<H, DK>;
+    // chunkPrepareMma where asked for, on the same terms
+    constexpr size_t prepMmaBytes = prepareMmaBytes<H, DK>();
+    bool const mmaPrep
+        = mmaPrepare && !std::is_same<T, float>::value && !la::keyedDecay(p) && prepMmaBytes <= size_t(dev.smem);
+    auto prepareMma = chunkPrepareMma<H, DK>;
     if (prep > size_t(dev.smem) || state > size_t(dev.smem) || out > size_t(dev.smem))
         return kUnsupported;
-    if (!allow(prepare, prep) || !allow(walk, state) || !(mmaOut ? allow(outputMma, outMmaBytes) : allow(output, out)))
+    if (!(mmaPrep ? allow(prepareMma, prepMmaBytes) : allow(prepare, prep)) || !allow(walk, state)
+        || !(mmaOut ? allow(outputMma, outMmaBytes) : allow(output, out)))
         return kCudaError;
     for (int s0 = 0; s0 < p.seq; s0 += l.tokens)
     {
         int const len = p.seq - s0 < l.tokens ? p.seq - s0 : l.tokens;
         unsigned const chunks = unsigned((len + C - 1) / C);
         float const* past = s0 == 0 ? io.past_state : io.present_state;
-        prepare<<<dim3(chunks, unsigned(p.kv_heads), unsigned(p.batch)), kThreads, prep, stream>>>(
-            p, io, l, s0, len, ws);
+        dim3 const perChunk(chunks, unsigned(p.kv_heads), unsigned(p.batch));
+        if (mmaPrep)
+            prepareMma<<<perChunk, kPrepMmaThreads, prepMmaBytes, stream>>>(p, io, l, s0, len, ws);
+        else
+            prepare<<<perChunk, kThreads, prep, stream>>>(p, io, l, s0, len, ws);
         walk<<<dim3(unsigned(l.dv / bv), unsigned(p.kv_heads), unsigned(p.batch)), kThreads, state, stream>>>(
             p, io, l, len, past, ws);
         if (mmaOut)
@@ -796,13 +1006,13 @@ int runChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout
 
 template <typename T>
 int dispatchChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout const& l, float* ws,
-    Device const& dev, cudaStream_t stream)
+    Device const& dev, bool mmaPrepare, cudaStream_t stream)
 {
     switch (l.dk)
     {
-    case 32: return runChunked<T, 32>(p, io, l, ws, dev, stream);
-    case 64: return runChunked<T, 64>(p, io, l, ws, dev, stream);
-    case 128: return runChunked<T, 128>(p, io, l, ws, dev, stream);
+    case 32: return runChunked<T, 32>(p, io, l, ws, dev, mmaPrepare, stream);
+    case 64: return runChunked<T, 64>(p, io, l, ws, dev, mmaPrepare, stream);
+    case 128: return runChunked<T, 128>(p, io, l, ws, dev, mmaPrepare, stream);
     }
     return kUnsupported;
 }
@@ -818,7 +1028,7 @@ size_t linearAttentionWorkspace(la::Params const& p, LaPath path)
 }
 
 int linearAttentionChunked(la::Params const& p, LinearAttentionIO const& io, DType dtype, void* workspace,
-    size_t workspace_bytes, cudaStream_t stream)
+    size_t workspace_bytes, cudaStream_t stream, bool mmaPrepare)
 {
     if (!la::chunkable(p) || workspace == nullptr || reinterpret_cast<uintptr_t>(workspace) % 256 != 0)
         return kUnsupported;
@@ -829,7 +1039,7 @@ int linearAttentionChunked(la::Params const& p, LinearAttentionIO const& io, DTy
     if (l.tokens == 0 || !dev.tensorCores)
         return kUnsupported;
     float* ws = static_cast<float*>(workspace);
-    return withType(dtype, [&](auto t) { return dispatchChunked<decltype(t)>(p, io, l, ws, dev, stream); });
+    return withType(dtype, [&](auto t) { return dispatchChunked<decltype(t)>(p, io, l, ws, dev, mmaPrepare, stream); });
 }
 
 } // namespace cuda

@@ -12,7 +12,8 @@ Every case runs the kernels through their C ABI on torch CUDA tensors and compar
 Modes: "prefill" (T tokens, separate state buffers), "in-place" (state-in and state-out one
 buffer), "steps" (T single-token calls on one in-place state, compared with the one-call truth);
 LinearAttention also "chunked" (its tensor-core form forced) and "segments" (that form with a
-workspace of one chunk, so the state passes from segment to segment); NeuralMemory "chunked" and
+workspace of one chunk, so the state passes from segment to segment), each again with the prepare
+pass on mma.sync where that path has its own (", mma.sync": 16-bit I/O, per-head decay); NeuralMemory "chunked" and
 "chunked in-place" (its tensor-core form, where d and e are multiples of 16); BandedAttention
 "tiled" (its tensor-core form, where d and d_v are multiples of 16 up to 128).
 Timing: each decode kernel (T = 1, in place) against the memory floor of the design,
@@ -204,20 +205,24 @@ def check_linear_attention(h: Harness, quick: bool) -> None:
                     ref = h.ref.linear_attention(*[_cpu(x) for x in args], **kw)
                 got = h.dev.linear_attention(*args, **kw)
                 h.record("LinearAttention", f"{name} {rule}", dtype, "prefill", got, want, ref)
-                if dk <= 128:
-                    # the chunked form alone, then in segments of one chunk (the state passing through)
-                    got = h.dev.linear_attention(*args, path="chunked", **kw)
-                    h.record("LinearAttention", f"{name} {rule}", dtype, "chunked", got, want, ref)
+                # the chunked form alone, then in segments of one chunk (the state passing through); again
+                # with the prepare pass on mma.sync where that path has it (16-bit I/O, per-head decay)
+                paths = [("chunked", "")] if dk <= 128 else []
+                if dk <= 128 and (h.device.type == "cpu" or (dtype != torch.float32 and not (per_key and gated))):
+                    paths.append(("chunked-mma", ", mma.sync"))
+                for path, form in paths:
+                    got = h.dev.linear_attention(*args, path=path, **kw)
+                    h.record("LinearAttention", f"{name} {rule}", dtype, f"chunked{form}", got, want, ref)
                     if t > 64:
                         first = [x[:, :64].contiguous() for x in (args[0], args[2], args[4], args[5])]
-                        budget = h.dev.linear_attention_workspace(*first, path="chunked", **kw)  # one chunk's worth
+                        budget = h.dev.linear_attention_workspace(*first, path=path, **kw)  # one chunk's worth
                         ws = (
                             budget
                             if h.device.type == "cpu"
                             else torch.empty(budget, dtype=torch.uint8, device=h.device)
                         )
-                        got = h.dev.linear_attention(*args, path="chunked", workspace=ws, **kw)
-                        h.record("LinearAttention", f"{name} {rule}", dtype, "segments", got, want, ref)
+                        got = h.dev.linear_attention(*args, path=path, workspace=ws, **kw)
+                        h.record("LinearAttention", f"{name} {rule}", dtype, f"segments{form}", got, want, ref)
                 if t > 64:
                     continue  # the step modes below are the decode kernel's, checked on the short cases
                 # in place: present_state is past_state
@@ -655,10 +660,11 @@ def time_decode(h: Harness, peak: float) -> list[Timing]:
     return out
 
 
-def time_prefill(h: Harness) -> list[tuple[str, str, float | None, float | None, float | None]]:
+def time_prefill(h: Harness) -> list[tuple[str, str, float | None, float | None, float | None, float | None]]:
     """LinearAttention prefill (T tokens in one call, gated delta rule): the sequential and the chunked
-    kernels' µs per call (CUDA-graph device time), and flash-linear-attention's chunked form
-    (chunk_gated_delta_rule in fp32 and fp16; chunk_kda for per-key decay in fp16) where installed."""
+    kernels' µs per call (CUDA-graph device time), the chunked one again with its prepare pass on mma.sync
+    (16-bit, per-head decay), and flash-linear-attention's chunked form (chunk_gated_delta_rule in fp32
+    and fp16; chunk_kda for per-key decay in fp16) where installed."""
     dev, rows = h.device, []
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
@@ -701,6 +707,11 @@ def time_prefill(h: Harness) -> list[tuple[str, str, float | None, float | None,
 
             seq = timed(lambda: h.dev.linear_attention(q, k, v, s0, g, beta, path="sequential", **kw))
             chunked = timed(lambda: h.dev.linear_attention(q, k, v, s0, g, beta, path="chunked", workspace=ws, **kw))
+            mma = None
+            if dtype != torch.float32 and not per_key:
+                mma = timed(
+                    lambda: h.dev.linear_attention(q, k, v, s0, g, beta, path="chunked-mma", workspace=ws, **kw)
+                )
             theirs = None
             # fla's Triton kernels tune themselves on first use in each dtype (chunk_kda's over many
             # configurations each): its peers are timed in fp32 and fp16, chunk_kda in fp16
@@ -722,7 +733,7 @@ def time_prefill(h: Harness) -> list[tuple[str, str, float | None, float | None,
                     op = "chunk_kda" if per_key else "chunk_gated_delta_rule"
                     h.notes.append(f"fla {op} failed at T={t}: {type(e).__name__}: {e}")
             keyed = ", per-key decay" if per_key else ""
-            rows.append((f"b{b} {heads} heads {d}x{d}{keyed}, T={t}", _dt(dtype), seq, chunked, theirs))
+            rows.append((f"b{b} {heads} heads {d}x{d}{keyed}, T={t}", _dt(dtype), seq, chunked, mma, theirs))
     return rows
 
 
@@ -851,6 +862,21 @@ def kernel_breakdown(h: Harness) -> list[tuple[str, str, float, float]]:
         )
         profiled(f"edgemem chunked, {case}", run)
         if dtype == torch.float16 and not per_key:
+            run = partial(
+                h.dev.linear_attention,
+                q,
+                k,
+                v,
+                s0,
+                g,
+                beta,
+                path="chunked-mma",
+                workspace=ws,
+                output=o,
+                present_state=s1,
+                **kw,
+            )
+            profiled(f"edgemem chunked, prepare on mma.sync, {case}", run)
             # the default 64 MiB budget runs T = 4096 at 16 heads in three segments; this, in one
             big = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
             run = partial(
@@ -953,17 +979,20 @@ def report(
             "## LinearAttention prefill (one call of T tokens, gated delta rule, CUDA-graph device time)",
             "",
             "sequential: the tokens in order with the state in registers; chunked: the tensor-core form "
-            "(auto takes it from 128 tokens at batch x kv heads <= 64, per-head decay); fla: chunk_gated_delta_rule "
+            "(auto takes it from 128 tokens at batch x kv heads <= 64, per-head decay); mma.sync: the same with "
+            "its prepare pass on mma.sync (16-bit I/O, per-head decay); fla: chunk_gated_delta_rule "
             "(chunk_kda for per-key decay) on the same inputs; "
-            "speed vs fla = fla µs / chunked µs.",
+            "speed vs fla = fla µs / chunked µs, then fla µs / mma.sync µs.",
             "",
-            "| case | dtype | sequential µs | chunked µs | chunked µs/token | fla µs | speed vs fla |",
-            "|---|---|---|---|---|---|---|",
+            "| case | dtype | sequential µs | chunked µs | mma.sync µs | chunked µs/token | fla µs | speed vs fla |",
+            "|---|---|---|---|---|---|---|---|",
         ]
-        for case, dt, seq, chunked, theirs in prefill:
+        for case, dt, seq, chunked, mma, theirs in prefill:
             per = _per_token(case, chunked)
-            ratio = f"{theirs / chunked:.2f}×" if chunked and theirs else "-"
-            lines.append(f"| {case} | {dt} | {_us(seq)} | {_us(chunked)} | {per} | {_us(theirs)} | {ratio} |")
+            ratio = " / ".join(f"{theirs / x:.2f}×" if x and theirs else "-" for x in (chunked, mma))
+            lines.append(
+                f"| {case} | {dt} | {_us(seq)} | {_us(chunked)} | {_us(mma)} | {per} | {_us(theirs)} | {ratio} |"
+            )
     if memory:
         lines += [
             "",

@@ -16,7 +16,8 @@ int4: onnxruntime's `MatMulNBitsQuantizer` (weight-only, round-to-nearest): each
 
 On the onnxruntime targets the INT8 weights take 7 bits (onnxruntime's `reduce_range`): on x86 CPUs
 without VNNI its u8s8 kernels add pairs of uint8 x int8 products in saturating 16-bit sums, which
-full-range weights overflow without an error. The trt target keeps 8-bit weights.
+full-range weights overflow without an error (benchmarks/README.md, "Figures behind choices in the code").
+The trt target keeps 8-bit weights.
 
 Only the recipe-approved projections (see `edgemem.quant.graph`) are quantized; outputs of MatMul/Gemm
 are never quantized, so nothing downstream (gates, decays, norms, custom nodes, state) sees INT8.

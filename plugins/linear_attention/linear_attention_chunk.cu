@@ -147,6 +147,43 @@ __device__ __forceinline__ void decayedBlocks(
     }
 }
 
+// Warp 0's part of a prepare pass: G, the inclusive scan of the chunk's per-head log decays (0 where
+// gated is false), beta (1 for the non-delta rules, 0 past the n tokens) and beta exp(G) into sG, sBeta
+// and sE [C], and G into g unless it is null. Lane l takes tokens l and l + 32.
+template <typename T>
+__device__ __forceinline__ void scanChunk(la::Params const& p, LinearAttentionIO const& io, int b, int h, int t0, int n,
+    bool gated, bool delta, float* sG, float* sBeta, float* sE, float* g)
+{
+    int const lane = threadIdx.x % kWarp;
+    float g0 = gated && lane < n ? load<T>(io.decay, la::decayOffset(p, b, t0 + lane, h, 0)) : 0.0f;
+    float g1 = gated && lane + kWarp < n ? load<T>(io.decay, la::decayOffset(p, b, t0 + lane + kWarp, h, 0)) : 0.0f;
+    EM_UNROLL
+    for (int o = 1; o < kWarp; o <<= 1)
+    {
+        float const x0 = __shfl_up_sync(kFullMask, g0, o);
+        float const x1 = __shfl_up_sync(kFullMask, g1, o);
+        if (lane >= o)
+        {
+            g0 += x0;
+            g1 += x1;
+        }
+    }
+    g1 += __shfl_sync(kFullMask, g0, kWarp - 1);
+    sG[lane] = g0;
+    sG[lane + kWarp] = g1;
+    if (g != nullptr)
+    {
+        g[lane] = g0;
+        g[lane + kWarp] = g1;
+    }
+    for (int i = lane; i < C; i += kWarp) // i is lane or lane + 32: sG[i] is this lane's
+    {
+        float const beta = i < n ? (delta ? load<T>(io.beta, la::betaOffset(p, b, t0 + i, h)) : 1.0f) : 0.0f;
+        sBeta[i] = beta;
+        sE[i] = beta * em_exp(sG[i]);
+    }
+}
+
 #endif
 
 template <int DK>
@@ -171,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunkPrepare(
     float* sE = sBeta + C;          // [C] beta exp(G)
     // per-key decay: the chunk's log decays, then decayedBlocks' scaled rows, where T and V go
     static_assert(C * LK <= lines(C * LC) + lines(C * LV), "per-key scratch");
-    int const tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
+    int const tid = threadIdx.x, warp = tid / kWarp;
     int const mi = warp / 2, half = warp % 2;
     int const c = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     int const r0 = c * C;
@@ -208,36 +245,7 @@ __global__ void __launch_bounds__(kThreads, 2) chunkPrepare(
         }
     }
     if (warp == 0)
-    {
-        // G: inclusive scan of the log decays, tokens lane and lane + 32
-        float g0 = gated && lane < n ? load<T>(io.decay, la::decayOffset(p, b, t0 + lane, h, 0)) : 0.0f;
-        float g1 = gated && lane + kWarp < n ? load<T>(io.decay, la::decayOffset(p, b, t0 + lane + kWarp, h, 0)) : 0.0f;
-        EM_UNROLL
-        for (int o = 1; o < kWarp; o <<= 1)
-        {
-            float const x0 = __shfl_up_sync(kFullMask, g0, o);
-            float const x1 = __shfl_up_sync(kFullMask, g1, o);
-            if (lane >= o)
-            {
-                g0 += x0;
-                g1 += x1;
-            }
-        }
-        g1 += __shfl_sync(kFullMask, g0, kWarp - 1);
-        sG[lane] = g0;
-        sG[lane + kWarp] = g1;
-        if (!keyed)
-        {
-            gChunk[lane] = g0;
-            gChunk[lane + kWarp] = g1;
-        }
-        for (int i = lane; i < C; i += kWarp) // i is lane or lane + 32: sG[i] is this lane's
-        {
-            float const beta = i < n ? (delta ? load<T>(io.beta, la::betaOffset(p, b, t0 + i, h)) : 1.0f) : 0.0f;
-            sBeta[i] = beta;
-            sE[i] = beta * em_exp(sG[i]);
-        }
-    }
+        scanChunk<T>(p, io, b, h, t0, n, gated, delta, sG, sBeta, sE, keyed ? nullptr : gChunk);
     __syncthreads();
     for (int i = tid; i < C * DK; i += kThreads)
     {
@@ -398,34 +406,7 @@ __global__ void __launch_bounds__(kPrepMmaThreads, 3) chunkPrepareMma(
     if (delta)
         stageV(0);
     if (w == 0)
-    {
-        // G: inclusive scan of the log decays, tokens lane and lane + 32
-        float g0 = gated && lane < n ? load<T>(io.decay, la::decayOffset(p, b, t0 + lane, h, 0)) : 0.0f;
-        float g1 = gated && lane + kWarp < n ? load<T>(io.decay, la::decayOffset(p, b, t0 + lane + kWarp, h, 0)) : 0.0f;
-        EM_UNROLL
-        for (int o = 1; o < kWarp; o <<= 1)
-        {
-            float const x0 = __shfl_up_sync(kFullMask, g0, o);
-            float const x1 = __shfl_up_sync(kFullMask, g1, o);
-            if (lane >= o)
-            {
-                g0 += x0;
-                g1 += x1;
-            }
-        }
-        g1 += __shfl_sync(kFullMask, g0, kWarp - 1);
-        sG[lane] = g0;
-        sG[lane + kWarp] = g1;
-        ws[l.gcum + row0 + lane] = g0;
-        ws[l.gcum + row0 + lane + kWarp] = g1;
-        auto betaAt
-            = [&](int i) { return i < n ? (delta ? load<T>(io.beta, la::betaOffset(p, b, t0 + i, h)) : 1.0f) : 0.0f; };
-        float const b0 = betaAt(lane), b1 = betaAt(lane + kWarp);
-        sBeta[lane] = b0;
-        sBeta[lane + kWarp] = b1;
-        sE[lane] = b0 * em_exp(g0);
-        sE[lane + kWarp] = b1 * em_exp(g1);
-    }
+        scanChunk<T>(p, io, b, h, t0, n, gated, delta, sG, sBeta, sE, ws + l.gcum + row0);
     __syncthreads();
     for (int i = tid; i < C * DK / 4; i += kPrepMmaThreads) // K~ = exp(G_last - G) . K
     {

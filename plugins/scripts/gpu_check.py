@@ -862,38 +862,28 @@ def kernel_breakdown(h: Harness) -> list[tuple[str, str, float, float]]:
         )
         profiled(f"edgemem chunked, {case}", run)
         if dtype == torch.float16 and not per_key:
-            run = partial(
-                h.dev.linear_attention,
-                q,
-                k,
-                v,
-                s0,
-                g,
-                beta,
-                path="chunked-mma",
-                workspace=ws,
-                output=o,
-                present_state=s1,
-                **kw,
-            )
-            profiled(f"edgemem chunked, prepare on mma.sync, {case}", run)
-            # the default 64 MiB budget runs T = 4096 at 16 heads in three segments; this, in one
+            # the chunked-mma path, and the chunked path in one segment (the default 64 MiB budget runs
+            # T = 4096 at 16 heads in three)
             big = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-            run = partial(
-                h.dev.linear_attention,
-                q,
-                k,
-                v,
-                s0,
-                g,
-                beta,
-                path="chunked",
-                workspace=big,
-                output=o,
-                present_state=s1,
-                **kw,
-            )
-            profiled(f"edgemem chunked in one segment (256 MiB workspace), {case}", run)
+            for path, space, label in (
+                ("chunked-mma", ws, "edgemem chunked, prepare on mma.sync"),
+                ("chunked", big, "edgemem chunked in one segment (256 MiB workspace)"),
+            ):
+                run = partial(
+                    h.dev.linear_attention,
+                    q,
+                    k,
+                    v,
+                    s0,
+                    g,
+                    beta,
+                    path=path,
+                    workspace=space,
+                    output=o,
+                    present_state=s1,
+                    **kw,
+                )
+                profiled(f"{label}, {case}", run)
             del big
         if fla_chunk is not None:
             fq, fk, fv = (x.view(b, t, heads, d) for x in (q, k, v))

@@ -22,8 +22,15 @@ from edgemem.manifest import load as load_manifest
 
 KILLS = 8  # per writer; 32 in all
 
+# One process per writer imports everything and writes twice (the complete artifact each kill must leave
+# whole; the second write is timed). Then, on each "fork" line, it forks a child that writes again and again
+# until the test kills it with SIGKILL, and reaps it on "reap". A forked writer starts at once, so the
+# random moment of the kill, within the time of one write, falls within its writes rather than a fresh
+# interpreter's imports. On "write" it writes once more: the next run, which clears what the killed ones left.
 _WRITER = textwrap.dedent("""
-    import itertools, sys
+    import itertools, os, sys, time
+    import torch
+    torch.set_num_threads(1)  # no thread pool in the parent: a forked child runs its own work inline
     mode, source, out = sys.argv[1:4]
     if mode == "export":
         from edgemem.export import export
@@ -44,10 +51,24 @@ _WRITER = textwrap.dedent("""
         from edgemem.train import train
         def write(i):
             train("linear", "mqar", 1, out, seed=i, overrides={"d_model": 16, "n_layers": 1}, batch=2, progress=False)
-    print("ready", flush=True)
-    for i in itertools.count():
-        write(i)
-""")
+    write(0)  # the first write also loads what is loaded lazily: the second one is timed
+    start = time.perf_counter()
+    write(1)
+    print(time.perf_counter() - start, flush=True)
+    for line in sys.stdin:
+        if line.strip() == "fork":
+            child = os.fork()
+            if child == 0:
+                for i in itertools.count(2):
+                    write(i)
+            print(child, flush=True)
+        elif line.strip() == "reap":
+            os.waitpid(child, 0)
+            print("reaped", flush=True)
+        else:
+            write(KILLS + 1)
+            print("written", flush=True)
+""").replace("KILLS", str(KILLS))
 
 
 def _loads(mode: str, source: Path, out: Path) -> None:
@@ -64,44 +85,46 @@ def _loads(mode: str, source: Path, out: Path) -> None:
         load_checkpoint(out)
 
 
-def _write_once(mode: str, source: Path, out: Path) -> None:
-    subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _WRITER.replace("for i in itertools.count():", "for i in range(1):"),
-            mode,
-            str(source),
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["export", "calibrate", "save", "train"])
 def test_sigkill_leaves_the_previous_artifact_whole(mode, small_exports, tmp_path):
     source = small_exports["linear"]
     out = tmp_path / ("out" if mode in ("export", "calibrate") else "artifact.safetensors")
-    _write_once(mode, source, out)
-    _loads(mode, source, out)
-    rng = random.Random(mode)
-    for _ in range(KILLS):
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _WRITER, mode, str(source), str(out)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        assert proc.stdout.readline().strip() == "ready"
-        time.sleep(rng.uniform(0.0, 1.5))
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, mode, str(source), str(out)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+    def say(line: str) -> str:
+        writer.stdin.write(line + "\n")
+        writer.stdin.flush()
+        answer = writer.stdout.readline().strip()
+        assert answer, writer.stderr.read()[-3000:]
+        return answer
+
+    child = None
+    try:
+        first = writer.stdout.readline().strip()
+        assert first, writer.stderr.read()[-3000:]
         _loads(mode, source, out)
-    _write_once(mode, source, out)  # the next run clears what killed ones left
-    _loads(mode, source, out)
+        rng = random.Random(mode)
+        for _ in range(KILLS):  # a moment anywhere within one whole write
+            child = int(say("fork"))
+            time.sleep(rng.uniform(0.0, float(first)))
+            os.kill(child, signal.SIGKILL)
+            assert say("reap") == "reaped"
+            child = None
+            _loads(mode, source, out)
+        assert say("write") == "written"  # the next run clears what the killed ones left
+        _loads(mode, source, out)
+    finally:
+        if child is not None:  # a failure between fork and reap: no writer outlives the test
+            os.kill(child, signal.SIGKILL)
+        writer.kill()
+        writer.communicate()
     assert [p.name for p in tmp_path.iterdir()] == [out.name]
 
 

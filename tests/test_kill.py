@@ -12,6 +12,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -24,9 +25,10 @@ KILLS = 8  # per writer; 32 in all
 
 # One process per writer imports everything and writes twice (the complete artifact each kill must leave
 # whole; the second write is timed). Then, on each "fork" line, it forks a child that writes again and again
-# until the test kills it with SIGKILL, and reaps it on "reap". A forked writer starts at once, so the
-# random moment of the kill, within the time of one write, falls within its writes rather than a fresh
-# interpreter's imports. On "write" it writes once more: the next run, which clears what the killed ones left.
+# until the test kills it with SIGKILL, and reaps it on "reap", saying which signal ended it. A forked writer
+# starts at once, so the random moment of the kill, within the time of one write, falls within its writes
+# rather than a fresh interpreter's imports. On "write" it writes once more: the next run, which clears what
+# the killed ones left.
 _WRITER = textwrap.dedent("""
     import itertools, os, sys, time
     import torch
@@ -63,12 +65,12 @@ _WRITER = textwrap.dedent("""
                     write(i)
             print(child, flush=True)
         elif line.strip() == "reap":
-            os.waitpid(child, 0)
-            print("reaped", flush=True)
+            _, status = os.waitpid(child, 0)
+            print(os.WTERMSIG(status) if os.WIFSIGNALED(status) else "exited", flush=True)
         else:
-            write(KILLS + 1)
+            write(0)
             print("written", flush=True)
-""").replace("KILLS", str(KILLS))
+""")
 
 
 def _loads(mode: str, source: Path, out: Path) -> None:
@@ -90,41 +92,44 @@ def _loads(mode: str, source: Path, out: Path) -> None:
 def test_sigkill_leaves_the_previous_artifact_whole(mode, small_exports, tmp_path):
     source = small_exports["linear"]
     out = tmp_path / ("out" if mode in ("export", "calibrate") else "artifact.safetensors")
+    log = tempfile.TemporaryFile("w+")  # the writer's stderr, for a failure's message; not a pipe that can fill
     writer = subprocess.Popen(
         [sys.executable, "-c", _WRITER, mode, str(source), str(out)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=log,
         text=True,
     )
 
-    def say(line: str) -> str:
-        writer.stdin.write(line + "\n")
-        writer.stdin.flush()
-        answer = writer.stdout.readline().strip()
-        assert answer, writer.stderr.read()[-3000:]
-        return answer
+    def answer(line: str | None = None) -> str:
+        if line is not None:
+            writer.stdin.write(line + "\n")
+            writer.stdin.flush()
+        said = writer.stdout.readline().strip()
+        log.seek(0)
+        assert said, log.read()[-3000:]
+        return said
 
     child = None
     try:
-        first = writer.stdout.readline().strip()
-        assert first, writer.stderr.read()[-3000:]
+        one_write = float(answer())
         _loads(mode, source, out)
         rng = random.Random(mode)
         for _ in range(KILLS):  # a moment anywhere within one whole write
-            child = int(say("fork"))
-            time.sleep(rng.uniform(0.0, float(first)))
+            child = int(answer("fork"))
+            time.sleep(rng.uniform(0.0, one_write))
             os.kill(child, signal.SIGKILL)
-            assert say("reap") == "reaped"
+            assert answer("reap") == str(int(signal.SIGKILL)), "the writer ended before it was killed"
             child = None
             _loads(mode, source, out)
-        assert say("write") == "written"  # the next run clears what the killed ones left
+        assert answer("write") == "written"  # the next run clears what the killed ones left
         _loads(mode, source, out)
     finally:
         if child is not None:  # a failure between fork and reap: no writer outlives the test
             os.kill(child, signal.SIGKILL)
         writer.kill()
         writer.communicate()
+        log.close()
     assert [p.name for p in tmp_path.iterdir()] == [out.name]
 
 

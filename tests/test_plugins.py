@@ -672,7 +672,9 @@ def test_native_mirror_refuses_a_linear_attention_path_it_does_not_know(ref):
     q, v = torch.zeros(1, 4, 8), torch.zeros(1, 4, 8)
     g, beta = torch.zeros(1, 4, 1), torch.zeros(1, 4, 1)
     kw = dict(update_rule="gated_delta", scale=0.5, q_num_heads=1, kv_num_heads=1)
-    with pytest.raises(ValueError, match="'chunked-walk': expected one of auto, sequential, chunked, chunked-mma"):
+    with pytest.raises(
+        ValueError, match="'chunked-walk': expected one of auto, sequential, chunked, chunked-mma, sequential-narrow"
+    ):
         ref.linear_attention(q, q, v, torch.zeros(1, 1, 8, 8), g, beta, path="chunked-walk", **kw)
     with pytest.raises(ValueError, match="expected one of"):
         ref.linear_attention_workspace(q, v, g, beta, path="fast", **kw)
@@ -680,7 +682,7 @@ def test_native_mirror_refuses_a_linear_attention_path_it_does_not_know(ref):
 
 def test_kernel_library_sizes_the_chunked_workspace(kernels_build, ref):
     """The CUDA C ABI's LinearAttention paths, in its host code (no GPU needed): auto and both chunked paths
-    size the workspace the CPU reference's chunked form lays out, the sequential path none, and a path it
+    size the workspace the CPU reference's chunked form lays out, both sequential paths none, and a path it
     does not know is refused as a bad argument before anything runs."""
     lib = Native(kernels_build / "libedgemem_kernels.so").lib
     b, t, hq, hkv, dk, dv = 2, 300, 4, 2, 64, 96
@@ -691,7 +693,7 @@ def test_kernel_library_sizes_the_chunked_workspace(kernels_build, ref):
     want = ref.linear_attention_workspace(q, v, g, beta, path="chunked", **kw)
     assert want > 0
     sizes = {path: lib.em_cuda_linear_attention_workspace(ctypes.byref(params), n) for path, n in LA_PATHS.items()}
-    assert sizes == {"auto": want, "sequential": 0, "chunked": want, "chunked-mma": want}
+    assert sizes == {"auto": want, "sequential": 0, "chunked": want, "chunked-mma": want, "sequential-narrow": 0}
     unknown = max(LA_PATHS.values()) + 1
     assert lib.em_cuda_linear_attention_workspace(ctypes.byref(params), unknown) == 0
     status = lib.em_cuda_linear_attention(ctypes.byref(params), ctypes.byref(LAIO()), 0, unknown, None, 0, None)

@@ -13,12 +13,13 @@ Modes: "prefill" (T tokens, separate state buffers), "in-place" (state-in and st
 buffer), "steps" (T single-token calls on one in-place state, compared with the one-call truth);
 LinearAttention also "chunked" (its tensor-core form forced) and "segments" (that form with a
 workspace of one chunk, so the state passes from segment to segment), each again with the prepare
-pass on mma.sync where that path has its own (", mma.sync": 16-bit I/O, per-head decay); NeuralMemory "chunked" and
-"chunked in-place" (its tensor-core form, where d and e are multiples of 16); BandedAttention
-"tiled" (its tensor-core form, where d and d_v are multiples of 16 up to 128).
-Timing: each decode kernel (T = 1, in place) against the memory floor of the design,
-t >= bytes / bandwidth, with bandwidth both the device's peak (memory clock x bus width) and a
-measured device-to-device copy; LinearAttention prefill in both forms beside
+pass on mma.sync where that path has its own (", mma.sync": 16-bit I/O, per-head decay), and the
+sequential kernel in one-warp blocks (", one-warp blocks": prefill, in-place, steps); NeuralMemory
+"chunked" and "chunked in-place" (its tensor-core form, where d and e are multiples of 16);
+BandedAttention "tiled" (its tensor-core form, where d and d_v are multiples of 16 up to 128).
+Timing: each decode kernel (T = 1, in place; LinearAttention's in both block widths) against the
+memory floor of the design, t >= bytes / bandwidth, with bandwidth both the device's peak (memory
+clock x bus width) and a measured device-to-device copy; LinearAttention prefill in both forms beside
 flash-linear-attention's chunk_gated_delta_rule (chunk_kda for per-key decay); NeuralMemory prefill
 in both forms; BandedAttention in both forms beside a dense attention with a [T, T] mask (PyTorch's
 scaled_dot_product_attention); and each kernel's share of a chunked prefill (ours and fla's) and of
@@ -224,24 +225,31 @@ def check_linear_attention(h: Harness, quick: bool) -> None:
                         got = h.dev.linear_attention(*args, path=path, workspace=ws, **kw)
                         h.record("LinearAttention", f"{name} {rule}", dtype, f"segments{form}", got, want, ref)
                 if t > 64:
-                    continue  # the step modes below are the decode kernel's, checked on the short cases
-                # in place: present_state is past_state
-                state = args[3].clone()
-                got = h.dev.linear_attention(*args[:3], state, *args[4:], present_state=state, **kw)
-                h.record("LinearAttention", f"{name} {rule}", dtype, "in-place", got, want)
-                # steps: T single-token calls on one state
-                state = args[3].clone()
-                outs = [
-                    h.dev.linear_attention(
-                        *[x[:, i : i + 1].contiguous() for x in args[:3]],
-                        state,
-                        *[x[:, i : i + 1].contiguous() for x in args[4:]],
-                        present_state=state,
-                        **kw,
-                    )[0]
-                    for i in range(t)
-                ]
-                h.record("LinearAttention", f"{name} {rule}", dtype, "steps", (torch.cat(outs, 1), state), want)
+                    continue  # the modes below are the sequential kernel's, checked on the short cases
+                # the sequential kernel in one-warp blocks, as the prefill above and in the two modes below
+                narrow = dict(kw, path="sequential-narrow")
+                got = h.dev.linear_attention(*args, **narrow)
+                h.record("LinearAttention", f"{name} {rule}", dtype, "prefill, one-warp blocks", got, want, ref)
+                for call, form in ((kw, ""), (narrow, ", one-warp blocks")):
+                    # in place: present_state is past_state
+                    state = args[3].clone()
+                    got = h.dev.linear_attention(*args[:3], state, *args[4:], present_state=state, **call)
+                    h.record("LinearAttention", f"{name} {rule}", dtype, f"in-place{form}", got, want)
+                    # steps: T single-token calls on one state
+                    state = args[3].clone()
+                    outs = [
+                        h.dev.linear_attention(
+                            *[x[:, i : i + 1].contiguous() for x in args[:3]],
+                            state,
+                            *[x[:, i : i + 1].contiguous() for x in args[4:]],
+                            present_state=state,
+                            **call,
+                        )[0]
+                        for i in range(t)
+                    ]
+                    h.record(
+                        "LinearAttention", f"{name} {rule}", dtype, f"steps{form}", (torch.cat(outs, 1), state), want
+                    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -585,8 +593,6 @@ def time_decode(h: Harness, peak: float) -> list[Timing]:
         beta = torch.full((b, 1, hkv), 0.5, device=dev, dtype=dtype)
         o = torch.empty(b, 1, hq * dv, device=dev, dtype=dtype)
         kw = dict(update_rule=rule, scale=dk**-0.5, q_num_heads=hq, kv_num_heads=hkv, output=o, present_state=s)
-        step = lambda: h.dev.linear_attention(q, k, v, s, g, beta, **kw)  # noqa: E731
-        us, graph_us = _time_us(step), _graph_us(step)
         state = s.numel() * 4
         io = (q.numel() + k.numel() + v.numel() + o.numel() + 2 * b * hkv) * e
         fla_t = None
@@ -607,9 +613,23 @@ def time_decode(h: Harness, peak: float) -> list[Timing]:
                 fla_t = (_time_us(fla_step), _graph_us(fla_step))
             except Exception as e:
                 h.notes.append(f"flash-linear-attention failed on {case} {_dt(dtype)}: {type(e).__name__}: {e}")
-        out.append(
-            Timing("LinearAttention", case, _dt(dtype), us, 2 * state + io, 2 * state, peak, copy, graph_us, fla_t)
-        )
+        for form, path in (("", "auto"), (", one-warp blocks", "sequential-narrow")):
+            step = partial(h.dev.linear_attention, q, k, v, s, g, beta, path=path, **kw)
+            us, graph_us = _time_us(step), _graph_us(step)
+            out.append(
+                Timing(
+                    "LinearAttention",
+                    case + form,
+                    _dt(dtype),
+                    us,
+                    2 * state + io,
+                    2 * state,
+                    peak,
+                    copy,
+                    graph_us,
+                    fla_t,
+                )
+            )
 
     def wa(case, b, heads, d, window, persistent, dtype):
         e = torch.tensor([], dtype=dtype).element_size()

@@ -642,6 +642,93 @@ def test_gpu_check_harness_passes_on_the_cpu_reference(ref, build_dir):
     assert passed == total and total >= 30, proc.stdout[:500]
 
 
+@pytest.fixture(scope="session")
+def emulated(build_dir, ref) -> Path:
+    """The CUDA kernels compiled for the CPU on the emulator (scripts/emulate.py), beside the CPU reference."""
+    spec = importlib.util.spec_from_file_location("emulate", PLUGINS / "scripts" / "emulate.py")
+    emulate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(emulate)
+    if not (emulate.CUDA_INCLUDE / "cuda_runtime.h").is_file():
+        pytest.skip(
+            f"the CUDA headers (CUDA toolkit) are not at {emulate.CUDA_INCLUDE}: the kernels cannot be compiled"
+        )
+    emulate.build(build_dir)
+    return build_dir
+
+
+def test_kernels_pass_the_gpu_check_on_the_cpu_emulator(emulated):
+    """The CUDA kernels themselves, compiled for the CPU and run on the emulator (a block's threads as fibers
+    that meet at barriers and warp collectives; mma.sync, ldmatrix and WMMA by their fragment layouts), pass
+    gpu_check.py's quick set against float64 truth in fp32, fp16 and bf16, every form and path included: their
+    indexing, synchronisation and tensor-core fragments, checked where no GPU is."""
+    script = [sys.executable, str(PLUGINS / "scripts" / "gpu_check.py"), "--build", str(emulated), "--emulate"]
+    proc = subprocess.run([*script, "--quick"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    passed, total = map(int, re.search(r"(\d+) of (\d+) numerical checks passed", proc.stdout).groups())
+    assert passed == total and total >= 400, proc.stdout[:500]
+    modes = set(re.findall(r"^\| \w+ \| .* \| (?:fp32|fp16|bf16) \| ([^|]+?) \| ", proc.stdout, re.M))
+    assert {"chunked, mma.sync", "steps, one-warp blocks", "tiled", "chunked in-place"} <= modes, modes
+
+
+EMULATED_PROGRAM = r"""
+#include <cstdio>
+// Each warp's sum through shuffles, then thread 0 adds the warps' sums after a barrier.
+__global__ void blockSum(float const* x, float* out)
+{
+    __shared__ float part[4];
+    float v = x[blockIdx.x * blockDim.x + threadIdx.x];
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (threadIdx.x % 32 == 0)
+        part[threadIdx.x / 32] = v;
+    __syncthreads();
+    if (threadIdx.x == 0)
+        out[blockIdx.x] = part[0] + part[1] + part[2] + part[3];
+}
+// Half a warp at a shuffle the other half never reaches.
+__global__ void halfShuffle(float* out)
+{
+    float v = 1.0f;
+    if (threadIdx.x % 32 < 16)
+        v = __shfl_xor_sync(0xffffffffu, v, 1);
+    out[threadIdx.x] = v;
+}
+int main()
+{
+    float x[256], out[128];
+    for (int i = 0; i < 256; ++i)
+        x[i] = float(i);
+    blockSum<<<2, 128>>>(x, out);
+    std::printf("sums %g %g status %d\n", out[0], out[1], int(cudaGetLastError()));
+    halfShuffle<<<1, 64>>>(out);
+    std::printf("diverged status %d\n", int(cudaGetLastError()));
+}
+"""
+
+
+def test_emulator_runs_threads_to_their_barriers_and_refuses_a_diverged_shuffle(tmp_path):
+    """A kernel built with the emulator (a launch rewritten by emulate.py, shuffles and a barrier) computes
+    its block sums as on a device; a shuffle that half a warp never reaches ends the launch with an error
+    naming it, rather than a result."""
+    spec = importlib.util.spec_from_file_location("emulate", PLUGINS / "scripts" / "emulate.py")
+    emulate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(emulate)
+    cxx = shutil.which("g++")
+    if not cxx or not (emulate.CUDA_INCLUDE / "cuda_runtime.h").is_file():
+        pytest.skip("g++ and the CUDA headers (CUDA toolkit) are needed to build for the emulator")
+    (tmp_path / "program.cpp").write_text(emulate.rewrite(EMULATED_PROGRAM))
+    flags = ["-std=c++17", "-DEMU_ARCH=800", "-include", str(PLUGINS / "emulator" / "emulator.h")]
+    flags += [f"-I{PLUGINS}", f"-isystem{emulate.CUDA_INCLUDE}"]
+    _run(
+        [cxx, *flags, str(tmp_path / "program.cpp"), str(PLUGINS / "emulator" / "runtime.cpp")]
+        + ["-o", str(tmp_path / "program"), "-lboost_context"]
+    )
+    proc = subprocess.run([str(tmp_path / "program")], capture_output=True, text=True)
+    assert "sums 8128 24512 status 0" in proc.stdout, proc.stdout + proc.stderr
+    assert "diverged status 719" in proc.stdout, proc.stdout  # cudaErrorLaunchFailure
+    assert "a warp collective that not every lane of the warp reached" in proc.stderr, proc.stderr
+
+
 def test_gpu_check_takes_one_op_at_a_time(ref, build_dir):
     """--op narrows gpu_check.py to the named ops' checks (what gpu_check.sh runs each sanitizer job on)."""
     script = [sys.executable, str(PLUGINS / "scripts" / "gpu_check.py"), "--build", str(build_dir), "--cpu-self-test"]

@@ -143,6 +143,20 @@ def layout_mismatches(layout: str) -> list[str]:
     return out
 
 
+def _stream() -> c_void_p:
+    """The current CUDA stream; the null stream where PyTorch has no CUDA (the kernels' emulator on the CPU,
+    scripts/emulate.py)."""
+    return c_void_p(torch.cuda.current_stream().cuda_stream if torch.cuda.is_available() else None)
+
+
+def workspace_buffer(nbytes: int, device: torch.device | str) -> torch.Tensor:
+    """A uint8 workspace of nbytes starting on a 256-byte boundary, as the kernels take it (CUDA's allocations
+    are; the CPU's, for the emulator, are cut to it)."""
+    buf = torch.empty(nbytes + 255, dtype=torch.uint8, device=device)
+    start = -buf.data_ptr() % 256
+    return buf[start : start + nbytes]
+
+
 def _ptr(x: torch.Tensor | None) -> int | None:
     if x is None:
         return None
@@ -212,7 +226,7 @@ class Native:
     def _call(self, name: str, *args, dtypes=(0, 0, 0)) -> None:
         fn = getattr(self.lib, self.prefix + name)
         if self.cuda:
-            args = (*args, *dtypes, c_void_p(torch.cuda.current_stream().cuda_stream))
+            args = (*args, *dtypes, _stream())
         status = fn(*args)
         if status:
             raise NativeError(f"{self.prefix}{name}: {STATUS.get(status, status)}")
@@ -260,7 +274,7 @@ class Native:
         if self.cuda:
             if workspace is None:
                 nbytes = self.lib.em_cuda_linear_attention_workspace(ctypes.byref(params), LA_PATHS[path])
-                workspace = torch.empty(nbytes, dtype=torch.uint8, device=query.device) if nbytes else None
+                workspace = workspace_buffer(nbytes, query.device) if nbytes else None
             ws, nbytes = (_ptr(workspace), workspace.numel()) if workspace is not None else (None, 0)
             status = self.lib.em_cuda_linear_attention(
                 ctypes.byref(params),
@@ -269,7 +283,7 @@ class Native:
                 LA_PATHS[path],
                 ws,
                 nbytes,
-                c_void_p(torch.cuda.current_stream().cuda_stream),
+                _stream(),
             )
             if status:
                 raise NativeError(f"em_cuda_linear_attention: {STATUS.get(status, status)}")
@@ -367,13 +381,10 @@ class Native:
             self._call("window_attention", ctypes.byref(params), dil, ctypes.byref(io), dtypes=dtypes)
             return output, present_key, present_value
         if workspace is None:
-            workspace = torch.empty(
-                self.window_attention_workspace(
-                    query, value, past_key, persistent_key, num_heads=num_heads, window=window
-                ),
-                dtype=torch.uint8,
-                device=query.device,
+            nbytes = self.window_attention_workspace(
+                query, value, past_key, persistent_key, num_heads=num_heads, window=window
             )
+            workspace = workspace_buffer(nbytes, query.device)
         status = self.lib.em_cuda_window_attention(
             ctypes.byref(params),
             dil,
@@ -381,7 +392,7 @@ class Native:
             *dtypes,
             _ptr(workspace) if workspace.numel() else None,
             workspace.numel(),
-            c_void_p(torch.cuda.current_stream().cuda_stream),
+            _stream(),
         )
         if status:
             raise NativeError(f"em_cuda_window_attention: {STATUS.get(status, status)}")

@@ -26,7 +26,9 @@ scaled_dot_product_attention); and each kernel's share of a chunked prefill (our
 a WindowAttention decode split, from PyTorch's profiler.
 
 `--cpu-self-test` runs the same harness with the CPU reference standing in for the kernels
-(float32, no timing): a check of this script on a machine without a GPU.
+(float32, no timing): a check of this script on a machine without a GPU. `--emulate` runs it on the
+kernels themselves compiled for the CPU (BUILD_DIR/libedgemem_kernels_emu.so from emulate.py; every
+dtype, no timing).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))
 
-from edgemem_native import Native, NativeError  # noqa: E402
+from edgemem_native import Native, NativeError, workspace_buffer  # noqa: E402
 
 F64 = torch.float64
 # max |got - truth| / max(1, max |truth|); bfloat16: float16's times the ratio of their unit roundoffs, 2^-8 / 2^-11
@@ -209,7 +211,7 @@ def check_linear_attention(h: Harness, quick: bool) -> None:
                 # the chunked form alone, then in segments of one chunk (the state passing through); again
                 # with the prepare pass on mma.sync where that path has it (16-bit I/O, per-head decay)
                 paths = [("chunked", "")] if dk <= 128 else []
-                if dk <= 128 and (h.device.type == "cpu" or (dtype != torch.float32 and not (per_key and gated))):
+                if dk <= 128 and (not h.dev.cuda or (dtype != torch.float32 and not (per_key and gated))):
                     paths.append(("chunked-mma", ", mma.sync"))
                 for path, form in paths:
                     got = h.dev.linear_attention(*args, path=path, **kw)
@@ -217,11 +219,7 @@ def check_linear_attention(h: Harness, quick: bool) -> None:
                     if t > 64:
                         first = [x[:, :64].contiguous() for x in (args[0], args[2], args[4], args[5])]
                         budget = h.dev.linear_attention_workspace(*first, path=path, **kw)  # one chunk's worth
-                        ws = (
-                            budget
-                            if h.device.type == "cpu"
-                            else torch.empty(budget, dtype=torch.uint8, device=h.device)
-                        )
+                        ws = budget if not h.dev.cuda else workspace_buffer(budget, h.device)
                         got = h.dev.linear_attention(*args, path=path, workspace=ws, **kw)
                         h.record("LinearAttention", f"{name} {rule}", dtype, f"segments{form}", got, want, ref)
                 if t > 64:
@@ -1066,6 +1064,9 @@ def main() -> int:
     ap.add_argument("--report", type=Path, help="write the markdown report here too")
     ap.add_argument("--cpu-self-test", action="store_true", help="check this script with the CPU reference")
     ap.add_argument(
+        "--emulate", action="store_true", help="check the kernels on the CPU emulator (scripts/emulate.py's library)"
+    )
+    ap.add_argument(
         "--op", action="append", choices=sorted(CHECKS), help="check these ops only (repeatable; default: every op)"
     )
     args = ap.parse_args()
@@ -1074,6 +1075,14 @@ def main() -> int:
     if args.cpu_self_test:
         h = Harness(ref, ref, torch.device("cpu"), [torch.float32])
         device_name, args.no_timing = "CPU reference (self-test)", True
+    elif args.emulate:
+        h = Harness(
+            Native(args.build / "libedgemem_kernels_emu.so"),
+            ref,
+            torch.device("cpu"),
+            [torch.float32, torch.float16, torch.bfloat16],
+        )
+        device_name, args.no_timing = "CUDA kernels on the CPU emulator", True
     else:
         if not torch.cuda.is_available():
             print("error: PyTorch sees no CUDA device", file=sys.stderr)

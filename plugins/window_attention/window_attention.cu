@@ -20,6 +20,8 @@ namespace
 
 constexpr int kWaWarps = 16;
 constexpr int kWaThreads = kWaWarps * kWarp;
+constexpr int kKeysPerWarp = 2; // decode splits: about this many keys for each warp of each split
+constexpr int kMaxSplits = 64;
 
 // Adds key idx of token t (at position pos) to a warp's softmax: 0 is the token itself,
 // 1..window the ring (ring_key/ring_value: the ring as it was before this token), then the
@@ -172,32 +174,53 @@ __global__ void __launch_bounds__(kWaThreads, 1)
 }
 
 // Merges the splits of one (batch, head), writes the output, then the token's ring slot (the
-// present ring is the past one where they differ, copied by the split kernel's launcher).
+// present ring is the past one where they differ, copied by the split kernel's launcher). Each
+// split's weight e^{m_s - M} (M the largest m_s of the splits that have keys) is computed once;
+// then every column sums its splits kMergeBatch loads at a time, none waiting on another's sum.
+constexpr int kMergeBatch = 8;
 template <typename T, typename S>
 __global__ void __launch_bounds__(kMaxHeadDim)
     windowMergeKernel(attn::WindowParams const p, WindowAttentionIO const io, float const* ws, int const splits)
 {
+    __shared__ float m[kMaxSplits], l[kMaxSplits], weight[kMaxSplits];
     int const h = blockIdx.x, b = blockIdx.y;
-    float const* part = ws + (int64_t(b) * p.heads + h) * splits * (p.dv + 2);
+    int64_t const stride = p.dv + 2;
+    float const* part = ws + (int64_t(b) * p.heads + h) * splits * stride;
+    for (int s = threadIdx.x; s < splits; s += blockDim.x)
+    {
+        m[s] = part[s * stride + p.dv];
+        l[s] = part[s * stride + p.dv + 1];
+    }
+    __syncthreads();
+    for (int s = threadIdx.x; s < splits; s += blockDim.x)
+    {
+        float top = -INFINITY;
+        for (int r = 0; r < splits; ++r)
+            top = l[r] > 0.0f ? em_max(top, m[r]) : top;
+        weight[s] = l[s] > 0.0f ? em_exp(m[s] - top) : 0.0f;
+    }
+    __syncthreads();
+    float total = 0.0f;
+    for (int s = 0; s < splits; ++s)
+        total += weight[s] * l[s];
     for (int j = threadIdx.x; j < p.dv; j += blockDim.x)
     {
-        SoftmaxState total = softmax_empty();
         float o = 0.0f;
-        for (int s = 0; s < splits; ++s)
+        for (int s0 = 0; s0 < splits; s0 += kMergeBatch)
         {
-            float const* x = part + int64_t(s) * (p.dv + 2);
-            float fa, fb;
-            softmax_merge(total, SoftmaxState{x[p.dv], x[p.dv + 1]}, fa, fb);
-            o = o * fa + x[j] * fb;
+            float x[kMergeBatch];
+            EM_UNROLL
+            for (int u = 0; u < kMergeBatch; ++u)
+                x[u] = s0 + u < splits ? part[(s0 + u) * stride + j] : 0.0f;
+            EM_UNROLL
+            for (int u = 0; u < kMergeBatch; ++u)
+                o += s0 + u < splits ? weight[s0 + u] * x[u] : 0.0f;
         }
-        store<T>(io.output, attn::rowOffset(1, p.heads, p.dv, b, 0, h) + j, o / total.l);
+        store<T>(io.output, attn::rowOffset(1, p.heads, p.dv, b, 0, h) + j, o / total);
     }
     writeSlot<T, S>(p, io, b, h, io.position[b], 0);
 }
 
-// Decode splits: about kKeysPerWarp keys for each warp of each split.
-constexpr int kKeysPerWarp = 2;
-constexpr int kMaxSplits = 64;
 int windowSplits(attn::WindowParams const& p)
 {
     int const keys = p.window + 1 + p.persistent;

@@ -150,6 +150,7 @@ __device__ __forceinline__ void decayedBlocks(
 // Warp 0's part of a prepare pass: G, the inclusive scan of the chunk's per-head log decays (0 where
 // gated is false), beta (1 for the non-delta rules, 0 past the n tokens) and beta exp(G) into sG, sBeta
 // and sE [C], and G into g unless it is null. Lane l takes tokens l and l + 32.
+static_assert(C == 2 * kWarp, "scanChunk: a lane takes two tokens of the chunk");
 template <typename T>
 __device__ __forceinline__ void scanChunk(la::Params const& p, LinearAttentionIO const& io, int b, int h, int t0, int n,
     bool gated, bool delta, float* sG, float* sBeta, float* sE, float* g)

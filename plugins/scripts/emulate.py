@@ -23,6 +23,7 @@ from pathlib import Path
 
 PLUGINS = Path(__file__).resolve().parent.parent
 LIBRARY = "libedgemem_kernels_emu.so"
+ARCH = 800  # __CUDA_ARCH__ of the emulated device: sm_80, the first with every instruction the kernels use
 CUDA_INCLUDE = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
 DYNAMIC_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w ]+?)\s+(\w+)\[\];")
 ASM = re.compile(r"\basm\s+volatile\s*\(")
@@ -46,10 +47,10 @@ def _matching(src: str, i: int, open_: str, close: str) -> int:
 
 
 def _split_top(text: str) -> list[str]:
-    """text split at the commas outside any brackets."""
+    """text split at the commas outside parentheses, brackets and braces."""
     parts, depth, start = [], 0, 0
     for j, c in enumerate(text):
-        depth += (c in "([{<") - (c in ")]}>")
+        depth += (c in "([{") - (c in ")]}")
         if c == "," and depth == 0:
             parts.append(text[start:j].strip())
             start = j + 1
@@ -117,9 +118,8 @@ def _compile(cmd: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
-def build(out: Path, arch: int = 800) -> Path:
-    """Compiles the emulated kernels library into out/; returns its path. `arch`: the compute capability
-    the emulated device reports (×100)."""
+def build(out: Path) -> Path:
+    """Compiles the emulated kernels library into out/; returns its path."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise SystemExit("emulate.py: no C++ compiler (g++) found")
@@ -141,7 +141,7 @@ def build(out: Path, arch: int = 800) -> Path:
         "-std=c++17",
         "-O2",
         "-fPIC",
-        f"-DEMU_ARCH={arch}",
+        f"-DEMU_ARCH={ARCH}",
         "-include",
         str(PLUGINS / "emulator" / "emulator.h"),
         f"-I{work}",

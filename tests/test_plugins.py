@@ -656,8 +656,10 @@ def _emulate():
 
 @pytest.fixture(scope="session")
 def emulated(build_dir, ref) -> Path:
-    """The CUDA kernels compiled for the CPU on the emulator (scripts/emulate.py), beside the CPU reference."""
-    _emulate().build(build_dir)
+    """The CUDA kernels compiled for the CPU on the emulator (scripts/emulate.py), beside the CPU reference;
+    with TensorRT headers at hand, the plugin harness on them too."""
+    roots = _trt_roots()
+    _emulate().build(build_dir, roots[0] / "include" if roots else None)
     return build_dir
 
 
@@ -673,6 +675,21 @@ def test_kernels_pass_the_gpu_check_on_the_cpu_emulator(emulated):
     assert passed == total and total >= 400, proc.stdout[:500]
     modes = set(re.findall(r"^\| \w+ \| .* \| (?:fp32|fp16|bf16) \| ([^|]+?) \| ", proc.stdout, re.M))
     assert {"chunked, mma.sync", "steps, one-warp blocks", "tiled", "chunked in-place"} <= modes, modes
+
+
+def test_plugin_harness_enqueues_every_plugin_on_the_cpu_emulator(emulated):
+    """tests/plugin_harness.cpp with the plugins on the emulated kernels: every TensorRT entry point, then each
+    plugin's enqueue against the kernel called through its C ABI and against the CPU reference, passes on the
+    CPU (what gpu_check.sh runs on a GPU)."""
+    harness = emulated / "edgemem_plugin_harness_emu"
+    if not harness.exists():
+        pytest.skip("no TensorRT headers (../shared/third_party/tensorrt or EDGEMEM_TENSORRT_ROOTS): no harness")
+    proc = subprocess.run([str(harness), "--enqueue"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(re.search(r"^harness: (\{.*\})$", proc.stdout, re.M)[1])
+    assert summary["enqueue"] and summary["failed"] == 0 and summary["by_entry_point"]["enqueue"] == 4, summary
+    ops = set(re.findall(r"^enqueue (\w+) output \d+: vs kernel ", proc.stdout, re.M))
+    assert ops == {"LinearAttention", "NeuralMemory", "BandedAttention", "WindowAttention"}, ops
 
 
 EMULATED_PROGRAM = r"""

@@ -410,7 +410,7 @@ void launch(dim3 grid, dim3 blockDim_, size_t smem, cudaStream_t, std::function<
 
 } // namespace emu
 
-// The CUDA runtime calls the launchers make, on host memory.
+// The CUDA runtime calls the launchers and the plugin harness (tests/plugin_harness.cpp) make, on host memory.
 extern "C"
 {
     cudaError_t cudaGetLastError()
@@ -420,6 +420,29 @@ extern "C"
         return e;
     }
     cudaError_t cudaPeekAtLastError() { return emu::g_error; }
+    cudaError_t cudaMalloc(void** p, size_t bytes)
+    {
+        *p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+        return *p || bytes == 0 ? cudaSuccess : cudaErrorMemoryAllocation;
+    }
+    cudaError_t cudaFree(void* p)
+    {
+        std::free(p);
+        return cudaSuccess;
+    }
+    cudaError_t cudaMemcpy(void* dst, void const* src, size_t count, cudaMemcpyKind)
+    {
+        std::memmove(dst, src, count);
+        return cudaSuccess;
+    }
+    cudaError_t cudaStreamCreate(cudaStream_t* stream)
+    {
+        *stream = nullptr; // work runs when it is launched: one stream is all streams
+        return cudaSuccess;
+    }
+    cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }
+    cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+    cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
     cudaError_t cudaMemcpyAsync(void* dst, void const* src, size_t count, cudaMemcpyKind, cudaStream_t)
     {
         std::memmove(dst, src, count);

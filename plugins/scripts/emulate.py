@@ -1,13 +1,15 @@
 """Builds libedgemem_kernels_emu.so: the CUDA kernels compiled for the CPU by a C++17 compiler, on the
 emulator of plugins/emulator (a block's threads as fibers that meet at barriers and warp collectives).
 
-    python plugins/scripts/emulate.py --build BUILD_DIR
+    python plugins/scripts/emulate.py --build BUILD_DIR [--tensorrt-include DIR]
 
 The library has the kernels' C ABI (em_cuda_*) on host memory; `gpu_check.py --emulate` runs its
-checks through it. Each kernel file is copied with its launches `k<<<grid, block, smem, stream>>>(args)`
-rewritten as `emu::launch(grid, block, smem, stream, [&] { k(args); })`, its inline PTX
-`asm volatile("text" : outputs : inputs)` as `emu::ptx("text", outputs..., inputs...)` and its dynamic
-shared arrays as `emu::dynamicShared<T>()`; the headers beside them alike.
+checks through it. With TensorRT's headers, BUILD_DIR/edgemem_plugin_harness_emu is
+tests/plugin_harness.cpp on those kernels: its `--enqueue` runs every plugin's enqueue on the CPU.
+Each kernel file is copied with its launches `k<<<grid, block, smem, stream>>>(args)` rewritten as
+`emu::launch(grid, block, smem, stream, [&] { k(args); })`, its inline PTX `asm volatile("text" :
+outputs : inputs)` as `emu::ptx("text", outputs..., inputs...)` and its dynamic shared arrays as
+`emu::dynamicShared<T>()`; the headers beside them alike.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 
 PLUGINS = Path(__file__).resolve().parent.parent
 LIBRARY = "libedgemem_kernels_emu.so"
+HARNESS = "edgemem_plugin_harness_emu"
 ARCH = 800  # __CUDA_ARCH__ of the emulated device: sm_80, the first with every instruction the kernels use
 CUDA_INCLUDE = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"
 DYNAMIC_SHARED = re.compile(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+)?([\w ]+?)\s+(\w+)\[\];")
@@ -114,12 +117,28 @@ def rewrite(src: str) -> str:
     return DYNAMIC_SHARED.sub(lambda m: f"{m[1]}* {m[2]} = ::emu::dynamicShared<{m[1]}>();", text)
 
 
-def _compile(cmd: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True)
+def _compile_all(commands: list[list[str]]) -> None:
+    """Runs the compiler commands on every core; exits with the first failure's message."""
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        procs = list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True), commands))
+    failed = [proc for proc in procs if proc.returncode]
+    if failed and "boost/context" in failed[0].stderr:
+        raise SystemExit("emulate.py: Boost.Context is needed (Debian: apt-get install libboost-context-dev)")
+    if failed:
+        raise SystemExit(f"emulate.py: the compiler failed:\n{failed[0].stderr[-6000:]}")
 
 
-def build(out: Path) -> Path:
-    """Compiles the emulated kernels library into out/; returns its path."""
+def _trt_version(include: Path) -> tuple[str, str]:
+    """TensorRT's major and minor version from NvInferVersion.h, as CMakeLists.txt reads them."""
+    text = (include / "NvInferVersion.h").read_text()
+    major = re.search(r"#define (?:NV_TENSORRT_MAJOR|TRT_MAJOR_ENTERPRISE) (\d+)", text)
+    minor = re.search(r"#define (?:NV_TENSORRT_MINOR|TRT_MINOR_ENTERPRISE) (\d+)", text)
+    return major[1], minor[1]
+
+
+def build(out: Path, tensorrt_include: Path | None = None) -> Path:
+    """Compiles the emulated kernels library into out/ and returns its path; given TensorRT's headers, also
+    out/HARNESS: tests/plugin_harness.cpp with the plugins on the emulated kernels."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise SystemExit("emulate.py: no C++ compiler (g++) found")
@@ -136,41 +155,47 @@ def build(out: Path) -> Path:
             target.write_text(f'#line 1 "{path}"\n' + rewrite(path.read_text()))
             if path.suffix == ".cu":
                 sources.append(target)
-    library = out / LIBRARY
-    flags = [
-        "-std=c++17",
-        "-O2",
-        "-fPIC",
-        f"-DEMU_ARCH={ARCH}",
-        "-include",
-        str(PLUGINS / "emulator" / "emulator.h"),
-        f"-I{work}",
-        f"-I{work / 'core'}",
-        f"-I{PLUGINS}",
-        f"-isystem{CUDA_INCLUDE}",
-    ]
+    flags = ["-std=c++17", "-O2", "-fPIC", f"-DEMU_ARCH={ARCH}", "-include", str(PLUGINS / "emulator" / "emulator.h")]
+    flags += [f"-I{work}", f"-I{work / 'core'}", f"-I{PLUGINS}", f"-isystem{CUDA_INCLUDE}"]
     units = [*sources, PLUGINS / "emulator" / "runtime.cpp"]
-    objects = [work / f"{i}.o" for i in range(len(units))]
-    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        procs = list(
-            pool.map(lambda uo: _compile([compiler, *flags, "-c", str(uo[0]), "-o", str(uo[1])]), zip(units, objects))
-        )
-    failed = [proc for proc in procs if proc.returncode]
-    if not failed:
-        failed = [_compile([compiler, "-shared", *map(str, objects), "-o", str(library), "-lboost_context"])]
-        failed = [proc for proc in failed if proc.returncode]
-    if failed and "boost/context" in failed[0].stderr:
-        raise SystemExit("emulate.py: Boost.Context is needed (Debian: apt-get install libboost-context-dev)")
-    if failed:
-        raise SystemExit(f"emulate.py: the compiler failed:\n{failed[0].stderr[-6000:]}")
+    objects = [work / f"kernel{i}.o" for i in range(len(units))]
+    commands = [[compiler, *flags, "-c", str(u), "-o", str(o)] for u, o in zip(units, objects)]
+    glue: list[Path] = []
+    if tensorrt_include is not None:
+        # the plugins and the harness as the CMake build compiles them (host code, the TensorRT headers)
+        ops = re.findall(r"^EM_OP\((\w+), *(\w+)\)", (PLUGINS / "ops.def").read_text(), re.M)
+        host = [
+            PLUGINS / "tests" / "plugin_harness.cpp",
+            PLUGINS / "core" / "plugin.cpp",
+            PLUGINS / "core" / "register.cpp",
+        ]
+        host += [PLUGINS / "core" / "reference.cpp"]
+        host += [PLUGINS / folder / f for name, folder in ops for f in (f"{name}Plugin.cpp", "reference.cpp")]
+        major, minor = _trt_version(tensorrt_include)
+        glue_flags = ["-std=c++17", "-O1", f"-DEDGEMEM_TRT_MAJOR={major}", f"-DEDGEMEM_TRT_MINOR={minor}"]
+        glue_flags += [
+            f"-I{PLUGINS}",
+            f"-I{PLUGINS / 'core'}",
+            f"-isystem{tensorrt_include}",
+            f"-isystem{CUDA_INCLUDE}",
+        ]
+        glue = [work / f"glue{i}.o" for i in range(len(host))]
+        commands += [[compiler, *glue_flags, "-c", str(u), "-o", str(o)] for u, o in zip(host, glue)]
+    _compile_all(commands)
+    library = out / LIBRARY
+    links = [[compiler, "-shared", *map(str, objects), "-o", str(library), "-lboost_context"]]
+    if glue:
+        links.append([compiler, *map(str, glue + objects), "-o", str(out / HARNESS), "-lboost_context"])
+    _compile_all(links)
     return library
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--build", type=Path, required=True, help="folder for the library (and its sources)")
+    ap.add_argument("--tensorrt-include", type=Path, help="TensorRT's include/ folder: build the plugin harness too")
     args = ap.parse_args()
-    print(build(args.build))
+    print(build(args.build, args.tensorrt_include))
 
 
 if __name__ == "__main__":

@@ -142,7 +142,10 @@ bool resolve(Launch& l, std::string& why)
 
 Thread const& thread() { return g_launch->current->t; }
 Block const& block() { return g_launch->block; }
-void* dynamicSharedBytes() { return g_launch->smem.data(); }
+void* dynamicSharedBytes() // 128-byte aligned, as the kernels declare it
+{
+    return reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(g_launch->smem.data()) + 127) & ~uintptr_t(127));
+}
 
 void syncthreads() { yield(State::kBarrier); }
 

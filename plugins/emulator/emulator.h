@@ -140,6 +140,16 @@ inline void ptx(char const* text)
         unknown(text);
 }
 
+// What a tensor core reads of a TF32 operand held in a float32: its top 19 bits.
+inline float tf32Operand(float x)
+{
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    u &= 0xffffe000u;
+    std::memcpy(&x, &u, 4);
+    return x;
+}
+
 // TF32 from float32 as cvt.rna.tf32.f32 rounds: to nearest, ties away from zero, 10 mantissa bits.
 inline float tf32(float x)
 {
@@ -327,21 +337,13 @@ template <class D, class A, class B, int M, int N, int K>
 void mmaWarp(void const* const* ins, void* const* outs)
 {
     MmaOperands<D, A, B> const& o = *static_cast<MmaOperands<D, A, B> const*>(ins[0]);
-    auto bits = [](float x)
-    {
-        uint32_t u;
-        std::memcpy(&u, &x, 4);
-        u &= 0xffffe000u;
-        std::memcpy(&x, &u, 4);
-        return x;
-    };
     D d;
     for (int i = 0; i < M; ++i)
         for (int j = 0; j < N; ++j)
         {
             float s = o.c->x[i * N + j];
             for (int k = 0; k < K; ++k)
-                s += bits(o.a->x[i * K + k]) * bits(o.b->x[k * N + j]);
+                s += ::emu::tf32Operand(o.a->x[i * K + k]) * ::emu::tf32Operand(o.b->x[k * N + j]);
             d.x[i * N + j] = s;
         }
     for (int l = 0; l < 32; ++l)

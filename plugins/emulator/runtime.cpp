@@ -1,5 +1,6 @@
 // The emulator's runtime (emulator.h): fibers for a block's threads (Boost.Context), the barrier
-// and warp collectives that switch between them, and the few CUDA runtime calls the launchers make.
+// and warp collectives that switch between them, and the few CUDA runtime calls the launchers and
+// the plugin harness make.
 #include "emulator/emulator.h"
 
 #include <boost/context/fiber.hpp>
@@ -169,11 +170,7 @@ void fail(char const* why)
     std::abort();
 }
 
-void unknown(char const* text)
-{
-    std::fprintf(stderr, "emulator: no emulation of the PTX \"%s\"\n", text);
-    std::abort();
-}
+void unknown(char const* text) { fail(("no emulation of the PTX \"" + std::string(text) + "\"").c_str()); }
 
 namespace
 {
@@ -196,10 +193,9 @@ float half(uint32_t bits, bool bf16)
 
 float tf32Bits(uint32_t bits)
 {
-    bits &= 0xffffe000u;
     float f;
     std::memcpy(&f, &bits, 4);
-    return f;
+    return tf32Operand(f);
 }
 
 enum class Mma
@@ -231,10 +227,7 @@ void mmaWarp(void const* const* ins, void* const* outs)
     {
         MmaIn const x = in(l);
         if (x.kind != kind)
-        {
-            std::fprintf(stderr, "emulator: lanes of one warp run different mma.sync shapes\n");
-            std::abort();
-        }
+            fail("lanes of one warp run different mma.sync shapes");
         int const g = l / 4, q = l % 4;
         C[g][2 * q] = x.c[0], C[g][2 * q + 1] = x.c[1], C[g + 8][2 * q] = x.c[2], C[g + 8][2 * q + 1] = x.c[3];
         if (kind == Mma::kTF32)

@@ -130,6 +130,8 @@ def _compile_all(commands: list[list[str]]) -> None:
 
 def _trt_version(include: Path) -> tuple[str, str]:
     """TensorRT's major and minor version from NvInferVersion.h, as CMakeLists.txt reads them."""
+    if not (include / "NvInferVersion.h").is_file():
+        raise SystemExit(f"emulate.py: no TensorRT headers in {include} (NvInferVersion.h): pass TensorRT's include/")
     text = (include / "NvInferVersion.h").read_text()
     major = re.search(r"#define (?:NV_TENSORRT_MAJOR|TRT_MAJOR_ENTERPRISE) (\d+)", text)
     minor = re.search(r"#define (?:NV_TENSORRT_MINOR|TRT_MINOR_ENTERPRISE) (\d+)", text)

@@ -1071,13 +1071,19 @@ def main() -> int:
     )
     args = ap.parse_args()
 
+    kernels = args.build / ("libedgemem_kernels_emu.so" if args.emulate else "libedgemem_kernels.so")
+    for lib in (args.build / "libedgemem_reference.so", *([] if args.cpu_self_test else [kernels])):
+        if not lib.is_file():
+            how = "plugins/scripts/emulate.py --build" if lib.name.endswith("_emu.so") else "cmake -S plugins -B"
+            print(f"error: {lib} not found: build it with `{how} {args.build}`", file=sys.stderr)
+            return 2
     ref = Native(args.build / "libedgemem_reference.so")
     if args.cpu_self_test:
         h = Harness(ref, ref, torch.device("cpu"), [torch.float32])
         device_name, args.no_timing = "CPU reference (self-test)", True
     elif args.emulate:
         h = Harness(
-            Native(args.build / "libedgemem_kernels_emu.so"),
+            Native(kernels),
             ref,
             torch.device("cpu"),
             [torch.float32, torch.float16, torch.bfloat16],
@@ -1088,7 +1094,7 @@ def main() -> int:
             print("error: PyTorch sees no CUDA device", file=sys.stderr)
             return 2
         h = Harness(
-            Native(args.build / "libedgemem_kernels.so"),
+            Native(kernels),
             ref,
             torch.device("cuda"),
             [torch.float32, torch.float16, torch.bfloat16],

@@ -674,7 +674,7 @@ def test_kernels_pass_the_gpu_check_on_the_cpu_emulator(emulated):
     passed, total = map(int, re.search(r"(\d+) of (\d+) numerical checks passed", proc.stdout).groups())
     assert passed == total and total >= 400, proc.stdout[:500]
     modes = set(re.findall(r"^\| \w+ \| .* \| (?:fp32|fp16|bf16) \| ([^|]+?) \| ", proc.stdout, re.M))
-    assert {"chunked, mma.sync", "steps, one-warp blocks", "tiled", "chunked in-place"} <= modes, modes
+    assert {"chunked, mma.sync", "steps", "tiled", "chunked in-place"} <= modes, modes
 
 
 def test_plugin_harness_enqueues_every_plugin_on_the_cpu_emulator(emulated):
@@ -779,9 +779,7 @@ def test_native_mirror_refuses_a_linear_attention_path_it_does_not_know(ref):
     q, v = torch.zeros(1, 4, 8), torch.zeros(1, 4, 8)
     g, beta = torch.zeros(1, 4, 1), torch.zeros(1, 4, 1)
     kw = dict(update_rule="gated_delta", scale=0.5, q_num_heads=1, kv_num_heads=1)
-    with pytest.raises(
-        ValueError, match="'chunked-walk': expected one of auto, sequential, chunked, chunked-mma, sequential-narrow"
-    ):
+    with pytest.raises(ValueError, match="'chunked-walk': expected one of auto, sequential, chunked, chunked-mma"):
         ref.linear_attention(q, q, v, torch.zeros(1, 1, 8, 8), g, beta, path="chunked-walk", **kw)
     with pytest.raises(ValueError, match="expected one of"):
         ref.linear_attention_workspace(q, v, g, beta, path="fast", **kw)
@@ -789,7 +787,7 @@ def test_native_mirror_refuses_a_linear_attention_path_it_does_not_know(ref):
 
 def test_kernel_library_sizes_the_chunked_workspace(kernels_build, ref):
     """The CUDA C ABI's LinearAttention paths, in its host code (no GPU needed): auto and both chunked paths
-    size the workspace the CPU reference's chunked form lays out, both sequential paths none, and a path it
+    size the workspace the CPU reference's chunked form lays out, the sequential path none, and a path it
     does not know is refused as a bad argument before anything runs."""
     lib = Native(kernels_build / "libedgemem_kernels.so").lib
     b, t, hq, hkv, dk, dv = 2, 300, 4, 2, 64, 96
@@ -800,7 +798,7 @@ def test_kernel_library_sizes_the_chunked_workspace(kernels_build, ref):
     want = ref.linear_attention_workspace(q, v, g, beta, path="chunked", **kw)
     assert want > 0
     sizes = {path: lib.em_cuda_linear_attention_workspace(ctypes.byref(params), n) for path, n in LA_PATHS.items()}
-    assert sizes == {"auto": want, "sequential": 0, "chunked": want, "chunked-mma": want, "sequential-narrow": 0}
+    assert sizes == {"auto": want, "sequential": 0, "chunked": want, "chunked-mma": want}
     unknown = max(LA_PATHS.values()) + 1
     assert lib.em_cuda_linear_attention_workspace(ctypes.byref(params), unknown) == 0
     status = lib.em_cuda_linear_attention(ctypes.byref(params), ctypes.byref(LAIO()), 0, unknown, None, 0, None)

@@ -33,16 +33,13 @@ namespace cuda
 // form where it applies and chunkedPays says so; kChunked returns kUnsupported where it does not
 // apply. kChunkedMma: the chunked form with its prepare pass on mma.sync (chunkPrepareMma) for
 // 16-bit I/O and per-head decay, kChunked elsewhere; kAuto keeps kChunked's prepare pass until a
-// GPU run of gpu_check.py has checked and timed it. kSequentialNarrow: the sequential form in
-// one-warp blocks (four times the blocks; kAuto keeps blocks of four warps until gpu_check.py has
-// timed both). io dtype: query/key/value/decay/beta/output.
+// GPU run of gpu_check.py has checked and timed it. io dtype: query/key/value/decay/beta/output.
 enum class LaPath : int
 {
     kAuto = 0,
     kSequential = 1,
     kChunked = 2,
     kChunkedMma = 3,
-    kSequentialNarrow = 4,
 };
 // kAuto's choice, from measurement (benchmarks/README.md): the chunked form from kChunkedFrom
 // tokens on, while batch x kv heads is at most kChunkedMaxHeads (beyond, the sequential kernel's

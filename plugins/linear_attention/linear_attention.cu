@@ -1,7 +1,7 @@
 // LinearAttention, sequential form: decode step (T = 1) and short prefills, one kernel (the
 // chunked prefill is linear_attention_chunk.cu).
 //
-// Work split: a block of W warps per (batch, kv head, tile of value columns). A warp owns LC * C
+// Work split: a block per (batch, kv head, tile of value columns). A warp owns LC * C
 // consecutive value columns of one kv head's state S [d_k, d_v], and its lanes form an
 // LR x LC grid (LR * LC = 32): lane (rl, cl) holds the C columns col0 + cl * C + c at the R
 // rows rl + LR * r, so a lane keeps R * C state values in registers (32 for d_k = 128). One
@@ -15,9 +15,6 @@
 // kLaStage tokens at a time in shared memory (key, exp(decay), beta, the G query heads and
 // the block's value columns; one coalesced pass with many loads in flight), so the
 // per-token loop waits on shared memory instead of a global-memory round trip per token.
-//
-// Blocks of kLaWarps warps by default; the sequential-narrow path (LaPath::kSequentialNarrow) runs
-// one-warp blocks, four times as many, so a decode step at batch 1 spreads over more SMs.
 #include "device.cuh"
 #include "launch.h"
 
@@ -29,19 +26,17 @@ namespace
 {
 
 constexpr int kLaWarps = 4;
-constexpr int laThreads(int warps) { return warps * kWarp; }
+constexpr int kLaThreads = kLaWarps * kWarp;
 constexpr int kLaStage = 32;                  // tokens staged at a time, at most
 constexpr int kLaStageFloats = 48 * 1024 / 4; // and at most 48 KiB of shared memory
-// Resident blocks of kLaWarps warps per SM the register budget is sized for: 4 caps a thread at
-// 128 registers, which the d_k > 64 tiles fit up to sm_90; Blackwell's code for them spills under
-// that cap (ptxas counts in plugins/README.md), so 3 there (cap 168). Blocks of W warps keep the
-// same cap: kLaMinBlocks * kLaWarps / W of them.
+// Resident blocks per SM the register budget is sized for: 4 caps a thread at 128 registers,
+// which the d_k > 64 tiles fit up to sm_90; Blackwell's code for them spills under that cap
+// (ptxas counts in plugins/README.md), so 3 there (cap 168).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
 constexpr int kLaMinBlocks = 3;
 #else
 constexpr int kLaMinBlocks = 4;
 #endif
-constexpr int laMinBlocks(int warps) { return kLaMinBlocks * kLaWarps / warps; }
 
 // Sum over the LR lanes of a warp that hold one column's rows (lane = rl * LC + cl).
 template <int LR>
@@ -114,13 +109,13 @@ __device__ __forceinline__ void stageTokens(la::Params const& p, LinearAttention
     }
 }
 
-template <typename T, int W, int R, int C, int LR>
-__global__ void __launch_bounds__(laThreads(W), laMinBlocks(W))
+template <typename T, int R, int C, int LR>
+__global__ void __launch_bounds__(kLaThreads, kLaMinBlocks)
     linearAttentionKernel(la::Params const p, LinearAttentionIO const io)
 {
     extern __shared__ float staged[];
     constexpr int LC = kWarp / LR;
-    constexpr int kColumns = W * LC * C; // per block
+    constexpr int kColumns = kLaWarps * LC * C; // per block
     int const lane = threadIdx.x & (kWarp - 1);
     int const rl = lane / LC;
     int const cl = lane % LC;
@@ -209,31 +204,31 @@ __global__ void __launch_bounds__(laThreads(W), laMinBlocks(W))
     }
 }
 
-template <typename T, int W, int R, int C, int LR>
+template <typename T, int R, int C, int LR>
 int launch(la::Params const& p, LinearAttentionIO const& io, cudaStream_t stream)
 {
-    constexpr int columns = W * (kWarp / LR) * C; // per block
+    constexpr int columns = kLaWarps * (kWarp / LR) * C; // per block
     Stage const st(p, columns);
     int const tiles = (p.dv + columns - 1) / columns;
     dim3 const grid(unsigned(p.batch) * unsigned(p.kv_heads), unsigned(tiles));
     size_t const smem = size_t(st.tokens) * st.stride * sizeof(float);
     if (smem > kLaStageFloats * sizeof(float))
         return kUnsupported; // one token's inputs exceed 48 KiB: over 40 query heads per kv head at d_k = 256
-    linearAttentionKernel<T, W, R, C, LR><<<grid, laThreads(W), smem, stream>>>(p, io);
+    linearAttentionKernel<T, R, C, LR><<<grid, kLaThreads, smem, stream>>>(p, io);
     return launchStatus();
 }
 
 // R * LR >= d_k rows; 8 lanes per column keep R <= 16 registers of key, decay and query per lane.
-template <typename T, int W>
+template <typename T>
 int dispatch(la::Params const& p, LinearAttentionIO const& io, cudaStream_t stream)
 {
     if (p.dk <= 32)
-        return launch<T, W, 4, 2, 8>(p, io, stream);
+        return launch<T, 4, 2, 8>(p, io, stream);
     if (p.dk <= 64)
-        return launch<T, W, 8, 2, 8>(p, io, stream);
+        return launch<T, 8, 2, 8>(p, io, stream);
     if (p.dk <= 128)
-        return launch<T, W, 16, 2, 8>(p, io, stream);
-    return launch<T, W, 16, 2, 16>(p, io, stream);
+        return launch<T, 16, 2, 8>(p, io, stream);
+    return launch<T, 16, 2, 16>(p, io, stream);
 }
 
 } // namespace
@@ -265,9 +260,7 @@ int linearAttention(la::Params const& p, LinearAttentionIO const& io, DType dtyp
         if (st != kUnsupported || forced)
             return st;
     }
-    if (path == LaPath::kSequentialNarrow)
-        return withType(dtype, [&](auto t) { return dispatch<decltype(t), 1>(p, io, stream); });
-    return withType(dtype, [&](auto t) { return dispatch<decltype(t), kLaWarps>(p, io, stream); });
+    return withType(dtype, [&](auto t) { return dispatch<decltype(t)>(p, io, stream); });
 }
 
 } // namespace cuda
@@ -277,7 +270,7 @@ EM_CUDA_API int em_cuda_linear_attention(edgemem::la::Params const* p, edgemem::
     int path, void* workspace, size_t workspace_bytes, void* stream)
 {
     using namespace edgemem;
-    if (path < int(cuda::LaPath::kAuto) || path > int(cuda::LaPath::kSequentialNarrow))
+    if (path < int(cuda::LaPath::kAuto) || path > int(cuda::LaPath::kChunkedMma))
         return kBadArgument;
     return cuda::linearAttention(
         *p, *io, DType(dtype), workspace, workspace_bytes, static_cast<cudaStream_t>(stream), cuda::LaPath(path));
@@ -286,7 +279,7 @@ EM_CUDA_API int em_cuda_linear_attention(edgemem::la::Params const* p, edgemem::
 EM_CUDA_API size_t em_cuda_linear_attention_workspace(edgemem::la::Params const* p, int path)
 {
     using namespace edgemem;
-    if (path < int(cuda::LaPath::kAuto) || path > int(cuda::LaPath::kSequentialNarrow))
+    if (path < int(cuda::LaPath::kAuto) || path > int(cuda::LaPath::kChunkedMma))
         return 0;
     return cuda::linearAttentionWorkspace(*p, cuda::LaPath(path));
 }

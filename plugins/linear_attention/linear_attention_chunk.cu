@@ -1004,7 +1004,7 @@ int dispatchChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkL
 size_t linearAttentionWorkspace(la::Params const& p, LaPath path)
 {
     if (la::check(p) != kOk || !la::chunkable(p) || p.batch == 0 || p.seq == 0 || path == LaPath::kSequential
-        || path == LaPath::kSequentialNarrow || (path == LaPath::kAuto && !chunkedPays(p)))
+        || (path == LaPath::kAuto && !chunkedPays(p)))
         return 0;
     return size_t(la::chunkLayout(p).floats) * sizeof(float);
 }

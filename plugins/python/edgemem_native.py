@@ -23,7 +23,7 @@ UPDATE_RULES = {"linear": 0, "gated": 1, "delta": 2, "gated_delta": 3}
 ACTIVATIONS = {"silu": 0, "gelu": 1, "relu": 2, "identity": 3}
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 STATUS = {1: "bad argument", 2: "unsupported", 3: "CUDA error"}
-LA_PATHS = {"auto": 0, "sequential": 1, "chunked": 2, "chunked-mma": 3, "sequential-narrow": 4}  # edgemem::cuda::LaPath
+LA_PATHS = {"auto": 0, "sequential": 1, "chunked": 2, "chunked-mma": 3}  # edgemem::cuda::LaPath
 
 
 def _check_path(path: str) -> None:
@@ -258,8 +258,7 @@ class Native:
         """The `edgemem::LinearAttention` node: all six inputs present, packed layouts.
 
         CUDA: `path` picks the form (auto, sequential, chunked, chunked-mma: the chunked form with its prepare
-        pass on mma.sync where the I/O is 16-bit and the decay per head, sequential-narrow: the sequential
-        form in one-warp blocks); `workspace` is a uint8 device tensor
+        pass on mma.sync where the I/O is 16-bit and the decay per head); `workspace` is a uint8 device tensor
         for the chunked form (default: as large as `linear_attention_workspace` says; a smaller one runs it in
         shorter segments). CPU reference: `path="chunked"` or `"chunked-mma"` runs the chunked form there, in
         segments sized to `workspace` bytes (an int) if given."""
@@ -304,9 +303,7 @@ class Native:
         params, _ = self._la_params(query, value, decay, beta, update_rule, scale, q_num_heads, kv_num_heads)
         if self.cuda:
             return self.lib.em_cuda_linear_attention_workspace(ctypes.byref(params), LA_PATHS[path])
-        if path in ("sequential", "sequential-narrow"):
-            return 0
-        return self.lib.em_ref_linear_attention_workspace(ctypes.byref(params))
+        return 0 if path == "sequential" else self.lib.em_ref_linear_attention_workspace(ctypes.byref(params))
 
     @staticmethod
     def _la_params(query, value, decay, beta, update_rule, scale, q_num_heads, kv_num_heads):

@@ -13,13 +13,13 @@ Modes: "prefill" (T tokens, separate state buffers), "in-place" (state-in and st
 buffer), "steps" (T single-token calls on one in-place state, compared with the one-call truth);
 LinearAttention also "chunked" (its tensor-core form forced) and "segments" (that form with a
 workspace of one chunk, so the state passes from segment to segment), each again with the prepare
-pass on mma.sync where that path has its own (", mma.sync": 16-bit I/O, per-head decay), and the
-sequential kernel in one-warp blocks (", one-warp blocks": prefill, in-place, steps); NeuralMemory
-"chunked" and "chunked in-place" (its tensor-core form, where d and e are multiples of 16);
-BandedAttention "tiled" (its tensor-core form, where d and d_v are multiples of 16 up to 128).
-Timing: each decode kernel (T = 1, in place; LinearAttention's in both block widths) against the
-memory floor of the design, t >= bytes / bandwidth, with bandwidth both the device's peak (memory
-clock x bus width) and a measured device-to-device copy; LinearAttention prefill in both forms beside
+pass on mma.sync where that path has its own (", mma.sync": 16-bit I/O, per-head decay);
+NeuralMemory "chunked" and "chunked in-place" (its tensor-core form, where d and e are multiples
+of 16); BandedAttention "tiled" (its tensor-core form, where d and d_v are multiples of 16 up to
+128).
+Timing: each decode kernel (T = 1, in place) against the memory floor of the design,
+t >= bytes / bandwidth, with bandwidth both the device's peak (memory clock x bus width) and a
+measured device-to-device copy; LinearAttention prefill in both forms beside
 flash-linear-attention's chunk_gated_delta_rule (chunk_kda for per-key decay); NeuralMemory prefill
 in both forms; BandedAttention in both forms beside a dense attention with a [T, T] mask (PyTorch's
 scaled_dot_product_attention); and each kernel's share of a chunked prefill (ours and fla's) and of
@@ -223,31 +223,24 @@ def check_linear_attention(h: Harness, quick: bool) -> None:
                         got = h.dev.linear_attention(*args, path=path, workspace=ws, **kw)
                         h.record("LinearAttention", f"{name} {rule}", dtype, f"segments{form}", got, want, ref)
                 if t > 64:
-                    continue  # the modes below are the sequential kernel's, checked on the short cases
-                # the sequential kernel in one-warp blocks, as the prefill above and in the two modes below
-                narrow = dict(kw, path="sequential-narrow")
-                got = h.dev.linear_attention(*args, **narrow)
-                h.record("LinearAttention", f"{name} {rule}", dtype, "prefill, one-warp blocks", got, want, ref)
-                for call, form in ((kw, ""), (narrow, ", one-warp blocks")):
-                    # in place: present_state is past_state
-                    state = args[3].clone()
-                    got = h.dev.linear_attention(*args[:3], state, *args[4:], present_state=state, **call)
-                    h.record("LinearAttention", f"{name} {rule}", dtype, f"in-place{form}", got, want)
-                    # steps: T single-token calls on one state
-                    state = args[3].clone()
-                    outs = [
-                        h.dev.linear_attention(
-                            *[x[:, i : i + 1].contiguous() for x in args[:3]],
-                            state,
-                            *[x[:, i : i + 1].contiguous() for x in args[4:]],
-                            present_state=state,
-                            **call,
-                        )[0]
-                        for i in range(t)
-                    ]
-                    h.record(
-                        "LinearAttention", f"{name} {rule}", dtype, f"steps{form}", (torch.cat(outs, 1), state), want
-                    )
+                    continue  # the step modes below are the decode kernel's, checked on the short cases
+                # in place: present_state is past_state
+                state = args[3].clone()
+                got = h.dev.linear_attention(*args[:3], state, *args[4:], present_state=state, **kw)
+                h.record("LinearAttention", f"{name} {rule}", dtype, "in-place", got, want)
+                # steps: T single-token calls on one state
+                state = args[3].clone()
+                outs = [
+                    h.dev.linear_attention(
+                        *[x[:, i : i + 1].contiguous() for x in args[:3]],
+                        state,
+                        *[x[:, i : i + 1].contiguous() for x in args[4:]],
+                        present_state=state,
+                        **kw,
+                    )[0]
+                    for i in range(t)
+                ]
+                h.record("LinearAttention", f"{name} {rule}", dtype, "steps", (torch.cat(outs, 1), state), want)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -591,6 +584,8 @@ def time_decode(h: Harness, peak: float) -> list[Timing]:
         beta = torch.full((b, 1, hkv), 0.5, device=dev, dtype=dtype)
         o = torch.empty(b, 1, hq * dv, device=dev, dtype=dtype)
         kw = dict(update_rule=rule, scale=dk**-0.5, q_num_heads=hq, kv_num_heads=hkv, output=o, present_state=s)
+        step = lambda: h.dev.linear_attention(q, k, v, s, g, beta, **kw)  # noqa: E731
+        us, graph_us = _time_us(step), _graph_us(step)
         state = s.numel() * 4
         io = (q.numel() + k.numel() + v.numel() + o.numel() + 2 * b * hkv) * e
         fla_t = None
@@ -611,23 +606,9 @@ def time_decode(h: Harness, peak: float) -> list[Timing]:
                 fla_t = (_time_us(fla_step), _graph_us(fla_step))
             except Exception as e:
                 h.notes.append(f"flash-linear-attention failed on {case} {_dt(dtype)}: {type(e).__name__}: {e}")
-        for form, path in (("", "auto"), (", one-warp blocks", "sequential-narrow")):
-            step = partial(h.dev.linear_attention, q, k, v, s, g, beta, path=path, **kw)
-            us, graph_us = _time_us(step), _graph_us(step)
-            out.append(
-                Timing(
-                    "LinearAttention",
-                    case + form,
-                    _dt(dtype),
-                    us,
-                    2 * state + io,
-                    2 * state,
-                    peak,
-                    copy,
-                    graph_us,
-                    fla_t,
-                )
-            )
+        out.append(
+            Timing("LinearAttention", case, _dt(dtype), us, 2 * state + io, 2 * state, peak, copy, graph_us, fla_t)
+        )
 
     def wa(case, b, heads, d, window, persistent, dtype):
         e = torch.tensor([], dtype=dtype).element_size()
@@ -678,26 +659,33 @@ def time_decode(h: Harness, peak: float) -> list[Timing]:
     return out
 
 
-def time_prefill(h: Harness) -> list[tuple[str, str, float | None, float | None, float | None, float | None]]:
-    """LinearAttention prefill (T tokens in one call, gated delta rule): the sequential and the chunked
-    kernels' µs per call (CUDA-graph device time), the chunked one again with its prepare pass on mma.sync
-    (16-bit, per-head decay), and flash-linear-attention's chunked form (chunk_gated_delta_rule in fp32
-    and fp16; chunk_kda for per-key decay in fp16) where installed."""
+# LinearAttention prefill timing shapes: batch, heads (q = kv), d_k = d_v, T, per-key decay; --quick
+# times the two of the issue's table, which spares fla's tuning of the others
+PREFILL_SHAPES = [(1, 16, 128, t, False) for t in (16, 32, 64, 128)] + [
+    (1, 4, 64, 64, False),
+    (1, 16, 128, 512, False),
+    (1, 16, 128, 4096, False),
+    (8, 16, 128, 512, False),
+    (1, 32, 64, 4096, False),
+    (1, 16, 128, 512, True),
+    (1, 16, 128, 4096, True),
+]
+PREFILL_QUICK = [(1, 16, 128, 512, False), (1, 16, 128, 4096, False)]
+
+
+def time_prefill(
+    h: Harness, shapes: list[tuple[int, int, int, int, bool]] = PREFILL_SHAPES
+) -> list[tuple[str, str, float | None, float | None, float | None, float | None]]:
+    """LinearAttention prefill (T tokens in one call, gated delta rule) at each shape: the sequential and
+    the chunked kernels' µs per call (CUDA-graph device time), the chunked one again with its prepare pass on
+    mma.sync (16-bit, per-head decay), and flash-linear-attention's chunked form (chunk_gated_delta_rule in
+    fp32 and fp16; chunk_kda for per-key decay in fp16) where installed."""
     dev, rows = h.device, []
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
         from fla.ops.kda import chunk_kda as fla_keyed
     except Exception:
         fla_chunk = fla_keyed = None
-    shapes = [(1, 16, 128, t, False) for t in (16, 32, 64, 128)] + [
-        (1, 4, 64, 64, False),
-        (1, 16, 128, 512, False),
-        (1, 16, 128, 4096, False),
-        (8, 16, 128, 512, False),
-        (1, 32, 64, 4096, False),
-        (1, 16, 128, 512, True),
-        (1, 16, 128, 4096, True),
-    ]
     for b, heads, d, t, per_key in shapes:
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             q, k, v, g, beta, s0, s1 = _prefill_inputs(dev, b, t, heads, d, dtype, per_key)
@@ -838,10 +826,10 @@ def _kernel_name(name: str) -> str:
     return base.rsplit("::", 1)[-1] or name[:60]
 
 
-def kernel_breakdown(h: Harness) -> list[tuple[str, str, float, float]]:
+def kernel_breakdown(h: Harness, quick: bool = False) -> list[tuple[str, str, float, float]]:
     """Device µs per call of every kernel a call launches (PyTorch's profiler over CUPTI): the
-    chunked LinearAttention prefill beside flash-linear-attention's on the same inputs, and the
-    WindowAttention decode split. Rows: call, kernel, launches per call, µs per call."""
+    chunked LinearAttention prefill beside flash-linear-attention's on the same inputs (quick: per-head
+    decay only), and the WindowAttention decode split. Rows: call, kernel, launches per call, µs per call."""
     from torch.profiler import ProfilerActivity, profile
 
     dev, rows, reps = h.device, [], 5
@@ -868,7 +856,11 @@ def kernel_breakdown(h: Harness) -> list[tuple[str, str, float, float]]:
                 rows.append((label, _kernel_name(ev.key), ev.count / reps, us / reps))
 
     b, heads, d, t = 1, 16, 128, 4096
-    for dtype, per_key in ((torch.float16, False), (torch.float32, False), (torch.float16, True)):
+    for dtype, per_key in (
+        (torch.float16, False),
+        (torch.float32, False),
+        *(() if quick else ((torch.float16, True),)),
+    ):
         q, k, v, g, beta, s0, s1 = _prefill_inputs(dev, b, t, heads, d, dtype, per_key)
         kw = dict(update_rule="gated_delta", scale=d**-0.5, q_num_heads=heads, kv_num_heads=heads)
         nbytes = h.dev.linear_attention_workspace(q, v, g, beta, path="chunked", **kw)
@@ -1059,7 +1051,11 @@ CHECKS = {
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--build", type=Path, required=True, help="build dir with libedgemem_{kernels,reference}.so")
-    ap.add_argument("--quick", action="store_true", help="a few small cases (for compute-sanitizer)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a few small cases (for compute-sanitizer); timing: the headline prefill shapes only",
+    )
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--report", type=Path, help="write the markdown report here too")
     ap.add_argument("--cpu-self-test", action="store_true", help="check this script with the CPU reference")
@@ -1132,11 +1128,14 @@ def main() -> int:
         section("time_memory_prefill", lambda: parts.update(memory=time_memory_prefill(h)))
         section("time_banded", lambda: parts.update(banded=time_banded(h)))
         # last of the tables: fla's kernels tune themselves on first use
-        section("time_prefill", lambda: parts.update(prefill=time_prefill(h)))
+        section(
+            "time_prefill",
+            lambda: parts.update(prefill=time_prefill(h, PREFILL_QUICK if args.quick else PREFILL_SHAPES)),
+        )
 
         def breakdown() -> None:
             try:
-                parts.update(breakdown=kernel_breakdown(h))
+                parts.update(breakdown=kernel_breakdown(h, args.quick))
             except Exception as e:  # the numbers above still get reported
                 h.notes.append(f"kernel breakdown failed: {type(e).__name__}: {e}")
 

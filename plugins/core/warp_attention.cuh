@@ -41,28 +41,43 @@ struct WarpAttention
         }
     }
 
-    // key row k_base[k_row .. k_row + d), value row v_base[v_row .. v_row + dv)
+    // This lane's elements of a row of n (dims lane, lane + 32, ...; 0 past n) as float32.
     template <typename K>
-    __device__ __forceinline__ void add(void const* k_base, int64_t k_row, void const* v_base, int64_t v_row)
+    __device__ __forceinline__ void loadRow(void const* base, int64_t row, int n, float (&x)[kPerLane]) const
     {
-        float dot = 0.0f;
         EM_UNROLL
         for (int r = 0; r < kPerLane; ++r)
         {
             int const i = lane + r * kWarp;
-            if (r * kWarp < d && i < d)
-                dot += q[r] * load<K>(k_base, k_row + i);
+            x[r] = r * kWarp < n && i < n ? load<K>(base, row + i) : 0.0f;
         }
+    }
+
+    // One key whose rows loadRow has loaded: k (d) and v (dv).
+    __device__ __forceinline__ void addRows(float const (&k)[kPerLane], float const (&v)[kPerLane])
+    {
+        float dot = 0.0f;
+        EM_UNROLL
+        for (int r = 0; r < kPerLane; ++r)
+            if (r * kWarp < d)
+                dot += q[r] * k[r];
         dot = WarpSum()(dot);
         float rescale;
         float const p = softmax_add(st, scale * dot, rescale);
         EM_UNROLL
         for (int r = 0; r < kPerLane; ++r)
-        {
-            int const j = lane + r * kWarp;
             if (r * kWarp < dv)
-                acc[r] = acc[r] * rescale + (j < dv ? p * load<K>(v_base, v_row + j) : 0.0f);
-        }
+                acc[r] = acc[r] * rescale + p * v[r];
+    }
+
+    // key row k_base[k_row .. k_row + d), value row v_base[v_row .. v_row + dv), loaded together
+    template <typename K>
+    __device__ __forceinline__ void add(void const* k_base, int64_t k_row, void const* v_base, int64_t v_row)
+    {
+        float k[kPerLane], v[kPerLane];
+        loadRow<K>(k_base, k_row, d, k);
+        loadRow<K>(v_base, v_row, dv, v);
+        addRows(k, v);
     }
 };
 

@@ -7,7 +7,8 @@
 // token attends). Tokens run in order; the ring may be updated in place.
 // A single token (decode) with a workspace splits the keys over several blocks instead
 // (flash-decoding): each block writes its partial softmax (m, l, sum p v) to the workspace, and a
-// second kernel merges them, writes the output and only then the ring slot.
+// second kernel merges them, writes the output and only then the ring slot. A warp loads a key's
+// row and value row together, and in the split kernel two keys at a time.
 #include "core/warp_attention.cuh"
 #include "launch.h"
 
@@ -20,33 +21,63 @@ namespace
 
 constexpr int kWaWarps = 16;
 constexpr int kWaThreads = kWaWarps * kWarp;
-constexpr int kKeysPerWarp = 2; // decode splits: about this many keys for each warp of each split
+constexpr int kKeysPerWarp = 4; // decode splits: about this many keys for each warp of each split
 constexpr int kMaxSplits = 64;
+// Fewer splits than this and one block per head is faster: the merge's launch costs more than the
+// split saves (benchmarks/README.md).
+constexpr int kMinSplits = 3;
 
-// Adds key idx of token t (at position pos) to a warp's softmax: 0 is the token itself,
-// 1..window the ring (ring_key/ring_value: the ring as it was before this token), then the
-// persistent keys. A window key before position 0 does not exist.
+// Loads key idx of token t (at position pos) into k and v (WarpAttention::loadRow): 0 is the
+// token itself, 1..window the ring (ring_key/ring_value: the ring as it was before this token),
+// then the persistent keys. False for a window key before position 0: it does not exist.
 template <typename T, typename S, typename P>
-__device__ __forceinline__ void addWindowKey(WarpAttention& a, attn::WindowParams const& p, WindowAttentionIO const& io,
-    void const* ring_key, void const* ring_value, int b, int h, int dil, int64_t pos, int t, int idx)
+__device__ __forceinline__ bool loadWindowKey(WarpAttention const& a, attn::WindowParams const& p,
+    WindowAttentionIO const& io, void const* ring_key, void const* ring_value, int b, int h, int dil, int64_t pos,
+    int t, int idx, float (&k)[kPerLane], float (&v)[kPerLane])
 {
     if (idx == 0)
-        a.add<T>(io.key, attn::rowOffset(p.seq, p.heads, p.d, b, t, h), io.value,
-            attn::rowOffset(p.seq, p.heads, p.dv, b, t, h));
+    {
+        a.loadRow<T>(io.key, attn::rowOffset(p.seq, p.heads, p.d, b, t, h), p.d, k);
+        a.loadRow<T>(io.value, attn::rowOffset(p.seq, p.heads, p.dv, b, t, h), p.dv, v);
+    }
     else if (idx <= p.window)
     {
         int64_t const at = attn::windowKeyPosition(pos, idx, dil);
         if (at < 0)
-            return;
+            return false;
         int64_t const slot = attn::ringSlot(at, p.ring);
-        a.add<S>(ring_key, attn::headRowOffset(p.heads, p.ring, p.d, b, h, 0) + slot * p.d, ring_value,
-            attn::headRowOffset(p.heads, p.ring, p.dv, b, h, 0) + slot * p.dv);
+        a.loadRow<S>(ring_key, attn::headRowOffset(p.heads, p.ring, p.d, b, h, 0) + slot * p.d, p.d, k);
+        a.loadRow<S>(ring_value, attn::headRowOffset(p.heads, p.ring, p.dv, b, h, 0) + slot * p.dv, p.dv, v);
     }
     else
     {
         int const r = idx - p.window - 1;
-        a.add<P>(io.persistent_key, attn::headRowOffset(p.heads, p.persistent, p.d, b, h, r), io.persistent_value,
-            attn::headRowOffset(p.heads, p.persistent, p.dv, b, h, r));
+        a.loadRow<P>(io.persistent_key, attn::headRowOffset(p.heads, p.persistent, p.d, b, h, r), p.d, k);
+        a.loadRow<P>(io.persistent_value, attn::headRowOffset(p.heads, p.persistent, p.dv, b, h, r), p.dv, v);
+    }
+    return true;
+}
+
+// Adds a warp's keys idx0, idx0 + stride, ... below keys to its softmax, N at a time: the N keys'
+// rows are loaded before any is added, so their round trips to memory overlap.
+template <int N, typename T, typename S, typename P>
+__device__ __forceinline__ void addWindowKeys(WarpAttention& a, attn::WindowParams const& p,
+    WindowAttentionIO const& io, void const* ring_key, void const* ring_value, int b, int h, int dil, int64_t pos,
+    int t, int idx0, int stride, int keys)
+{
+    for (int idx = idx0; idx < keys; idx += N * stride)
+    {
+        float k[N][kPerLane], v[N][kPerLane];
+        bool has[N];
+        EM_UNROLL
+        for (int n = 0; n < N; ++n)
+            has[n] = idx + n * stride < keys
+                && loadWindowKey<T, S, P>(
+                    a, p, io, ring_key, ring_value, b, h, dil, pos, t, idx + n * stride, k[n], v[n]);
+        EM_UNROLL
+        for (int n = 0; n < N; ++n)
+            if (has[n])
+                a.addRows(k[n], v[n]);
     }
 }
 
@@ -125,8 +156,7 @@ __global__ void __launch_bounds__(kWaThreads, 1)
         int64_t const v_row = attn::rowOffset(p.seq, p.heads, p.dv, b, t, h);
         WarpAttention a{};
         a.init<T>(io.query, q_row, lane, p.d, p.dv, p.scale);
-        for (int idx = warp; idx < keys; idx += kWaWarps)
-            addWindowKey<T, S, P>(a, p, io, io.present_key, io.present_value, b, h, dil, pos, t, idx);
+        addWindowKeys<1, T, S, P>(a, p, io, io.present_key, io.present_value, b, h, dil, pos, t, warp, kWaWarps, keys);
         savePartial(a, part_st, part_acc, warp, lane);
         __syncthreads(); // every read of the ring for this token is done
 
@@ -158,8 +188,8 @@ __global__ void __launch_bounds__(kWaThreads, 1)
     int const keys = p.window + 1 + p.persistent;
     WarpAttention a{};
     a.init<T>(io.query, attn::rowOffset(1, p.heads, p.d, b, 0, h), lane, p.d, p.dv, p.scale);
-    for (int idx = s + warp * splits; idx < keys; idx += kWaWarps * splits)
-        addWindowKey<T, S, P>(a, p, io, io.past_key, io.past_value, b, h, dilation.v[h], pos, 0, idx);
+    addWindowKeys<2, T, S, P>(
+        a, p, io, io.past_key, io.past_value, b, h, dilation.v[h], pos, 0, s + warp * splits, kWaWarps * splits, keys);
     savePartial(a, part_st, part_acc, warp, lane);
     __syncthreads();
     float* out = ws + ((int64_t(b) * p.heads + h) * splits + s) * (p.dv + 2);
@@ -225,7 +255,8 @@ int windowSplits(attn::WindowParams const& p)
 {
     int const keys = p.window + 1 + p.persistent;
     int const n = (keys + kWaWarps * kKeysPerWarp - 1) / (kWaWarps * kKeysPerWarp);
-    return p.seq == 1 && p.heads <= 65535 && p.batch <= 65535 ? (n < kMaxSplits ? n : kMaxSplits) : 1;
+    bool const split = p.seq == 1 && n >= kMinSplits && p.heads <= 65535 && p.batch <= 65535;
+    return split ? (n < kMaxSplits ? n : kMaxSplits) : 1;
 }
 
 template <typename T, typename S>

@@ -672,9 +672,9 @@ def test_kernels_pass_the_gpu_check_on_the_cpu_emulator(emulated):
     proc = subprocess.run([*script, "--quick"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     passed, total = map(int, re.search(r"(\d+) of (\d+) numerical checks passed", proc.stdout).groups())
-    assert passed == total and total >= 400, proc.stdout[:500]
+    assert passed == total and total >= 290, proc.stdout[:500]
     modes = set(re.findall(r"^\| \w+ \| .* \| (?:fp32|fp16|bf16) \| ([^|]+?) \| ", proc.stdout, re.M))
-    assert {"chunked, mma.sync", "steps", "tiled", "chunked in-place"} <= modes, modes
+    assert {"chunked", "segments", "steps", "tiled", "chunked in-place"} <= modes, modes
 
 
 def test_plugin_harness_enqueues_every_plugin_on_the_cpu_emulator(emulated):
@@ -774,19 +774,20 @@ def test_kernel_library_exposes_the_reference_abi(kernels_build):
 
 
 def test_native_mirror_refuses_a_linear_attention_path_it_does_not_know(ref):
-    """The ctypes mirror names the paths the C ABI takes; another, such as "chunked-walk" (a path that was
-    removed), is refused by name rather than run as the default form."""
+    """The ctypes mirror names the paths the C ABI takes; another, such as "chunked-mma" (a path that was
+    removed when its prepare pass became the chunked form's), is refused by name rather than run as the
+    default form."""
     q, v = torch.zeros(1, 4, 8), torch.zeros(1, 4, 8)
     g, beta = torch.zeros(1, 4, 1), torch.zeros(1, 4, 1)
     kw = dict(update_rule="gated_delta", scale=0.5, q_num_heads=1, kv_num_heads=1)
-    with pytest.raises(ValueError, match="'chunked-walk': expected one of auto, sequential, chunked, chunked-mma"):
-        ref.linear_attention(q, q, v, torch.zeros(1, 1, 8, 8), g, beta, path="chunked-walk", **kw)
+    with pytest.raises(ValueError, match="'chunked-mma': expected one of auto, sequential, chunked$"):
+        ref.linear_attention(q, q, v, torch.zeros(1, 1, 8, 8), g, beta, path="chunked-mma", **kw)
     with pytest.raises(ValueError, match="expected one of"):
         ref.linear_attention_workspace(q, v, g, beta, path="fast", **kw)
 
 
 def test_kernel_library_sizes_the_chunked_workspace(kernels_build, ref):
-    """The CUDA C ABI's LinearAttention paths, in its host code (no GPU needed): auto and both chunked paths
+    """The CUDA C ABI's LinearAttention paths, in its host code (no GPU needed): auto and the chunked path
     size the workspace the CPU reference's chunked form lays out, the sequential path none, and a path it
     does not know is refused as a bad argument before anything runs."""
     lib = Native(kernels_build / "libedgemem_kernels.so").lib
@@ -798,7 +799,7 @@ def test_kernel_library_sizes_the_chunked_workspace(kernels_build, ref):
     want = ref.linear_attention_workspace(q, v, g, beta, path="chunked", **kw)
     assert want > 0
     sizes = {path: lib.em_cuda_linear_attention_workspace(ctypes.byref(params), n) for path, n in LA_PATHS.items()}
-    assert sizes == {"auto": want, "sequential": 0, "chunked": want, "chunked-mma": want}
+    assert sizes == {"auto": want, "sequential": 0, "chunked": want}
     unknown = max(LA_PATHS.values()) + 1
     assert lib.em_cuda_linear_attention_workspace(ctypes.byref(params), unknown) == 0
     status = lib.em_cuda_linear_attention(ctypes.byref(params), ctypes.byref(LAIO()), 0, unknown, None, 0, None)

@@ -31,15 +31,12 @@ namespace cuda
 // state in registers: decode steps, short prompts) and chunked (linear_attention_chunk.cu: tensor
 // cores, needs a workspace, d_k <= 128, sm_80 or later). kAuto takes the chunked
 // form where it applies and chunkedPays says so; kChunked returns kUnsupported where it does not
-// apply. kChunkedMma: the chunked form with its prepare pass on mma.sync (chunkPrepareMma) for
-// 16-bit I/O and per-head decay, kChunked elsewhere; kAuto keeps kChunked's prepare pass until a
-// GPU run of gpu_check.py has checked and timed it. io dtype: query/key/value/decay/beta/output.
+// apply. io dtype: query/key/value/decay/beta/output.
 enum class LaPath : int
 {
     kAuto = 0,
     kSequential = 1,
     kChunked = 2,
-    kChunkedMma = 3,
 };
 // kAuto's choice, from measurement (benchmarks/README.md): the chunked form from kChunkedFrom
 // tokens on, while batch x kv heads is at most kChunkedMaxHeads (beyond, the sequential kernel's
@@ -57,7 +54,7 @@ size_t linearAttentionWorkspace(la::Params const& p, LaPath path = LaPath::kAuto
 int linearAttention(la::Params const& p, LinearAttentionIO const& io, DType dtype, void* workspace,
     size_t workspace_bytes, cudaStream_t stream, LaPath path = LaPath::kAuto);
 int linearAttentionChunked(la::Params const& p, LinearAttentionIO const& io, DType dtype, void* workspace,
-    size_t workspace_bytes, cudaStream_t stream, bool mmaPrepare);
+    size_t workspace_bytes, cudaStream_t stream);
 
 } // namespace cuda
 } // namespace edgemem

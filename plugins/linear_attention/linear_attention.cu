@@ -252,11 +252,10 @@ int linearAttention(la::Params const& p, LinearAttentionIO const& io, DType dtyp
         }
         return kOk;
     }
-    bool const forced = path == LaPath::kChunked || path == LaPath::kChunkedMma;
+    bool const forced = path == LaPath::kChunked;
     if (forced || (path == LaPath::kAuto && chunkedPays(p)))
     {
-        int const st
-            = linearAttentionChunked(p, io, dtype, workspace, workspace_bytes, stream, path == LaPath::kChunkedMma);
+        int const st = linearAttentionChunked(p, io, dtype, workspace, workspace_bytes, stream);
         if (st != kUnsupported || forced)
             return st;
     }
@@ -270,7 +269,7 @@ EM_CUDA_API int em_cuda_linear_attention(edgemem::la::Params const* p, edgemem::
     int path, void* workspace, size_t workspace_bytes, void* stream)
 {
     using namespace edgemem;
-    if (path < int(cuda::LaPath::kAuto) || path > int(cuda::LaPath::kChunkedMma))
+    if (path < int(cuda::LaPath::kAuto) || path > int(cuda::LaPath::kChunked))
         return kBadArgument;
     return cuda::linearAttention(
         *p, *io, DType(dtype), workspace, workspace_bytes, static_cast<cudaStream_t>(stream), cuda::LaPath(path));
@@ -279,7 +278,7 @@ EM_CUDA_API int em_cuda_linear_attention(edgemem::la::Params const* p, edgemem::
 EM_CUDA_API size_t em_cuda_linear_attention_workspace(edgemem::la::Params const* p, int path)
 {
     using namespace edgemem;
-    if (path < int(cuda::LaPath::kAuto) || path > int(cuda::LaPath::kChunkedMma))
+    if (path < int(cuda::LaPath::kAuto) || path > int(cuda::LaPath::kChunked))
         return 0;
     return cuda::linearAttentionWorkspace(*p, cuda::LaPath(path));
 }

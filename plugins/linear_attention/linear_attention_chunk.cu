@@ -14,9 +14,9 @@
 //   output   a block per (chunk, query head, batch x value tile): (Q K^T masked) U + (Q e^G) S.
 // Per-key decay: G [C][DK] goes through the workspace, K K^T and Q K^T become decayedBlocks, the
 // walk scales the rows of its state tiles in shared memory.
-// For 16-bit I/O and per-head decay the output pass is chunkOutputMma instead: 4 warps, mma.sync
-// m16n8k8 with its score tiles kept in registers; there the chunked-mma path (LaPath::kChunkedMma)
-// also runs the prepare pass on mma.sync (chunkPrepareMma).
+// For 16-bit I/O and per-head decay the prepare and output passes are chunkPrepareMma and
+// chunkOutputMma instead: 4 warps on mma.sync, 16-bit tiles, the output's score tiles kept in
+// registers.
 #include "device.cuh"
 #include "launch.h"
 #include "mma.cuh"
@@ -923,7 +923,7 @@ bool allow(K kernel, size_t bytes)
 
 template <typename T, int DK>
 int runChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout const& l, float* ws, Device const& dev,
-    bool mmaPrepare, cudaStream_t stream)
+    cudaStream_t stream)
 {
     constexpr int P = std::is_same<T, float>::value ? 3 : 1;
     constexpr size_t prep = prepareFloats<DK>() * sizeof(float);
@@ -952,10 +952,9 @@ int runChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout
     constexpr size_t outMmaBytes = outputMmaBytes<H, DK>();
     bool const mmaOut = !std::is_same<T, float>::value && !la::keyedDecay(p) && outMmaBytes <= size_t(dev.smem);
     auto outputMma = chunkOutputMma<H, DK>;
-    // chunkPrepareMma where asked for, on the same terms
+    // chunkPrepareMma on the same terms
     constexpr size_t prepMmaBytes = prepareMmaBytes<H, DK>();
-    bool const mmaPrep
-        = mmaPrepare && !std::is_same<T, float>::value && !la::keyedDecay(p) && prepMmaBytes <= size_t(dev.smem);
+    bool const mmaPrep = !std::is_same<T, float>::value && !la::keyedDecay(p) && prepMmaBytes <= size_t(dev.smem);
     auto prepareMma = chunkPrepareMma<H, DK>;
     if (prep > size_t(dev.smem) || state > size_t(dev.smem) || out > size_t(dev.smem))
         return kUnsupported;
@@ -988,13 +987,13 @@ int runChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout
 
 template <typename T>
 int dispatchChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout const& l, float* ws,
-    Device const& dev, bool mmaPrepare, cudaStream_t stream)
+    Device const& dev, cudaStream_t stream)
 {
     switch (l.dk)
     {
-    case 32: return runChunked<T, 32>(p, io, l, ws, dev, mmaPrepare, stream);
-    case 64: return runChunked<T, 64>(p, io, l, ws, dev, mmaPrepare, stream);
-    case 128: return runChunked<T, 128>(p, io, l, ws, dev, mmaPrepare, stream);
+    case 32: return runChunked<T, 32>(p, io, l, ws, dev, stream);
+    case 64: return runChunked<T, 64>(p, io, l, ws, dev, stream);
+    case 128: return runChunked<T, 128>(p, io, l, ws, dev, stream);
     }
     return kUnsupported;
 }
@@ -1010,7 +1009,7 @@ size_t linearAttentionWorkspace(la::Params const& p, LaPath path)
 }
 
 int linearAttentionChunked(la::Params const& p, LinearAttentionIO const& io, DType dtype, void* workspace,
-    size_t workspace_bytes, cudaStream_t stream, bool mmaPrepare)
+    size_t workspace_bytes, cudaStream_t stream)
 {
     if (!la::chunkable(p) || workspace == nullptr || reinterpret_cast<uintptr_t>(workspace) % 256 != 0)
         return kUnsupported;
@@ -1021,7 +1020,7 @@ int linearAttentionChunked(la::Params const& p, LinearAttentionIO const& io, DTy
     if (l.tokens == 0 || !dev.tensorCores)
         return kUnsupported;
     float* ws = static_cast<float*>(workspace);
-    return withType(dtype, [&](auto t) { return dispatchChunked<decltype(t)>(p, io, l, ws, dev, mmaPrepare, stream); });
+    return withType(dtype, [&](auto t) { return dispatchChunked<decltype(t)>(p, io, l, ws, dev, stream); });
 }
 
 } // namespace cuda

@@ -23,7 +23,7 @@ UPDATE_RULES = {"linear": 0, "gated": 1, "delta": 2, "gated_delta": 3}
 ACTIVATIONS = {"silu": 0, "gelu": 1, "relu": 2, "identity": 3}
 DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 STATUS = {1: "bad argument", 2: "unsupported", 3: "CUDA error"}
-LA_PATHS = {"auto": 0, "sequential": 1, "chunked": 2, "chunked-mma": 3}  # edgemem::cuda::LaPath
+LA_PATHS = {"auto": 0, "sequential": 1, "chunked": 2}  # edgemem::cuda::LaPath
 
 
 def _check_path(path: str) -> None:
@@ -257,11 +257,10 @@ class Native:
     ):
         """The `edgemem::LinearAttention` node: all six inputs present, packed layouts.
 
-        CUDA: `path` picks the form (auto, sequential, chunked, chunked-mma: the chunked form with its prepare
-        pass on mma.sync where the I/O is 16-bit and the decay per head); `workspace` is a uint8 device tensor
-        for the chunked form (default: as large as `linear_attention_workspace` says; a smaller one runs it in
-        shorter segments). CPU reference: `path="chunked"` or `"chunked-mma"` runs the chunked form there, in
-        segments sized to `workspace` bytes (an int) if given."""
+        CUDA: `path` picks the form (auto, sequential, chunked); `workspace` is a uint8 device tensor for the
+        chunked form (default: as large as `linear_attention_workspace` says; a smaller one runs it in shorter
+        segments). CPU reference: `path="chunked"` runs the chunked form there, in segments sized to
+        `workspace` bytes (an int) if given."""
         _check_path(path)
         params, (b, t, dv) = self._la_params(query, value, decay, beta, update_rule, scale, q_num_heads, kv_num_heads)
         if output is None:
@@ -286,7 +285,7 @@ class Native:
             )
             if status:
                 raise NativeError(f"em_cuda_linear_attention: {STATUS.get(status, status)}")
-        elif path in ("chunked", "chunked-mma"):
+        elif path == "chunked":
             status = self.lib.em_ref_linear_attention_chunked(ctypes.byref(params), ctypes.byref(io), workspace or 0)
             if status:
                 raise NativeError(f"em_ref_linear_attention_chunked: {STATUS.get(status, status)}")

@@ -12,11 +12,10 @@ Every case runs the kernels through their C ABI on torch CUDA tensors and compar
 Modes: "prefill" (T tokens, separate state buffers), "in-place" (state-in and state-out one
 buffer), "steps" (T single-token calls on one in-place state, compared with the one-call truth);
 LinearAttention also "chunked" (its tensor-core form forced) and "segments" (that form with a
-workspace of one chunk, so the state passes from segment to segment), each again with the prepare
-pass on mma.sync where that path has its own (", mma.sync": 16-bit I/O, per-head decay);
-NeuralMemory "chunked" and "chunked in-place" (its tensor-core form, where d and e are multiples
-of 16); BandedAttention "tiled" (its tensor-core form, where d and d_v are multiples of 16 up to
-128).
+workspace of one chunk, so the state passes from segment to segment; for 16-bit I/O and per-head
+decay these run the prepare and output passes on mma.sync, elsewhere on WMMA); NeuralMemory
+"chunked" and "chunked in-place" (its tensor-core form, where d and e are multiples of 16);
+BandedAttention "tiled" (its tensor-core form, where d and d_v are multiples of 16 up to 128).
 Timing: each decode kernel (T = 1, in place) against the memory floor of the design,
 t >= bytes / bandwidth, with bandwidth both the device's peak (memory clock x bus width) and a
 measured device-to-device copy; LinearAttention prefill in both forms beside
@@ -208,20 +207,16 @@ def check_linear_attention(h: Harness, quick: bool) -> None:
                     ref = h.ref.linear_attention(*[_cpu(x) for x in args], **kw)
                 got = h.dev.linear_attention(*args, **kw)
                 h.record("LinearAttention", f"{name} {rule}", dtype, "prefill", got, want, ref)
-                # the chunked form alone, then in segments of one chunk (the state passing through); again
-                # with the prepare pass on mma.sync where that path has it (16-bit I/O, per-head decay)
-                paths = [("chunked", "")] if dk <= 128 else []
-                if dk <= 128 and (not h.dev.cuda or (dtype != torch.float32 and not (per_key and gated))):
-                    paths.append(("chunked-mma", ", mma.sync"))
-                for path, form in paths:
-                    got = h.dev.linear_attention(*args, path=path, **kw)
-                    h.record("LinearAttention", f"{name} {rule}", dtype, f"chunked{form}", got, want, ref)
+                # the chunked form alone, then in segments of one chunk (the state passing through)
+                if dk <= 128:
+                    got = h.dev.linear_attention(*args, path="chunked", **kw)
+                    h.record("LinearAttention", f"{name} {rule}", dtype, "chunked", got, want, ref)
                     if t > 64:
                         first = [x[:, :64].contiguous() for x in (args[0], args[2], args[4], args[5])]
-                        budget = h.dev.linear_attention_workspace(*first, path=path, **kw)  # one chunk's worth
+                        budget = h.dev.linear_attention_workspace(*first, path="chunked", **kw)  # one chunk's worth
                         ws = budget if not h.dev.cuda else workspace_buffer(budget, h.device)
-                        got = h.dev.linear_attention(*args, path=path, workspace=ws, **kw)
-                        h.record("LinearAttention", f"{name} {rule}", dtype, f"segments{form}", got, want, ref)
+                        got = h.dev.linear_attention(*args, path="chunked", workspace=ws, **kw)
+                        h.record("LinearAttention", f"{name} {rule}", dtype, "segments", got, want, ref)
                 if t > 64:
                     continue  # the step modes below are the decode kernel's, checked on the short cases
                 # in place: present_state is past_state
@@ -676,11 +671,10 @@ PREFILL_QUICK = [(1, 16, 128, 512, False), (1, 16, 128, 4096, False)]
 
 def time_prefill(
     h: Harness, shapes: list[tuple[int, int, int, int, bool]] = PREFILL_SHAPES
-) -> list[tuple[str, str, float | None, float | None, float | None, float | None]]:
+) -> list[tuple[str, str, float | None, float | None, float | None]]:
     """LinearAttention prefill (T tokens in one call, gated delta rule) at each shape: the sequential and
-    the chunked kernels' µs per call (CUDA-graph device time), the chunked one again with its prepare pass on
-    mma.sync (16-bit, per-head decay), and flash-linear-attention's chunked form (chunk_gated_delta_rule in
-    fp32 and fp16; chunk_kda for per-key decay in fp16) where installed."""
+    the chunked kernels' µs per call (CUDA-graph device time), and flash-linear-attention's chunked form
+    (chunk_gated_delta_rule in fp32 and fp16; chunk_kda for per-key decay in fp16) where installed."""
     dev, rows = h.device, []
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
@@ -714,11 +708,6 @@ def time_prefill(
 
             seq = timed(lambda: h.dev.linear_attention(q, k, v, s0, g, beta, path="sequential", **kw))
             chunked = timed(lambda: h.dev.linear_attention(q, k, v, s0, g, beta, path="chunked", workspace=ws, **kw))
-            mma = None
-            if dtype != torch.float32 and not per_key:
-                mma = timed(
-                    lambda: h.dev.linear_attention(q, k, v, s0, g, beta, path="chunked-mma", workspace=ws, **kw)
-                )
             theirs = None
             # fla's Triton kernels tune themselves on first use in each dtype (chunk_kda's over many
             # configurations each): its peers are timed in fp32 and fp16, chunk_kda in fp16
@@ -740,7 +729,7 @@ def time_prefill(
                     op = "chunk_kda" if per_key else "chunk_gated_delta_rule"
                     h.notes.append(f"fla {op} failed at T={t}: {type(e).__name__}: {e}")
             keyed = ", per-key decay" if per_key else ""
-            rows.append((f"b{b} {heads} heads {d}x{d}{keyed}, T={t}", _dt(dtype), seq, chunked, mma, theirs))
+            rows.append((f"b{b} {heads} heads {d}x{d}{keyed}, T={t}", _dt(dtype), seq, chunked, theirs))
     return rows
 
 
@@ -873,28 +862,23 @@ def kernel_breakdown(h: Harness, quick: bool = False) -> list[tuple[str, str, fl
         )
         profiled(f"edgemem chunked, {case}", run)
         if dtype == torch.float16 and not per_key:
-            # the chunked-mma path, and the chunked path in one segment (the default 64 MiB budget runs
-            # T = 4096 at 16 heads in three)
+            # the chunked path in one segment (the default 64 MiB budget runs T = 4096 at 16 heads in three)
             big = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-            for path, space, label in (
-                ("chunked-mma", ws, "edgemem chunked, prepare on mma.sync"),
-                ("chunked", big, "edgemem chunked in one segment (256 MiB workspace)"),
-            ):
-                run = partial(
-                    h.dev.linear_attention,
-                    q,
-                    k,
-                    v,
-                    s0,
-                    g,
-                    beta,
-                    path=path,
-                    workspace=space,
-                    output=o,
-                    present_state=s1,
-                    **kw,
-                )
-                profiled(f"{label}, {case}", run)
+            run = partial(
+                h.dev.linear_attention,
+                q,
+                k,
+                v,
+                s0,
+                g,
+                beta,
+                path="chunked",
+                workspace=big,
+                output=o,
+                present_state=s1,
+                **kw,
+            )
+            profiled(f"edgemem chunked in one segment (256 MiB workspace), {case}", run)
             del big
         if fla_chunk is not None:
             fq, fk, fv = (x.view(b, t, heads, d) for x in (q, k, v))
@@ -980,20 +964,17 @@ def report(
             "## LinearAttention prefill (one call of T tokens, gated delta rule, CUDA-graph device time)",
             "",
             "sequential: the tokens in order with the state in registers; chunked: the tensor-core form "
-            "(auto takes it from 128 tokens at batch x kv heads <= 64, per-head decay); mma.sync: the same with "
-            "its prepare pass on mma.sync (16-bit I/O, per-head decay); fla: chunk_gated_delta_rule "
-            "(chunk_kda for per-key decay) on the same inputs; "
-            "speed vs fla = fla µs / chunked µs, then fla µs / mma.sync µs.",
+            "(auto takes it from 128 tokens at batch x kv heads <= 64, per-head decay); fla: "
+            "chunk_gated_delta_rule (chunk_kda for per-key decay) on the same inputs; "
+            "speed vs fla = fla µs / chunked µs.",
             "",
-            "| case | dtype | sequential µs | chunked µs | mma.sync µs | chunked µs/token | fla µs | speed vs fla |",
-            "|---|---|---|---|---|---|---|---|",
+            "| case | dtype | sequential µs | chunked µs | chunked µs/token | fla µs | speed vs fla |",
+            "|---|---|---|---|---|---|---|",
         ]
-        for case, dt, seq, chunked, mma, theirs in prefill:
+        for case, dt, seq, chunked, theirs in prefill:
             per = _per_token(case, chunked)
-            ratio = " / ".join(f"{theirs / x:.2f}×" if x and theirs else "-" for x in (chunked, mma))
-            lines.append(
-                f"| {case} | {dt} | {_us(seq)} | {_us(chunked)} | {_us(mma)} | {per} | {_us(theirs)} | {ratio} |"
-            )
+            ratio = f"{theirs / chunked:.2f}×" if chunked and theirs else "-"
+            lines.append(f"| {case} | {dt} | {_us(seq)} | {_us(chunked)} | {per} | {_us(theirs)} | {ratio} |")
     if memory:
         lines += [
             "",

@@ -166,12 +166,8 @@ def build(out: Path, tensorrt_include: Path | None = None) -> Path:
     if tensorrt_include is not None:
         # the plugins and the harness as the CMake build compiles them (host code, the TensorRT headers)
         ops = re.findall(r"^EM_OP\((\w+), *(\w+)\)", (PLUGINS / "ops.def").read_text(), re.M)
-        host = [
-            PLUGINS / "tests" / "plugin_harness.cpp",
-            PLUGINS / "core" / "plugin.cpp",
-            PLUGINS / "core" / "register.cpp",
-        ]
-        host += [PLUGINS / "core" / "reference.cpp"]
+        host = [PLUGINS / "tests" / "plugin_harness.cpp"]
+        host += [PLUGINS / "core" / f for f in ("plugin.cpp", "register.cpp", "reference.cpp")]
         host += [PLUGINS / folder / f for name, folder in ops for f in (f"{name}Plugin.cpp", "reference.cpp")]
         major, minor = _trt_version(tensorrt_include)
         glue_flags = ["-std=c++17", "-O1", f"-DEDGEMEM_TRT_MAJOR={major}", f"-DEDGEMEM_TRT_MINOR={minor}"]

@@ -204,7 +204,35 @@ struct Tf32
         hi = __float_as_uint(h);
         lo = P == 3 ? __float_as_uint(wm::__float_to_tf32(x - h)) : 0u;
     }
+    // x as the operand it already is for P = 1 (a TF32 value, its low 13 bits zero: no rounding
+    // instructions); split as above for P = 3.
+    __device__ __forceinline__ static Tf32 of(float x)
+    {
+        if constexpr (P == 1)
+            return Tf32(x, 0);
+        else
+            return Tf32(x);
+    }
+
+private:
+    __device__ __forceinline__ Tf32(float x, int)
+        : hi(__float_as_uint(x))
+        , lo(0u)
+    {
+    }
 };
+
+// Accumulators as the operands a P-pass product reads through Tf32::of: rounded to TF32 for P = 1,
+// as they are for P = 3.
+template <int P, int NT>
+__device__ __forceinline__ void tf32Operands(float (&out)[NT][4], float const (&acc)[NT][4])
+{
+    EM_UNROLL
+    for (int n = 0; n < NT; ++n)
+        EM_UNROLL
+    for (int i = 0; i < 4; ++i)
+        out[n][i] = P == 1 ? wm::__float_to_tf32(acc[n][i]) : acc[n][i];
+}
 
 // mma.sync m16n8k8 on TF32 operands, float32 accumulators (lane = 4 g + q). A (16 x 8, row major):
 // a[0] row g, column q; a[1] row g + 8; a[2], a[3] the same rows, column q + 4. B (8 x 8): b0 row q
@@ -228,6 +256,83 @@ __device__ __forceinline__ void mma1688(float (&c)[4], Tf32<P> const (&a)[4], Tf
         step(a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.lo, b1.lo);
     }
     step(a[0].hi, a[1].hi, a[2].hi, a[3].hi, b0.hi, b1.hi);
+}
+
+// acc[n] += X Y_n on m16n8k8 (one warp): X 16 x K, entry (i, k) at x + i * xi + k * XK; Y K x 8 NT,
+// entry (k, j) at y + k * ly + j; both read through Tf32::of, so for P = 1 they must hold TF32
+// values already. A k step takes its 8 columns in the C tiles' order (slot q is column 2 q, slot
+// q + 4 column 2 q + 1): X's reads are 8-byte pairs where XK = 1 (distinct banks for xi = 8 mod
+// 32), X's and Y's rows 2 q and 2 q + 1 fall on distinct banks for a stride of 4 mod 8. Plain
+// pointer arithmetic on shared arrays, so the compiler issues shared loads (wmma's tf32 fragment
+// loads become generic ones).
+template <int P, int K, int NT, int XK>
+__device__ __forceinline__ void warpProduct(float (&acc)[NT][4], float const* x, int xi, float const* y, int ly)
+{
+    int const lane = threadIdx.x % kWarp, g = lane / 4, q = lane % 4;
+    EM_UNROLL
+    for (int k = 0; k < K; k += 8)
+    {
+        float const* xa = x + g * xi + (k + 2 * q) * XK;
+        float2 lo, hi; // rows g and g + 8, columns 2 q and 2 q + 1 of the step
+        if constexpr (XK == 1)
+        {
+            lo = *reinterpret_cast<float2 const*>(xa);
+            hi = *reinterpret_cast<float2 const*>(xa + 8 * xi);
+        }
+        else
+        {
+            lo = make_float2(xa[0], xa[XK]);
+            hi = make_float2(xa[8 * xi], xa[8 * xi + XK]);
+        }
+        using F = Tf32<P>;
+        F const a[4] = {F::of(lo.x), F::of(hi.x), F::of(lo.y), F::of(hi.y)};
+        float const* yb = y + (k + 2 * q) * ly + g;
+        EM_UNROLL
+        for (int n = 0; n < NT; ++n)
+            mma1688<P>(acc[n], a, F::of(yb[8 * n]), F::of(yb[ly + 8 * n]));
+    }
+}
+
+// m16n8 accumulator tiles acc[n] (columns 8 n ..) to and from the row-major 16 x 8 NT block at p
+// (ld even, p 8-byte aligned), shared or global.
+template <int NT>
+__device__ __forceinline__ void storeAcc(float* p, int ld, float const (&acc)[NT][4])
+{
+    int const lane = threadIdx.x % kWarp;
+    float* r = p + (lane / 4) * ld + 2 * (lane % 4);
+    EM_UNROLL
+    for (int n = 0; n < NT; ++n)
+    {
+        *reinterpret_cast<float2*>(r + 8 * n) = make_float2(acc[n][0], acc[n][1]);
+        *reinterpret_cast<float2*>(r + 8 * ld + 8 * n) = make_float2(acc[n][2], acc[n][3]);
+    }
+}
+
+template <int NT>
+__device__ __forceinline__ void loadAcc(float (&acc)[NT][4], float const* p, int ld)
+{
+    int const lane = threadIdx.x % kWarp;
+    float const* r = p + (lane / 4) * ld + 2 * (lane % 4);
+    EM_UNROLL
+    for (int n = 0; n < NT; ++n)
+    {
+        float2 const x = *reinterpret_cast<float2 const*>(r + 8 * n);
+        float2 const y = *reinterpret_cast<float2 const*>(r + 8 * ld + 8 * n);
+        acc[n][0] = x.x;
+        acc[n][1] = x.y;
+        acc[n][2] = y.x;
+        acc[n][3] = y.y;
+    }
+}
+
+template <int NT>
+__device__ __forceinline__ void negate(float (&acc)[NT][4])
+{
+    EM_UNROLL
+    for (int n = 0; n < NT; ++n)
+        EM_UNROLL
+    for (int i = 0; i < 4; ++i)
+        acc[n][i] = -acc[n][i];
 }
 
 // ldmatrix .x4 from shared memory: lane l passes the address of row l % 8 (16 bytes, 16-byte

@@ -454,14 +454,25 @@ extern "C"
         *device = 0;
         return cudaSuccess;
     }
+    // The device stands for an H100's SM count and opt-in shared memory per block unless
+    // EDGEMEM_EMULATE_SMS and EDGEMEM_EMULATE_SMEM (bytes) name others, so that a check can take the
+    // launch forms a smaller device gets.
     cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int)
     {
+        auto setting = [](char const* name, int fallback)
+        {
+            char const* text = std::getenv(name);
+            int const v = text != nullptr ? std::atoi(text) : 0;
+            return v > 0 ? v : fallback;
+        };
         switch (attr)
         {
         case cudaDevAttrComputeCapabilityMajor: *value = EMU_ARCH / 100; return cudaSuccess;
         case cudaDevAttrComputeCapabilityMinor: *value = EMU_ARCH / 10 % 10; return cudaSuccess;
-        case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = 227 * 1024; return cudaSuccess;
-        case cudaDevAttrMultiProcessorCount: *value = 132; return cudaSuccess;
+        case cudaDevAttrMaxSharedMemoryPerBlockOptin:
+            *value = setting("EDGEMEM_EMULATE_SMEM", 227 * 1024);
+            return cudaSuccess;
+        case cudaDevAttrMultiProcessorCount: *value = setting("EDGEMEM_EMULATE_SMS", 132); return cudaSuccess;
         default: return cudaErrorInvalidValue;
         }
     }

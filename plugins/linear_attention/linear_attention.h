@@ -160,7 +160,9 @@ EM_HD bool keyedDecay(Params const& p) { return p.decay_per_key && isGated(p.rul
 // Float offsets of the workspace arrays for segments of `tokens` tokens (a multiple of C):
 //   gcum [B, Hkv, tokens, GW], w and kt [B, Hkv, tokens, DK], u [B, Hkv, tokens, DV],
 //   s [B, Hkv, tokens / C, DK, DV]. DK, DV: d_k and d_v padded with zeros to the kernels' tiles;
-//   GW: 1, or DK for per-key decay.
+//   GW: 1, or DK for per-key decay. For 16-bit I/O, whose products take one TF32 pass, w and kt
+//   hold TF32 values (the state walk's operands) and the walk writes u (U over U0) and s as TF32
+//   values too (the output pass's).
 struct ChunkLayout
 {
     int32_t dk;     // DK

@@ -1,22 +1,25 @@
 // LinearAttention prefill in the chunked (UT/WY) form of edgemem/linear_attention.h, on tensor
-// cores: every product below is a 16x16x8 TF32 warp matrix operation (core/mma.cuh) on float32
-// tiles staged in shared memory, one product per tile for 16-bit inputs, 3xTF32 for float32.
+// cores: TF32 products on float32 tiles staged in shared memory (core/mma.cuh), one product per
+// tile for 16-bit inputs, 3xTF32 for float32.
 //
-// Three kernels per segment, 256 threads (8 warps) each; a warp computes a row of 16 x 16 tiles
-// with one A fragment per k step (rowTiles), so its tiles' products run side by side:
+// Three kernels per segment, 256 threads (8 warps) each; in prepare and output a warp computes a
+// row of 16 x 16 WMMA tiles with one A fragment per k step (rowTiles), so its tiles' products run
+// side by side:
 //   prepare  a block per (chunk, kv head, batch): G, A, T = (I + A)^-1 (16 x 16 diagonal blocks
-//            by substitution, the blocks below by products), W, U0 and K~ into the workspace;
+//            by substitution, the blocks below by products), W, U0 and K~ into the workspace (W and
+//            K~ rounded to TF32 for 16-bit I/O, the walk's one-pass operands);
 //   state    a block per (32 value columns, kv head, batch), or 16 where 32 would leave SMs idle,
-//            walks the chunks in order with its state tile in accumulator fragments:
+//            walks the chunks in order with its state tiles in m16n8k8 accumulators (mma.sync,
+//            fragments read from shared memory by plain loads, warpProduct):
 //            U = U0 - W S (16 columns: two warps share a tile's k sum), S <- exp(G_last) S + K~^T U; it
 //            stores the state at every chunk start. The next chunk's W, K~ and U0 are copied in
 //            (cp.async) while the current one is multiplied where shared memory holds two stages;
 //   output   a block per (chunk, query head, batch x value tile): (Q K^T masked) U + (Q e^G) S.
 // Per-key decay: G [C][DK] goes through the workspace, K K^T and Q K^T become decayedBlocks, the
-// walk scales the rows of its state tiles in shared memory.
-// For 16-bit I/O and per-head decay the prepare and output passes are chunkPrepareMma and
-// chunkOutputMma instead: 4 warps on mma.sync, 16-bit tiles, the output's score tiles kept in
-// registers.
+// walk scales its state rows in the accumulators.
+// With per-head decay the output pass is chunkOutputMma instead (4 warps on mma.sync, Q and K in
+// the I/O type, the score tiles kept in registers), where its shared memory fits; for 16-bit I/O
+// so is the prepare pass (chunkPrepareMma, 16-bit tiles).
 #include "device.cuh"
 #include "launch.h"
 #include "mma.cuh"
@@ -252,7 +255,8 @@ __global__ void __launch_bounds__(kThreads, 2) chunkPrepare(
     {
         int const r = i / DK, d = i % DK;
         float const g = keyed ? gChunk[(C - 1) * DK + d] - gChunk[r * DK + d] : sG[C - 1] - sG[r];
-        ws[l.kt + (row0 + r) * DK + d] = em_exp(g) * sK[r * LK + d];
+        float const kt = em_exp(g) * sK[r * LK + d];
+        ws[l.kt + (row0 + r) * DK + d] = P == 1 ? wm::__float_to_tf32(kt) : kt;
     }
     if (delta)
     {
@@ -283,6 +287,12 @@ __global__ void __launch_bounds__(kThreads, 2) chunkPrepare(
         Acc w[NW];
         zero(w);
         rowTiles<P, C, NW, RowA, RowB>(w, sT + mi * 16 * LC, LC, 8, sK + half * NW * 16, LK, 8 * LK, 16, (mi + 1) * 16);
+        if constexpr (P == 1) // TF32 values: the walk's one-pass operands
+        {
+            EM_UNROLL
+            for (int j = 0; j < NW; ++j)
+                round(w[j]);
+        }
         storeTiles(ws + l.w + (row0 + mi * 16) * DK + half * NW * 16, DK, 16, w);
     }
     for (int v0 = 0; v0 < l.dv; v0 += BV) // U0 = T diag(beta) V; V itself for the non-delta rules
@@ -312,9 +322,9 @@ __global__ void __launch_bounds__(kThreads, 2) chunkPrepare(
 // head, batch), warp w the rows 16 w .. of the chunk. K is staged in the I/O type; K K^T runs on
 // m16n8k16 (exact products, float32 sums) and is masked and scaled in its accumulators,
 // A_rj = [j < r] beta_r exp(G_r - G_j) (K K^T)_rj, before unitLowerInverse takes it as float32;
-// W = T diag(beta e^G) K and U0 = T diag(beta) V take T's row block as m16n8k8 A operands (one
-// TF32 pass: chunkPrepare's rounding for 16-bit I/O). V is staged 64 columns at a time, the first
-// 64 with K.
+// W = (T diag(beta e^G)) K and U0 = (T diag(beta)) V take the scaled rows of T's row block as
+// m16n8k8 A operands, K and V (16-bit values, so TF32 ones) as B operands: one TF32 pass, as
+// chunkPrepare's for 16-bit I/O. V is staged 64 columns at a time, the first 64 with K.
 constexpr int kPrepMmaThreads = 4 * kWarp;
 constexpr int kPrepMmaColumns = 64;
 
@@ -335,13 +345,55 @@ __device__ __forceinline__ uint32_t word(T const* x)
     return *reinterpret_cast<uint32_t const*>(x);
 }
 
-// One warp's 16 rows of T diag(s) X into out (float32, ld ldo; 16 x 8 NV columns), T's rows from t
-// (float32, ld ldt) over its first 8 ksteps columns (the rest is zero), X [C][ldx] in the I/O type,
-// s [C]: T's rows as m16n8k8 A operands, diag(s) X's as B operands, one TF32 pass.
+// The chunk's rows of a token-major tensor into shared memory, W elements a row: row r to
+// dst + r * ld (ld a multiple of 16 bytes), elements from src + at(r) on; zeros past row n and past
+// element `width`. With `whole` (width >= W, src 16-byte aligned, every at(r) a whole number of
+// 16 bytes) the rows go as 16-byte cp.async copies, which the caller commits and waits for; else
+// element by element.
+template <typename T, int W, int THREADS, class At>
+__device__ __forceinline__ void stageRows(T* dst, int ld, T const* src, At at, int n, int width, bool whole)
+{
+    constexpr int E = 16 / int(sizeof(T)); // elements a piece
+    static_assert(W % E == 0, "rows of whole 16-byte pieces");
+    int const tid = threadIdx.x;
+    if (whole)
+    {
+        for (int i = tid; i < C * (W / E); i += THREADS)
+        {
+            int const r = i / (W / E), x = i % (W / E) * E;
+            T* d = dst + r * ld + x;
+            if (r < n)
+                copy16(reinterpret_cast<float*>(d), reinterpret_cast<float const*>(src + at(r) + x));
+            else
+                *reinterpret_cast<uint4*>(d) = make_uint4(0u, 0u, 0u, 0u);
+        }
+        return;
+    }
+    T const zero = fromFloat<T>(0.0f);
+    for (int i = tid; i < C * W; i += THREADS)
+    {
+        int const r = i / W, x = i % W;
+        dst[r * ld + x] = r < n && x < width ? src[at(r) + x] : zero;
+    }
+}
+
+// Whether rows that start at multiples of `stride` elements from x start on 16-byte boundaries
+// (stageRows' copies).
+template <typename T>
+__device__ __forceinline__ bool aligned16(T const* x, int stride)
+{
+    return reinterpret_cast<uintptr_t>(x) % 16 == 0 && stride % (16 / int(sizeof(T))) == 0;
+}
+
+// One warp's 16 rows of T diag(s) X into out (float32, ld ldo; 16 x 8 NV columns; TF32 values
+// where tf32 is set), T's rows from t (float32, ld ldt) over its first 8 ksteps columns (the rest is
+// zero), X [C][ldx] in the I/O type, s [C]: the columns of T diag(s) as m16n8k8 A operands (rounded
+// to TF32), X's rows as B operands (16-bit values are TF32 ones), one TF32 pass.
 template <int NV, typename T>
 __device__ __forceinline__ void rowBlockProduct(
-    float const* t, int ldt, int ksteps, float const* s, T const* x, int ldx, float* out, int ldo)
+    float const* t, int ldt, int ksteps, float const* s, T const* x, int ldx, float* out, int ldo, bool tf32)
 {
+    using F = Tf32<1>;
     int const lane = threadIdx.x % kWarp, g = lane / 4, q = lane % 4;
     float const* ta = t + g * ldt + q;
     float const* tb = ta + 8 * ldt;
@@ -351,20 +403,16 @@ __device__ __forceinline__ void rowBlockProduct(
     {
         if (k >= ksteps)
             break;
-        Tf32<1> const a[4] = {Tf32<1>(ta[8 * k]), Tf32<1>(tb[8 * k]), Tf32<1>(ta[8 * k + 4]), Tf32<1>(tb[8 * k + 4])};
         float const s0 = s[8 * k + q], s1 = s[8 * k + q + 4];
+        F const a[4] = {F(s0 * ta[8 * k]), F(s0 * tb[8 * k]), F(s1 * ta[8 * k + 4]), F(s1 * tb[8 * k + 4])};
         T const* xr = x + (8 * k + q) * ldx + g;
         EM_UNROLL
         for (int v = 0; v < NV; ++v)
-            mma1688<1>(acc[v], a, Tf32<1>(s0 * toFloat(xr[8 * v])), Tf32<1>(s1 * toFloat(xr[4 * ldx + 8 * v])));
+            mma1688<1>(acc[v], a, F::of(toFloat(xr[8 * v])), F::of(toFloat(xr[4 * ldx + 8 * v])));
     }
-    float* oa = out + g * ldo + 2 * q;
-    EM_UNROLL
-    for (int v = 0; v < NV; ++v)
-    {
-        *reinterpret_cast<float2*>(oa + 8 * v) = make_float2(acc[v][0], acc[v][1]);
-        *reinterpret_cast<float2*>(oa + 8 * ldo + 8 * v) = make_float2(acc[v][2], acc[v][3]);
-    }
+    if (tf32)
+        tf32Operands<1>(acc, acc);
+    storeAcc(out, ldo, acc);
 }
 #endif
 
@@ -387,35 +435,36 @@ __global__ void __launch_bounds__(kPrepMmaThreads, 3) chunkPrepareMma(
     int const r0 = c * C, t0 = s0 + r0, n = min(C, len - r0);
     bool const gated = la::isGated(p.rule), delta = la::isDelta(p.rule);
     int64_t const row0 = l.row(p, b, h, r0);
-    T const zero = fromFloat<T>(0.0f);
     T const* key = static_cast<T const*>(io.key);
     T const* value = static_cast<T const*>(io.value);
+    bool const wholeV = aligned16(value, p.dv);
     auto stageV = [&](int v0)
     {
-        for (int i = tid; i < C * BV; i += kPrepMmaThreads)
-        {
-            int const r = i / BV, j = i % BV;
-            sV[r * LV + j] = r < n && v0 + j < p.dv ? value[la::valueOffset(p, b, t0 + r, h, v0 + j)] : zero;
-        }
+        auto at = [&](int r) { return la::valueOffset(p, b, t0 + r, h, v0); };
+        stageRows<T, BV, kPrepMmaThreads>(sV, LV, value, at, n, p.dv - v0, wholeV && p.dv - v0 >= BV);
+        copyCommit();
+        copyWait<0>();
     };
 
-    for (int i = tid; i < C * DK; i += kPrepMmaThreads)
-    {
-        int const r = i / DK, d = i % DK;
-        sK[r * LQ + d] = r < n && d < p.dk ? key[la::keyOffset(p, b, t0 + r, h, d)] : zero;
-    }
+    auto keyAt = [&](int r) { return la::keyOffset(p, b, t0 + r, h, 0); };
+    stageRows<T, DK, kPrepMmaThreads>(sK, LQ, key, keyAt, n, p.dk, p.dk == DK && aligned16(key, p.dk));
     if (delta)
         stageV(0);
+    else
+    {
+        copyCommit();
+        copyWait<0>();
+    }
     if (w == 0)
         scanChunk<T>(p, io, b, h, t0, n, gated, delta, sG, sBeta, sE, ws + l.gcum + row0);
     __syncthreads();
-    for (int i = tid; i < C * DK / 4; i += kPrepMmaThreads) // K~ = exp(G_last - G) . K
+    for (int i = tid; i < C * DK / 4; i += kPrepMmaThreads) // K~ = exp(G_last - G) . K, as TF32 values
     {
         int const r = i / (DK / 4), d = i % (DK / 4) * 4;
         float const e = em_exp(sG[C - 1] - sG[r]);
         T const* k = sK + r * LQ + d;
-        *reinterpret_cast<float4*>(ws + l.kt + (row0 + r) * DK + d)
-            = make_float4(e * toFloat(k[0]), e * toFloat(k[1]), e * toFloat(k[2]), e * toFloat(k[3]));
+        auto x = [&](int j) { return wm::__float_to_tf32(e * toFloat(k[j])); };
+        *reinterpret_cast<float4*>(ws + l.kt + (row0 + r) * DK + d) = make_float4(x(0), x(1), x(2), x(3));
     }
     if (!delta)
     {
@@ -464,7 +513,7 @@ __global__ void __launch_bounds__(kPrepMmaThreads, 3) chunkPrepareMma(
     __syncthreads();
     unitLowerInverse<P, kPrepMmaThreads>(sA, LC, sT, LC);
     // W = T diag(beta e^G) K, then U0 = T diag(beta) V 64 columns at a time
-    rowBlockProduct<DK / 8>(sT + 16 * w * LC, LC, 2 * w + 2, sE, sK, LQ, ws + l.w + (row0 + 16 * w) * DK, DK);
+    rowBlockProduct<DK / 8>(sT + 16 * w * LC, LC, 2 * w + 2, sE, sK, LQ, ws + l.w + (row0 + 16 * w) * DK, DK, true);
     for (int v0 = 0; v0 < l.dv; v0 += BV)
     {
         if (v0 > 0)
@@ -474,7 +523,7 @@ __global__ void __launch_bounds__(kPrepMmaThreads, 3) chunkPrepareMma(
             __syncthreads();
         }
         rowBlockProduct<BV / 8>(
-            sT + 16 * w * LC, LC, 2 * w + 2, sBeta, sV, LV, ws + l.u + (row0 + 16 * w) * l.dv + v0, l.dv);
+            sT + 16 * w * LC, LC, 2 * w + 2, sBeta, sV, LV, ws + l.u + (row0 + 16 * w) * l.dv + v0, l.dv, false);
     }
 #endif
 }
@@ -485,7 +534,9 @@ constexpr int kWarps = kThreads / kWarp;
 template <int DK, int BV>
 __host__ __device__ constexpr int stageFloats()
 {
-    return 2 * lines(C * (DK + 4)) + lines(C * (BV + 4)) + DK;
+    // W [C][DK + 8] (rows 8 words apart mod 32: a warp's 8-byte reads of 4 rows hit distinct banks),
+    // K~ [C][DK + 4], U [C][BV + 4], G_last [DK]
+    return lines(C * (DK + 8)) + lines(C * (DK + 4)) + lines(C * (BV + 4)) + DK;
 }
 
 template <int DK, int BV, int STAGES>
@@ -500,7 +551,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunkState(la::Params const p, Li
     la::ChunkLayout const l, int const len, float const* past, float* ws)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    constexpr int LK = DK + 4, LS = BV + 4;
+    constexpr int LW = DK + 8, LK = DK + 4, LS = BV + 4;
     // state tiles (DK / 16) x (BV / 16), NS consecutive ones (one row block) a warp; warps past
     // the last tile hold none
     constexpr int tiles = DK / 16 * (BV / 16), NS = tiles > kWarps ? tiles / kWarps : 1;
@@ -510,7 +561,7 @@ __global__ void __launch_bounds__(kThreads, 1) chunkState(la::Params const p, Li
     static_assert(NS <= BV / 16 && (KS == 1 || KS == 2), "tile split");
     extern __shared__ __align__(128) float sm[];
     float* sS = sm;                                         // [DK][LS]
-    float* sStage = sS + lines(DK * LS);                    // STAGES x {W [C][LK], K~ [C][LK], U [C][LS], G_last [DK]}
+    float* sStage = sS + lines(DK * LS);                    // STAGES x {W [C][LW], K~ [C][LK], U [C][LS], G_last [DK]}
     float* sPart = sStage + STAGES * stageFloats<DK, BV>(); // KS = 2: [C][LS]
     int const tid = threadIdx.x, warp = tid / kWarp;
     int const v0 = blockIdx.x * BV, h = blockIdx.y, b = blockIdx.z;
@@ -527,29 +578,36 @@ __global__ void __launch_bounds__(kThreads, 1) chunkState(la::Params const p, Li
         sS[d * LS + j] = d < p.dk && v0 + j < p.dv ? past[la::stateOffset(p, b, h, d, v0 + j)] : 0.0f;
     }
     __syncthreads();
-    Acc s[NS];
+    // the warp's state tiles as m16n8 accumulators: rows 16 ri .., columns 16 ci + 8 n ..
+    float s[2 * NS][4];
     if (holds)
-    {
-        EM_UNROLL
-        for (int f = 0; f < NS; ++f)
-            wm::load_matrix_sync(s[f], sS + ri * 16 * LS + (ci + f) * 16, LS, wm::mem_row_major);
-    }
+        loadAcc(s, sS + ri * 16 * LS + ci * 16, LS);
 
     auto fetch = [&](int c, float* st)
     {
+        // rows of W and K~ (DK / 4 pieces of 16 bytes) and of U (BV / 4): a thread takes the same
+        // piece of every (kThreads / pieces)-th row
+        constexpr int RQ = DK / 4, UQ = BV / 4;
+        static_assert(C * RQ % kThreads == 0 && C * UQ % kThreads == 0, "whole rounds");
         int64_t const row0 = l.row(p, b, h, c * C);
-        for (int i = tid; i < C * DK / 4; i += kThreads)
+        int const x = tid % RQ * 4, y = tid % UQ * 4;
+        float const* w = ws + l.w + row0 * DK + x;
+        float const* kt = ws + l.kt + row0 * DK + x;
+        float const* u = ws + l.u + row0 * l.dv + v0 + y;
+        float* su = st + lines(C * LW) + lines(C * LK);
+        EM_UNROLL
+        for (int k = 0; k < C * RQ / kThreads; ++k)
         {
-            int const r = i / (DK / 4), q = i % (DK / 4) * 4;
+            int const r = tid / RQ + k * (kThreads / RQ);
             if (delta)
-                copy16(st + r * LK + q, ws + l.w + (row0 + r) * DK + q);
-            copy16(st + lines(C * LK) + r * LK + q, ws + l.kt + (row0 + r) * DK + q);
+                copy16(st + r * LW + x, w + r * DK);
+            copy16(st + lines(C * LW) + r * LK + x, kt + r * DK);
         }
-        float* su = st + 2 * lines(C * LK);
-        for (int i = tid; i < C * BV / 4; i += kThreads)
+        EM_UNROLL
+        for (int k = 0; k < C * UQ / kThreads; ++k)
         {
-            int const r = i / (BV / 4), q = i % (BV / 4) * 4;
-            copy16(su + r * LS + q, ws + l.u + (row0 + r) * l.dv + v0 + q);
+            int const r = tid / UQ + k * (kThreads / UQ);
+            copy16(su + r * LS + y, u + int64_t(r) * l.dv);
         }
         if (keyed && tid < DK / 4)
             copy16(su + lines(C * LS) + 4 * tid, ws + l.gcum + (row0 + C - 1) * DK + 4 * tid);
@@ -581,81 +639,78 @@ __global__ void __launch_bounds__(kThreads, 1) chunkState(la::Params const p, Li
         }
         if (holds)
         {
-            float* gS = ws + l.stateAt(p, b, h, c);
-            storeTiles(sS + ri * 16 * LS + ci * 16, LS, 16, s);
-            storeTiles(gS + ri * 16 * l.dv + v0 + ci * 16, l.dv, 16, s);
+            // S as the products read it (TF32 values for P = 1): W S here, Q S in the output pass
+            float x[2 * NS][4];
+            tf32Operands<P>(x, s);
+            storeAcc(sS + ri * 16 * LS + ci * 16, LS, x);
+            storeAcc(ws + l.stateAt(p, b, h, c) + ri * 16 * l.dv + v0 + ci * 16, l.dv, x);
         }
         __syncthreads();
         float const* sW = st;
-        float const* sKt = st + lines(C * LK);
-        float* sU = st + 2 * lines(C * LK);
+        float const* sKt = st + lines(C * LW);
+        float* sU = st + lines(C * LW) + lines(C * LK);
         if (delta)
         {
-            // U = U0 - W S: tile (mi, ni), k part kp of KS
+            // U = -(-U0 + W S): tile (mi, ni), k part kp of KS (the sign on the accumulators, not
+            // on every operand)
             int const ut = warp % utiles, kp = warp / utiles;
             int const mi = ut / (BV / 16), ni = ut % (BV / 16);
             constexpr int KK = DK / KS;
-            Acc u[1];
+            float u[2][4] = {};
             if (kp == 0)
-                wm::load_matrix_sync(u[0], sU + mi * 16 * LS + ni * 16, LS, wm::mem_row_major);
-            else
-                zero(u);
-            rowTiles<P, KK, 1, RowA, RowB>(
-                u, sW + mi * 16 * LK + kp * KK, LK, 8, sS + kp * KK * LS + ni * 16, LS, 8 * LS, 0, KK, -1.0f);
+            {
+                loadAcc(u, sU + mi * 16 * LS + ni * 16, LS);
+                negate(u);
+            }
+            warpProduct<P, KK, 2, 1>(u, sW + mi * 16 * LW + kp * KK, LW, sS + kp * KK * LS + ni * 16, LS);
             if constexpr (KS == 2)
             {
                 if (kp == 1)
-                    wm::store_matrix_sync(sPart + mi * 16 * LS + ni * 16, u[0], LS, wm::mem_row_major);
+                    storeAcc(sPart + mi * 16 * LS + ni * 16, LS, u);
                 __syncthreads();
                 if (kp == 0)
                 {
-                    Acc v[1];
-                    wm::load_matrix_sync(v[0], sPart + mi * 16 * LS + ni * 16, LS, wm::mem_row_major);
+                    float v[2][4];
+                    loadAcc(v, sPart + mi * 16 * LS + ni * 16, LS);
                     EM_UNROLL
-                    for (int i = 0; i < u[0].num_elements; ++i)
-                        u[0].x[i] += v[0].x[i];
+                    for (int n = 0; n < 2; ++n)
+                        EM_UNROLL
+                    for (int i = 0; i < 4; ++i)
+                        u[n][i] += v[n][i];
                 }
             }
             if (kp == 0)
             {
-                wm::store_matrix_sync(sU + mi * 16 * LS + ni * 16, u[0], LS, wm::mem_row_major);
-                wm::store_matrix_sync(
-                    ws + l.u + (l.row(p, b, h, c * C) + mi * 16) * l.dv + v0 + ni * 16, u[0], l.dv, wm::mem_row_major);
+                negate(u);
+                float x[2][4];
+                tf32Operands<P>(x, u);
+                storeAcc(sU + mi * 16 * LS + ni * 16, LS, x);
+                storeAcc(ws + l.u + (l.row(p, b, h, c * C) + mi * 16) * l.dv + v0 + ni * 16, l.dv, x);
             }
             __syncthreads();
         }
         if (holds)
         {
-            float const* last = sU + lines(C * LS); // G_last: [DK] per key, at [3] per head
-            if (keyed)
+            // S <- diag(exp(G_last)) S + K~^T U; G_last: [DK] per key, at [3] per head; this lane's
+            // rows of S are 16 ri + g and + 8
+            float const* last = sU + lines(C * LS);
+            int const g = threadIdx.x % kWarp / 4;
+            float const e0 = em_exp(keyed ? last[ri * 16 + g] : last[3]);
+            float const e1 = keyed ? em_exp(last[ri * 16 + g + 8]) : e0;
+            EM_UNROLL
+            for (int n = 0; n < 2 * NS; ++n)
             {
-                // the warp's tiles of S at the chunk start are still in sS: scale their rows there
-                for (int e = threadIdx.x % kWarp; e < 16 * NS * 16; e += kWarp)
-                {
-                    int const d = ri * 16 + e / (NS * 16), j = ci * 16 + e % (NS * 16);
-                    sS[d * LS + j] *= em_exp(last[d]);
-                }
-                __syncwarp();
-                EM_UNROLL
-                for (int f = 0; f < NS; ++f)
-                    wm::load_matrix_sync(s[f], sS + ri * 16 * LS + (ci + f) * 16, LS, wm::mem_row_major);
+                s[n][0] *= e0;
+                s[n][1] *= e0;
+                s[n][2] *= e1;
+                s[n][3] *= e1;
             }
-            else
-            {
-                float const decay = em_exp(last[3]);
-                EM_UNROLL
-                for (int f = 0; f < NS; ++f)
-                    EM_UNROLL
-                for (int i = 0; i < s[f].num_elements; ++i)
-                    s[f].x[i] *= decay;
-            }
-            // S <- diag(exp(G_last)) S + K~^T U
-            rowTiles<P, C, NS, ColA, RowB>(s, sKt + ri * 16, LK, 8 * LK, sU + ci * 16, LS, 8 * LS, 16);
+            warpProduct<P, C, 2 * NS, LK>(s, sKt + ri * 16, 1, sU + ci * 16, LS);
         }
     }
     __syncthreads();
     if (holds)
-        storeTiles(sS + ri * 16 * LS + ci * 16, LS, 16, s);
+        storeAcc(sS + ri * 16 * LS + ci * 16, LS, s);
     __syncthreads();
     for (int i = tid; i < DK * BV; i += kThreads)
     {
@@ -766,23 +821,24 @@ __global__ void __launch_bounds__(kThreads, 2) chunkOutput(la::Params const p, L
 #endif
 }
 
-// The output pass on mma.sync m16n8k8 (16-bit I/O, per-head decay): a block of 4 warps
-// per (chunk, query head, batch x 64 value columns), warp w the 16 query rows 16 w .. of the chunk.
-// Its Q K^T tiles stay in accumulators, are masked and decayed there, M_rj = [j <= r] exp(G_r - G_j)
-// (Q K^T)_rj, and feed M U as A operands (core/mma.cuh); (Q e^G) S takes Q's fragments scaled by
-// their row's exp(G). Q and K are staged in the I/O type (exact in TF32), S and U as float32; one
-// barrier. Key tiles above a warp's rows are skipped (M is lower triangular). Products as chunkOutput's
-// for 16-bit I/O: one TF32 pass.
+// The output pass on mma.sync (per-head decay): a block of 4 warps per (chunk, query head, batch x
+// 64 value columns), warp w the 16 query rows 16 w .. of the chunk. Q K^T stays in accumulators,
+// is masked and decayed there, M_rj = [j <= r] exp(G_r - G_j) (Q K^T)_rj, and feeds M U as m16n8k8
+// A operands (core/mma.cuh); (Q e^G) S is taken as diag(e^G) (Q S). Q and K are staged in the I/O
+// type, S and U as float32; one barrier. Key tiles above a warp's rows are skipped (M is lower
+// triangular). 16-bit I/O: Q K^T on m16n8k16 (exact products, float32 sums); Q's values are TF32
+// ones and S and U come from the walk as TF32 values, so M is all it rounds. Float32 I/O: every
+// product in 3xTF32 on m16n8k8, Q's and K's k steps read as 8-byte pairs.
 constexpr int kOutMmaColumns = 64;
 
 template <typename T, int DK>
 __host__ __device__ constexpr int outputMmaBytes()
 {
-    // Q, K [C][DK + 8] 16-bit (rows 4 words apart mod 32: a warp's fragment reads hit distinct banks),
-    // S [DK][64 + 8], U [C][64 + 4] float32, G [C]
-    static_assert(sizeof(T) == 2, "16-bit I/O");
+    // Q, K [C][DK + 8] in the I/O type (rows 4 words apart mod 32 for 16 bits, 8 for 32: a warp's
+    // fragment reads hit distinct banks), S [DK][64 + 4], U [C][64 + 4] float32 (rows 2 q and 2 q + 1
+    // of a k step on distinct banks), G [C]
     return 2 * C * (DK + 8) * int(sizeof(T))
-        + (DK * (kOutMmaColumns + 8) + C * (kOutMmaColumns + 4) + C) * int(sizeof(float));
+        + (DK * (kOutMmaColumns + 4) + C * (kOutMmaColumns + 4) + C) * int(sizeof(float));
 }
 
 template <typename T, int DK>
@@ -790,8 +846,9 @@ __global__ void __launch_bounds__(4 * kWarp) chunkOutputMma(la::Params const p, 
     la::ChunkLayout const l, int const s0, int const len, float const* ws)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    constexpr int P = 1, BV = kOutMmaColumns, LQ = DK + 8, LS = BV + 8, LU = BV + 4;
-    constexpr int NK = DK / 8, NT = C / 8, NV = BV / 8;
+    constexpr bool wide = std::is_same<T, float>::value;
+    constexpr int P = wide ? 3 : 1, BV = kOutMmaColumns, LQ = DK + 8, LS = BV + 4, LU = BV + 4;
+    constexpr int NT = C / 8, NV = BV / 8;
     extern __shared__ __align__(128) float sm[];
     float* sS = sm;                       // [DK][LS]
     float* sU = sS + DK * LS;             // [C][LU]
@@ -817,37 +874,63 @@ __global__ void __launch_bounds__(4 * kWarp) chunkOutputMma(la::Params const p, 
         int const r = i / (BV / 4), x = i % (BV / 4) * 4;
         copy16(sU + r * LU + x, ws + l.u + (row0 + r) * l.dv + v0 + x);
     }
+    T const* query = static_cast<T const*>(io.query);
+    T const* key = static_cast<T const*>(io.key);
+    bool const whole = p.dk == DK && aligned16(query, p.dk) && aligned16(key, p.dk);
+    auto queryAt = [&](int r) { return la::queryOffset(p, b, t0 + r, hq, 0); };
+    auto keyAt = [&](int r) { return la::keyOffset(p, b, t0 + r, h, 0); };
+    stageRows<T, DK, 4 * kWarp>(sQ, LQ, query, queryAt, n, p.dk, whole);
+    stageRows<T, DK, 4 * kWarp>(sK, LQ, key, keyAt, n, p.dk, whole);
     copyCommit();
-    T const zero = fromFloat<T>(0.0f);
-    for (int i = tid; i < C * DK; i += 4 * kWarp)
-    {
-        int const r = i / DK, d = i % DK;
-        bool const in = r < n && d < p.dk;
-        sQ[r * LQ + d] = in ? static_cast<T const*>(io.query)[la::queryOffset(p, b, t0 + r, hq, d)] : zero;
-        sK[r * LQ + d] = in ? static_cast<T const*>(io.key)[la::keyOffset(p, b, t0 + r, h, d)] : zero;
-    }
     for (int i = tid; i < C; i += 4 * kWarp)
         sG[i] = ws[l.gcum + row0 + i];
     copyWait<0>();
     __syncthreads();
 
+    using F = Tf32<P>;
     int const ra = 16 * w + g, rb = ra + 8; // this lane's rows
-    T const* qa = sQ + ra * LQ + q;
-    T const* qb = sQ + rb * LQ + q;
+    T const* qa = sQ + ra * LQ + 2 * q;
+    T const* qb = sQ + rb * LQ + 2 * q;
+    auto pair = [](T const* x) // elements 2 q and 2 q + 1 of a k step
+    {
+        if constexpr (wide)
+            return *reinterpret_cast<float2 const*>(x);
+        else
+            return make_float2(toFloat(x[0]), toFloat(x[1]));
+    };
     // m[j]: (Q K^T) rows ra, rb, keys 8 j + 2 q, + 1; tiles past the warp's last row stay zero
     float m[NT][4] = {};
-    EM_UNROLL
-    for (int k = 0; k < NK; ++k)
+    if constexpr (wide)
     {
-        Tf32<P> const a[4] = {Tf32<P>(toFloat(qa[8 * k])), Tf32<P>(toFloat(qb[8 * k])), Tf32<P>(toFloat(qa[8 * k + 4])),
-            Tf32<P>(toFloat(qb[8 * k + 4]))};
         EM_UNROLL
-        for (int j = 0; j < NT; ++j)
+        for (int k = 0; k < DK / 8; ++k)
         {
-            if (j > 2 * w + 1)
-                break;
-            T const* kr = sK + (8 * j + g) * LQ + 8 * k + q;
-            mma1688<P>(m[j], a, Tf32<P>(toFloat(kr[0])), Tf32<P>(toFloat(kr[4])));
+            float2 const xa = pair(qa + 8 * k), xb = pair(qb + 8 * k);
+            F const a[4] = {F(xa.x), F(xb.x), F(xa.y), F(xb.y)};
+            EM_UNROLL
+            for (int j = 0; j < NT; ++j)
+            {
+                if (j > 2 * w + 1)
+                    break;
+                float2 const y = pair(sK + (8 * j + g) * LQ + 8 * k + 2 * q);
+                mma1688<P>(m[j], a, F(y.x), F(y.y));
+            }
+        }
+    }
+    else
+    {
+        EM_UNROLL
+        for (int k = 0; k < DK / 16; ++k)
+        {
+            uint32_t const a[4] = {word(qa + 16 * k), word(qb + 16 * k), word(qa + 16 * k + 8), word(qb + 16 * k + 8)};
+            EM_UNROLL
+            for (int j = 0; j < NT; ++j)
+            {
+                if (j > 2 * w + 1)
+                    break;
+                T const* kr = sK + (8 * j + g) * LQ + 16 * k + 2 * q;
+                mma16816<T>(m[j], a, word(kr), word(kr + 8));
+            }
         }
     }
     float const ga = sG[ra], gb = sG[rb];
@@ -859,28 +942,37 @@ __global__ void __launch_bounds__(4 * kWarp) chunkOutputMma(la::Params const p, 
         int const r = i < 2 ? ra : rb, col = 8 * j + 2 * q + i % 2;
         m[j][i] = col <= r ? em_exp((i < 2 ? ga : gb) - sG[col]) * m[j][i] : 0.0f;
     }
+    // Q S: a k step's columns 2 q, 2 q + 1 of Q as one pair (slots q and q + 4)
     float o[NV][4] = {};
-    float const ea = em_exp(ga), eb = em_exp(gb);
     EM_UNROLL
-    for (int k = 0; k < NK; ++k)
+    for (int k = 0; k < DK / 8; ++k)
     {
-        Tf32<P> const a[4] = {Tf32<P>(ea * toFloat(qa[8 * k])), Tf32<P>(eb * toFloat(qb[8 * k])),
-            Tf32<P>(ea * toFloat(qa[8 * k + 4])), Tf32<P>(eb * toFloat(qb[8 * k + 4]))};
-        float const* sr = sS + (8 * k + q) * LS + g;
+        float2 const xa = pair(qa + 8 * k), xb = pair(qb + 8 * k);
+        F const a[4] = {F::of(xa.x), F::of(xb.x), F::of(xa.y), F::of(xb.y)};
+        float const* sr = sS + (8 * k + 2 * q) * LS + g;
         EM_UNROLL
         for (int v = 0; v < NV; ++v)
-            mma1688<P>(o[v], a, Tf32<P>(sr[8 * v]), Tf32<P>(sr[4 * LS + 8 * v]));
+            mma1688<P>(o[v], a, F::of(sr[8 * v]), F::of(sr[LS + 8 * v]));
+    }
+    float const ea = em_exp(ga), eb = em_exp(gb);
+    EM_UNROLL
+    for (int v = 0; v < NV; ++v)
+    {
+        o[v][0] *= ea;
+        o[v][1] *= ea;
+        o[v][2] *= eb;
+        o[v][3] *= eb;
     }
     EM_UNROLL
     for (int j = 0; j < NT; ++j)
     {
         if (j > 2 * w + 1)
             break;
-        Tf32<P> const a[4] = {Tf32<P>(m[j][0]), Tf32<P>(m[j][2]), Tf32<P>(m[j][1]), Tf32<P>(m[j][3])};
+        F const a[4] = {F(m[j][0]), F(m[j][2]), F(m[j][1]), F(m[j][3])};
         float const* ur = sU + (8 * j + 2 * q) * LU + g;
         EM_UNROLL
         for (int v = 0; v < NV; ++v)
-            mma1688<P>(o[v], a, Tf32<P>(ur[8 * v]), Tf32<P>(ur[LU + 8 * v]));
+            mma1688<P>(o[v], a, F::of(ur[8 * v]), F::of(ur[LU + 8 * v]));
     }
     EM_UNROLL
     for (int v = 0; v < NV; ++v)
@@ -946,13 +1038,13 @@ int runChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout
     auto walk = narrow ? (two ? chunkState<DK, 16, P, 2> : chunkState<DK, 16, P, 1>)
                        : (two ? chunkState<DK, 32, P, 2> : chunkState<DK, 32, P, 1>);
     auto output = wide ? chunkOutput<T, DK, P, 64> : chunkOutput<T, DK, P, 32>;
-    // chunkOutputMma: 16-bit I/O and per-head decay, where its shared memory fits (float32 I/O has
-    // chunkOutput: its Q and K would take twice the room)
+    // chunkOutputMma: per-head decay, where its shared memory fits
+    constexpr size_t outMmaBytes = outputMmaBytes<T, DK>();
+    bool const mmaOut = !la::keyedDecay(p) && outMmaBytes <= size_t(dev.smem);
+    auto outputMma = chunkOutputMma<T, DK>;
+    // chunkPrepareMma: 16-bit I/O and per-head decay, where its shared memory fits (float32 I/O has
+    // chunkPrepare)
     using H = std::conditional_t<std::is_same<T, float>::value, __half, T>;
-    constexpr size_t outMmaBytes = outputMmaBytes<H, DK>();
-    bool const mmaOut = !std::is_same<T, float>::value && !la::keyedDecay(p) && outMmaBytes <= size_t(dev.smem);
-    auto outputMma = chunkOutputMma<H, DK>;
-    // chunkPrepareMma on the same terms
     constexpr size_t prepMmaBytes = prepareMmaBytes<H, DK>();
     bool const mmaPrep = !std::is_same<T, float>::value && !la::keyedDecay(p) && prepMmaBytes <= size_t(dev.smem);
     auto prepareMma = chunkPrepareMma<H, DK>;

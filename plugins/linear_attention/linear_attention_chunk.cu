@@ -17,9 +17,9 @@
 //   output   a block per (chunk, query head, batch x value tile): (Q K^T masked) U + (Q e^G) S.
 // Per-key decay: G [C][DK] goes through the workspace, K K^T and Q K^T become decayedBlocks, the
 // walk scales its state rows in the accumulators.
-// With per-head decay the output pass is chunkOutputMma instead (4 warps on mma.sync, Q and K in
-// the I/O type, the score tiles kept in registers), where its shared memory fits; for 16-bit I/O
-// so is the prepare pass (chunkPrepareMma, 16-bit tiles).
+// With per-head decay the prepare and output passes are chunkPrepareMma and chunkOutputMma
+// instead, where their shared memory fits: 4 warps on mma.sync, K (and Q) staged in the I/O type,
+// the score tiles kept in registers.
 #include "device.cuh"
 #include "launch.h"
 #include "mma.cuh"
@@ -318,13 +318,13 @@ __global__ void __launch_bounds__(kThreads, 2) chunkPrepare(
 #endif
 }
 
-// The prepare pass on mma.sync (16-bit I/O, per-head decay): a block of 4 warps per (chunk, kv
-// head, batch), warp w the rows 16 w .. of the chunk. K is staged in the I/O type; K K^T runs on
-// m16n8k16 (exact products, float32 sums) and is masked and scaled in its accumulators,
-// A_rj = [j < r] beta_r exp(G_r - G_j) (K K^T)_rj, before unitLowerInverse takes it as float32;
-// W = (T diag(beta e^G)) K and U0 = (T diag(beta)) V take the scaled rows of T's row block as
-// m16n8k8 A operands, K and V (16-bit values, so TF32 ones) as B operands: one TF32 pass, as
-// chunkPrepare's for 16-bit I/O. V is staged 64 columns at a time, the first 64 with K.
+// The prepare pass on mma.sync (per-head decay): a block of 4 warps per (chunk, kv head, batch),
+// warp w the rows 16 w .. of the chunk. K is staged in the I/O type; K K^T (scoreTiles) is masked
+// and scaled in its accumulators, A_rj = [j < r] beta_r exp(G_r - G_j) (K K^T)_rj, before
+// unitLowerInverse takes it as float32; W = (T diag(beta e^G)) K and U0 = (T diag(beta)) V take the
+// scaled rows of T's row block as m16n8k8 A operands, K and V as B operands. 16-bit I/O: exact
+// K K^T products, then one TF32 pass (16-bit values are TF32 ones), as chunkPrepare's; float32 I/O:
+// 3xTF32 throughout. V is staged 64 columns at a time, the first 64 with K.
 constexpr int kPrepMmaThreads = 4 * kWarp;
 constexpr int kPrepMmaColumns = 64;
 
@@ -332,8 +332,7 @@ template <typename T, int DK>
 __host__ __device__ constexpr int prepareMmaBytes()
 {
     // A, T [C][C + 4] and G, beta, beta e^G [C] float32; K [C][DK + 8] and V [C][64 + 8] in T (rows
-    // 4 words apart mod 32: a warp's fragment reads hit distinct banks)
-    static_assert(sizeof(T) == 2, "16-bit I/O");
+    // 4 words apart mod 32 for 16 bits, 8 for 32: a warp's fragment reads hit distinct banks)
     return (2 * C * (C + 4) + 3 * C) * int(sizeof(float)) + C * (DK + 8 + kPrepMmaColumns + 8) * int(sizeof(T));
 }
 
@@ -343,6 +342,52 @@ template <typename T>
 __device__ __forceinline__ uint32_t word(T const* x)
 {
     return *reinterpret_cast<uint32_t const*>(x);
+}
+
+// One warp's causal score tiles m[j] += X K^T for key tiles j <= jmax (8 keys each; the rest stay
+// as they are): X's rows g and g + 8 of the warp at xa and xb, K's rows at keys (ld apart), both
+// [.][DK] in the I/O type T, offset by 2 q. 16-bit T: m16n8k16, exact products and float32 sums.
+// Float32: 3xTF32 on m16n8k8, a k step's columns 2 q and 2 q + 1 as one 8-byte pair (slots q and
+// q + 4).
+template <typename T, int DK, int NT>
+__device__ __forceinline__ void scoreTiles(float (&m)[NT][4], T const* xa, T const* xb, T const* keys, int ld, int jmax)
+{
+    int const g = threadIdx.x % kWarp / 4;
+    if constexpr (std::is_same<T, float>::value)
+    {
+        using F = Tf32<3>;
+        EM_UNROLL
+        for (int k = 0; k < DK / 8; ++k)
+        {
+            float2 const x0 = *reinterpret_cast<float2 const*>(xa + 8 * k);
+            float2 const x1 = *reinterpret_cast<float2 const*>(xb + 8 * k);
+            F const a[4] = {F(x0.x), F(x1.x), F(x0.y), F(x1.y)};
+            EM_UNROLL
+            for (int j = 0; j < NT; ++j)
+            {
+                if (j > jmax)
+                    break;
+                float2 const y = *reinterpret_cast<float2 const*>(keys + (8 * j + g) * ld + 8 * k);
+                mma1688<3>(m[j], a, F(y.x), F(y.y));
+            }
+        }
+    }
+    else
+    {
+        EM_UNROLL
+        for (int k = 0; k < DK / 16; ++k)
+        {
+            uint32_t const a[4] = {word(xa + 16 * k), word(xb + 16 * k), word(xa + 16 * k + 8), word(xb + 16 * k + 8)};
+            EM_UNROLL
+            for (int j = 0; j < NT; ++j)
+            {
+                if (j > jmax)
+                    break;
+                T const* kr = keys + (8 * j + g) * ld + 16 * k;
+                mma16816<T>(m[j], a, word(kr), word(kr + 8));
+            }
+        }
+    }
 }
 
 // The chunk's rows of a token-major tensor into shared memory, W elements a row: row r to
@@ -387,13 +432,13 @@ __device__ __forceinline__ bool aligned16(T const* x, int stride)
 
 // One warp's 16 rows of T diag(s) X into out (float32, ld ldo; 16 x 8 NV columns; TF32 values
 // where tf32 is set), T's rows from t (float32, ld ldt) over its first 8 ksteps columns (the rest is
-// zero), X [C][ldx] in the I/O type, s [C]: the columns of T diag(s) as m16n8k8 A operands (rounded
-// to TF32), X's rows as B operands (16-bit values are TF32 ones), one TF32 pass.
-template <int NV, typename T>
+// zero), X [C][ldx] in the I/O type, s [C]: the rows of T diag(s) as m16n8k8 A operands, X's rows as
+// B operands. P = 1 (16-bit X, whose values are TF32 ones): one TF32 pass; P = 3: 3xTF32.
+template <int NV, int P, typename T>
 __device__ __forceinline__ void rowBlockProduct(
     float const* t, int ldt, int ksteps, float const* s, T const* x, int ldx, float* out, int ldo, bool tf32)
 {
-    using F = Tf32<1>;
+    using F = Tf32<P>;
     int const lane = threadIdx.x % kWarp, g = lane / 4, q = lane % 4;
     float const* ta = t + g * ldt + q;
     float const* tb = ta + 8 * ldt;
@@ -408,7 +453,7 @@ __device__ __forceinline__ void rowBlockProduct(
         T const* xr = x + (8 * k + q) * ldx + g;
         EM_UNROLL
         for (int v = 0; v < NV; ++v)
-            mma1688<1>(acc[v], a, F::of(toFloat(xr[8 * v])), F::of(toFloat(xr[4 * ldx + 8 * v])));
+            mma1688<P>(acc[v], a, F::of(toFloat(xr[8 * v])), F::of(toFloat(xr[4 * ldx + 8 * v])));
     }
     if (tf32)
         tf32Operands<1>(acc, acc);
@@ -421,7 +466,8 @@ __global__ void __launch_bounds__(kPrepMmaThreads, 3) chunkPrepareMma(
     la::Params const p, LinearAttentionIO const io, la::ChunkLayout const l, int const s0, int const len, float* ws)
 {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    constexpr int P = 1, BV = kPrepMmaColumns, LQ = DK + 8, LV = BV + 8, LC = C + 4, NT = C / 8;
+    constexpr int P = std::is_same<T, float>::value ? 3 : 1;
+    constexpr int BV = kPrepMmaColumns, LQ = DK + 8, LV = BV + 8, LC = C + 4, NT = C / 8;
     extern __shared__ __align__(128) float sm[];
     float* sA = sm;                       // [C][LC]
     float* sT = sA + C * LC;              // [C][LC]
@@ -458,12 +504,16 @@ __global__ void __launch_bounds__(kPrepMmaThreads, 3) chunkPrepareMma(
     if (w == 0)
         scanChunk<T>(p, io, b, h, t0, n, gated, delta, sG, sBeta, sE, ws + l.gcum + row0);
     __syncthreads();
-    for (int i = tid; i < C * DK / 4; i += kPrepMmaThreads) // K~ = exp(G_last - G) . K, as TF32 values
+    for (int i = tid; i < C * DK / 4; i += kPrepMmaThreads) // K~ = exp(G_last - G) . K (P = 1: as TF32 values)
     {
         int const r = i / (DK / 4), d = i % (DK / 4) * 4;
         float const e = em_exp(sG[C - 1] - sG[r]);
         T const* k = sK + r * LQ + d;
-        auto x = [&](int j) { return wm::__float_to_tf32(e * toFloat(k[j])); };
+        auto x = [&](int j)
+        {
+            float const v = e * toFloat(k[j]);
+            return P == 1 ? wm::__float_to_tf32(v) : v;
+        };
         *reinterpret_cast<float4*>(ws + l.kt + (row0 + r) * DK + d) = make_float4(x(0), x(1), x(2), x(3));
     }
     if (!delta)
@@ -481,21 +531,7 @@ __global__ void __launch_bounds__(kPrepMmaThreads, 3) chunkPrepareMma(
     {
         // K K^T over the key tiles (8 columns) j <= 2 w + 1: the rest of the row block is above the diagonal
         float m[NT][4] = {};
-        EM_UNROLL
-        for (int k = 0; k < DK / 16; ++k)
-        {
-            T const* ka = sK + ra * LQ + 16 * k + 2 * q;
-            T const* kb = sK + rb * LQ + 16 * k + 2 * q;
-            uint32_t const a[4] = {word(ka), word(kb), word(ka + 8), word(kb + 8)};
-            EM_UNROLL
-            for (int j = 0; j < NT; ++j)
-            {
-                if (j > 2 * w + 1)
-                    break;
-                T const* kr = sK + (8 * j + g) * LQ + 16 * k + 2 * q;
-                mma16816<T>(m[j], a, word(kr), word(kr + 8));
-            }
-        }
+        scoreTiles<T, DK>(m, sK + ra * LQ + 2 * q, sK + rb * LQ + 2 * q, sK + 2 * q, LQ, 2 * w + 1);
         float const ga = sG[ra], gb = sG[rb], ba = sBeta[ra], bb = sBeta[rb];
         EM_UNROLL
         for (int j = 0; j < NT; ++j)
@@ -513,7 +549,8 @@ __global__ void __launch_bounds__(kPrepMmaThreads, 3) chunkPrepareMma(
     __syncthreads();
     unitLowerInverse<P, kPrepMmaThreads>(sA, LC, sT, LC);
     // W = T diag(beta e^G) K, then U0 = T diag(beta) V 64 columns at a time
-    rowBlockProduct<DK / 8>(sT + 16 * w * LC, LC, 2 * w + 2, sE, sK, LQ, ws + l.w + (row0 + 16 * w) * DK, DK, true);
+    rowBlockProduct<DK / 8, P>(
+        sT + 16 * w * LC, LC, 2 * w + 2, sE, sK, LQ, ws + l.w + (row0 + 16 * w) * DK, DK, P == 1);
     for (int v0 = 0; v0 < l.dv; v0 += BV)
     {
         if (v0 > 0)
@@ -522,7 +559,7 @@ __global__ void __launch_bounds__(kPrepMmaThreads, 3) chunkPrepareMma(
             stageV(v0);
             __syncthreads();
         }
-        rowBlockProduct<BV / 8>(
+        rowBlockProduct<BV / 8, P>(
             sT + 16 * w * LC, LC, 2 * w + 2, sBeta, sV, LV, ws + l.u + (row0 + 16 * w) * l.dv + v0, l.dv, false);
     }
 #endif
@@ -900,39 +937,7 @@ __global__ void __launch_bounds__(4 * kWarp) chunkOutputMma(la::Params const p, 
     };
     // m[j]: (Q K^T) rows ra, rb, keys 8 j + 2 q, + 1; tiles past the warp's last row stay zero
     float m[NT][4] = {};
-    if constexpr (wide)
-    {
-        EM_UNROLL
-        for (int k = 0; k < DK / 8; ++k)
-        {
-            float2 const xa = pair(qa + 8 * k), xb = pair(qb + 8 * k);
-            F const a[4] = {F(xa.x), F(xb.x), F(xa.y), F(xb.y)};
-            EM_UNROLL
-            for (int j = 0; j < NT; ++j)
-            {
-                if (j > 2 * w + 1)
-                    break;
-                float2 const y = pair(sK + (8 * j + g) * LQ + 8 * k + 2 * q);
-                mma1688<P>(m[j], a, F(y.x), F(y.y));
-            }
-        }
-    }
-    else
-    {
-        EM_UNROLL
-        for (int k = 0; k < DK / 16; ++k)
-        {
-            uint32_t const a[4] = {word(qa + 16 * k), word(qb + 16 * k), word(qa + 16 * k + 8), word(qb + 16 * k + 8)};
-            EM_UNROLL
-            for (int j = 0; j < NT; ++j)
-            {
-                if (j > 2 * w + 1)
-                    break;
-                T const* kr = sK + (8 * j + g) * LQ + 16 * k + 2 * q;
-                mma16816<T>(m[j], a, word(kr), word(kr + 8));
-            }
-        }
-    }
+    scoreTiles<T, DK>(m, qa, qb, sK + 2 * q, LQ, 2 * w + 1);
     float const ga = sG[ra], gb = sG[rb];
     EM_UNROLL
     for (int j = 0; j < NT; ++j)
@@ -1042,12 +1047,10 @@ int runChunked(la::Params const& p, LinearAttentionIO const& io, la::ChunkLayout
     constexpr size_t outMmaBytes = outputMmaBytes<T, DK>();
     bool const mmaOut = !la::keyedDecay(p) && outMmaBytes <= size_t(dev.smem);
     auto outputMma = chunkOutputMma<T, DK>;
-    // chunkPrepareMma: 16-bit I/O and per-head decay, where its shared memory fits (float32 I/O has
-    // chunkPrepare)
-    using H = std::conditional_t<std::is_same<T, float>::value, __half, T>;
-    constexpr size_t prepMmaBytes = prepareMmaBytes<H, DK>();
-    bool const mmaPrep = !std::is_same<T, float>::value && !la::keyedDecay(p) && prepMmaBytes <= size_t(dev.smem);
-    auto prepareMma = chunkPrepareMma<H, DK>;
+    // chunkPrepareMma on the same terms
+    constexpr size_t prepMmaBytes = prepareMmaBytes<T, DK>();
+    bool const mmaPrep = !la::keyedDecay(p) && prepMmaBytes <= size_t(dev.smem);
+    auto prepareMma = chunkPrepareMma<T, DK>;
     if (prep > size_t(dev.smem) || state > size_t(dev.smem) || out > size_t(dev.smem))
         return kUnsupported;
     if (!(mmaPrep ? allow(prepareMma, prepMmaBytes) : allow(prepare, prep)) || !allow(walk, state)

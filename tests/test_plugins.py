@@ -688,6 +688,12 @@ def test_chunked_linear_attention_passes_in_the_forms_a_smaller_device_gets(emul
     passed, total = map(int, re.search(r"(\d+) of (\d+) numerical checks passed", proc.stdout).groups())
     assert passed == total and total >= 160, proc.stdout[:500]
     assert re.search(r"^\| LinearAttention \| long quick \w+ \| fp16 \| chunked \| ", proc.stdout, re.M)
+    env["EDGEMEM_EMULATE_SMS"] = "one"
+    proc = subprocess.run([*script, "--quick", "--op", "linear"], capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and "EDGEMEM_EMULATE_SMS is 'one'; expected a positive integer" in proc.stderr, (
+        proc.returncode,
+        proc.stderr[-2000:],
+    )
 
 
 def test_plugin_harness_enqueues_every_plugin_on_the_cpu_emulator(emulated):

@@ -456,14 +456,22 @@ extern "C"
     }
     // The device stands for an H100's SM count and opt-in shared memory per block unless
     // EDGEMEM_EMULATE_SMS and EDGEMEM_EMULATE_SMEM (bytes) name others, so that a check can take the
-    // launch forms a smaller device gets.
+    // launch forms a smaller device gets; a value that is not a positive integer ends the process.
     cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int)
     {
         auto setting = [](char const* name, int fallback)
         {
             char const* text = std::getenv(name);
-            int const v = text != nullptr ? std::atoi(text) : 0;
-            return v > 0 ? v : fallback;
+            if (text == nullptr || *text == '\0')
+                return fallback;
+            char* end = nullptr;
+            long const v = std::strtol(text, &end, 10);
+            if (*end != '\0' || v <= 0 || v > (1L << 30))
+            {
+                std::fprintf(stderr, "emulator: %s is '%s'; expected a positive integer\n", name, text);
+                std::exit(2);
+            }
+            return int(v);
         };
         switch (attr)
         {

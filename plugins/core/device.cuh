@@ -76,6 +76,14 @@ __device__ __forceinline__ float load(void const* base, int64_t i)
     return toFloat(static_cast<T const*>(base)[i]);
 }
 
+// The same from an input no kernel of the call writes, through the read-only data path (a global
+// load where the compiler cannot tell base is global memory).
+template <typename T>
+__device__ __forceinline__ float loadInput(void const* base, int64_t i)
+{
+    return toFloat(__ldg(static_cast<T const*>(base) + i));
+}
+
 template <typename T>
 __device__ __forceinline__ void store(void* base, int64_t i, float x)
 {

@@ -192,6 +192,11 @@ inline int max(int a, int b) { return a > b ? a : b; }
 inline int __ffs(int x) { return __builtin_ffs(x); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline uint32_t __cvta_generic_to_shared(void const* p) { return ::emu::sharedHandle(p); }
+template <typename T>
+inline T __ldg(T const* p)
+{
+    return *p;
+}
 inline uint32_t __float_as_uint(float x)
 {
     uint32_t u;

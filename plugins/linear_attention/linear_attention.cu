@@ -27,8 +27,10 @@ namespace
 
 constexpr int kLaWarps = 4;
 constexpr int kLaThreads = kLaWarps * kWarp;
-constexpr int kLaStage = 32;                  // tokens staged at a time, at most
-constexpr int kLaStageFloats = 48 * 1024 / 4; // and at most 48 KiB of shared memory
+constexpr int kLaStage = 32;                   // tokens staged at a time, at most
+constexpr int kLaStageBytes = 48 * 1024 - 256; // and at most 48 KiB of shared memory with the sources
+constexpr int kLaStageFloats = kLaStageBytes / 4;
+constexpr int kLaRound = 4; // staged loads a thread keeps in flight
 // Resident blocks per SM the register budget is sized for: 4 caps a thread at 128 registers,
 // which the d_k > 64 tiles fit up to sm_90; Blackwell's code for them spills under that cap
 // (ptxas counts in plugins/README.md), so 3 there (cap 168).
@@ -75,37 +77,101 @@ struct Stage
     }
 };
 
-template <typename T>
-__device__ __forceinline__ void stageTokens(la::Params const& p, LinearAttentionIO const& io, Stage const& st, int b,
-    int h, int t0, int n, int block0, float* out)
+// Where a field of the staged record comes from: element i < limit of token t is
+// data[at + t * step + i] (type T elements); past limit the field holds fill. The decay and beta
+// of rules without them are limit 0, fill 1.
+struct Source
+{
+    void const* data;
+    int64_t at; // token 0
+    int32_t step;
+    int32_t start; // offset in the record
+    int32_t limit;
+    float fill;
+};
+constexpr int kFields = 5; // key, w, beta, query, value: the record's order
+static_assert(kFields * sizeof(Source) + kLaStageBytes <= 48 * 1024, "staged tokens and sources fit 48 KiB");
+
+__device__ __forceinline__ Source source(
+    la::Params const& p, LinearAttentionIO const& io, Stage const& st, int b, int h, int block0, int field)
 {
     int const group = p.q_heads / p.kv_heads;
-    int const wn = p.decay_per_key ? p.dk : 1;
-    bool const gated = la::isGated(p.rule);
-    bool const delta = la::isDelta(p.rule);
-    int const columns = st.stride - st.value;
-    for (int i = threadIdx.x; i < n * p.dk; i += blockDim.x)
+    switch (field)
     {
-        int const tt = i / p.dk, d = i % p.dk;
-        out[tt * st.stride + d] = load<T>(io.key, la::keyOffset(p, b, t0 + tt, h, d));
+    case 0:
+    {
+        int64_t const at = la::keyOffset(p, b, 0, h, 0);
+        return {io.key, at, int32_t(la::keyOffset(p, b, 1, h, 0) - at), 0, p.dk, 0.0f};
     }
-    for (int i = threadIdx.x; i < n * wn; i += blockDim.x)
+    case 1:
     {
-        int const tt = i / wn, d = i % wn;
-        out[tt * st.stride + st.w + d] = gated ? em_exp(load<T>(io.decay, la::decayOffset(p, b, t0 + tt, h, d))) : 1.0f;
+        int64_t const at = la::decayOffset(p, b, 0, h, 0);
+        int const n = la::isGated(p.rule) ? st.beta - st.w : 0;
+        return {io.decay, at, int32_t(la::decayOffset(p, b, 1, h, 0) - at), st.w, n, 1.0f};
     }
-    for (int tt = threadIdx.x; tt < n; tt += blockDim.x)
-        out[tt * st.stride + st.beta] = delta ? load<T>(io.beta, la::betaOffset(p, b, t0 + tt, h)) : 1.0f;
-    for (int i = threadIdx.x; i < n * group * p.dk; i += blockDim.x)
+    case 2:
     {
-        int const tt = i / (group * p.dk), gd = i % (group * p.dk);
-        out[tt * st.stride + st.query + gd] = load<T>(io.query, la::queryOffset(p, b, t0 + tt, h * group, 0) + gd);
+        int64_t const at = la::betaOffset(p, b, 0, h);
+        int const n = la::isDelta(p.rule) ? 1 : 0;
+        return {io.beta, at, int32_t(la::betaOffset(p, b, 1, h) - at), st.beta, n, 1.0f};
     }
-    for (int i = threadIdx.x; i < n * columns; i += blockDim.x)
+    case 3:
     {
-        int const tt = i / columns, j = block0 + i % columns;
-        out[tt * st.stride + st.value + i % columns]
-            = j < p.dv ? load<T>(io.value, la::valueOffset(p, b, t0 + tt, h, j)) : 0.0f;
+        int64_t const at = la::queryOffset(p, b, 0, h * group, 0);
+        return {io.query, at, int32_t(la::queryOffset(p, b, 1, h * group, 0) - at), st.query, group * p.dk, 0.0f};
+    }
+    default:
+    {
+        int64_t const at = la::valueOffset(p, b, 0, h, block0);
+        int const columns = st.stride - st.value;
+        int const n = p.dv - block0 < columns ? p.dv - block0 : columns;
+        return {io.value, at, int32_t(la::valueOffset(p, b, 1, h, block0) - at), st.value, n, 0.0f};
+    }
+    }
+}
+
+// Stages tokens t0 .. t0 + n - 1: element e of the pass is record offset e % stride of token
+// e / stride. A thread issues the loads of kLaRound elements before it stores one, so a pass waits
+// on ceil(n * stride / (threads * kLaRound)) round trips to memory (one for a decode step at
+// d_k = 128 with per-head decay and up to two query heads per kv head).
+template <typename T>
+__device__ __forceinline__ void stageTokens(
+    Source const* sources, Stage const& st, bool gated, int t0, int n, float* out)
+{
+    int const total = n * st.stride;
+    int const tid = int(threadIdx.x);
+    int const dt = kLaThreads / st.stride, df = kLaThreads % st.stride;
+    int t = tid / st.stride, f = tid % st.stride; // token and record offset of the thread's next element
+    for (int e0 = 0; e0 < total; e0 += kLaThreads * kLaRound)
+    {
+        float x[kLaRound];
+        bool decayed[kLaRound];
+        EM_UNROLL
+        for (int u = 0; u < kLaRound; ++u)
+        {
+            if (e0 + u * kLaThreads >= total)
+                break; // the pass ends in this round, for every thread
+            int const field = (f >= st.w) + (f >= st.beta) + (f >= st.query) + (f >= st.value);
+            Source const s = sources[field];
+            int const i = f - s.start;
+            bool const in = e0 + u * kLaThreads + tid < total && i < s.limit;
+            x[u] = in ? loadInput<T>(s.data, s.at + int64_t(t0 + t) * s.step + i) : s.fill;
+            decayed[u] = gated && field == 1;
+            t += dt;
+            f += df;
+            if (f >= st.stride)
+            {
+                f -= st.stride;
+                ++t;
+            }
+        }
+        EM_UNROLL
+        for (int u = 0; u < kLaRound; ++u)
+        {
+            int const e = e0 + u * kLaThreads + tid;
+            if (e < total)
+                out[e] = decayed[u] ? em_exp(x[u]) : x[u];
+        }
     }
 }
 
@@ -129,6 +195,9 @@ __global__ void __launch_bounds__(kLaThreads, kLaMinBlocks)
     bool const per_key = p.decay_per_key != 0;
     Stage const st(p, kColumns);
     ColumnSum<LR> const allsum;
+    __shared__ Source sources[kFields];
+    if (threadIdx.x < kFields)
+        sources[threadIdx.x] = source(p, io, st, b, h, block0, int(threadIdx.x));
 
     float s[C][R];
     EM_UNROLL
@@ -147,7 +216,7 @@ __global__ void __launch_bounds__(kLaThreads, kLaMinBlocks)
     {
         int const n = p.seq - t0 < st.tokens ? p.seq - t0 : st.tokens;
         __syncthreads(); // the previous pass is consumed
-        stageTokens<T>(p, io, st, b, h, t0, n, block0, staged);
+        stageTokens<T>(sources, st, la::isGated(p.rule), t0, n, staged);
         __syncthreads();
         if (!active)
             continue;

@@ -250,8 +250,9 @@ WA_CASES = [  # name, b, t, heads, d, dv, window, dilation, persistent, position
     ("prefill wrap", 2, 37, 3, 32, 48, 8, (1, 2, 1), 0, (3, 100)),
     ("d 128 dv 96", 1, 5, 2, 128, 96, 16, (2, 1), 3, (7,)),
     ("d 256", 1, 3, 1, 256, 256, 5, (1,), 1, (2,)),
+    ("step 1100", 1, 1, 2, 32, 24, 1100, (1, 2), 1, (1500,)),  # more splits than the merge takes at once
 ]
-WA_QUICK = [WA_CASES[0], WA_CASES[2]]
+WA_QUICK = [WA_CASES[0], WA_CASES[2], WA_CASES[-1]]
 
 
 def check_window_attention(h: Harness, quick: bool) -> None:

@@ -108,20 +108,30 @@ __device__ __forceinline__ float mergePartials(
     return o;
 }
 
+// Element offsets of ring slot pos mod L's key row and value row.
+struct SlotRows
+{
+    int64_t key, value;
+};
+__device__ __forceinline__ SlotRows slotRows(attn::WindowParams const& p, int b, int h, int64_t pos)
+{
+    int64_t const slot = attn::ringSlot(pos, p.ring);
+    return {attn::headRowOffset(p.heads, p.ring, p.d, b, h, 0) + slot * p.d,
+        attn::headRowOffset(p.heads, p.ring, p.dv, b, h, 0) + slot * p.dv};
+}
+
 // The token's key and value into ring slot pos mod L, after every read of that slot.
 template <typename T, typename S>
 __device__ __forceinline__ void writeSlot(
     attn::WindowParams const& p, WindowAttentionIO const& io, int b, int h, int64_t pos, int t)
 {
-    int64_t const slot = attn::ringSlot(pos, p.ring);
-    int64_t const kr = attn::headRowOffset(p.heads, p.ring, p.d, b, h, 0) + slot * p.d;
-    int64_t const vr = attn::headRowOffset(p.heads, p.ring, p.dv, b, h, 0) + slot * p.dv;
-    int64_t const q_row = attn::rowOffset(p.seq, p.heads, p.d, b, t, h);
+    SlotRows const slot = slotRows(p, b, h, pos);
+    int64_t const k_row = attn::rowOffset(p.seq, p.heads, p.d, b, t, h);
     int64_t const v_row = attn::rowOffset(p.seq, p.heads, p.dv, b, t, h);
     for (int i = threadIdx.x; i < p.d; i += blockDim.x)
-        store<S>(io.present_key, kr + i, load<T>(io.key, q_row + i));
+        store<S>(io.present_key, slot.key + i, load<T>(io.key, k_row + i));
     for (int j = threadIdx.x; j < p.dv; j += blockDim.x)
-        store<S>(io.present_value, vr + j, load<T>(io.value, v_row + j));
+        store<S>(io.present_value, slot.value + j, load<T>(io.value, v_row + j));
 }
 
 template <typename T, typename S, typename P>
@@ -204,51 +214,69 @@ __global__ void __launch_bounds__(kWaThreads, 1)
 }
 
 // Merges the splits of one (batch, head), writes the output, then the token's ring slot (the
-// present ring is the past one where they differ, copied by the split kernel's launcher). Each
-// split's weight e^{m_s - M} (M the largest m_s of the splits that have keys) is computed once;
-// then every column sums its splits kMergeBatch loads at a time, none waiting on another's sum.
-constexpr int kMergeBatch = 8;
+// present ring is the past one where they differ, copied by the split kernel's launcher; the split
+// kernel has read the ring by the time this one runs). Thread j owns column j of the output and of
+// the token's key and value rows (d, dv <= kMaxHeadDim threads). Every load that does not wait on
+// another is issued first: the position, the token's key and value, each split's m and l and the
+// column's first kMergeBatch split sums, so a merge of up to kMergeBatch splits waits on one round
+// trip to memory. Each split's weight e^{m_s - M} (M the largest m_s of the splits that have keys)
+// is computed once.
+constexpr int kMergeBatch = 16;
+static_assert(kMaxSplits <= kMaxHeadDim, "a merge thread per split");
 template <typename T, typename S>
 __global__ void __launch_bounds__(kMaxHeadDim)
     windowMergeKernel(attn::WindowParams const p, WindowAttentionIO const io, float const* ws, int const splits)
 {
     __shared__ float m[kMaxSplits], l[kMaxSplits], weight[kMaxSplits];
     int const h = blockIdx.x, b = blockIdx.y;
+    int const j = threadIdx.x;
     int64_t const stride = p.dv + 2;
     float const* part = ws + (int64_t(b) * p.heads + h) * splits * stride;
-    for (int s = threadIdx.x; s < splits; s += blockDim.x)
+    int64_t const pos = io.position[b];
+    float const key = j < p.d ? load<T>(io.key, attn::rowOffset(1, p.heads, p.d, b, 0, h) + j) : 0.0f;
+    float const value = j < p.dv ? load<T>(io.value, attn::rowOffset(1, p.heads, p.dv, b, 0, h) + j) : 0.0f;
+    float x[kMergeBatch];
+    EM_UNROLL
+    for (int u = 0; u < kMergeBatch; ++u)
+        x[u] = u < splits && j < p.dv ? part[u * stride + j] : 0.0f;
+    if (j < splits)
     {
-        m[s] = part[s * stride + p.dv];
-        l[s] = part[s * stride + p.dv + 1];
+        m[j] = part[j * stride + p.dv];
+        l[j] = part[j * stride + p.dv + 1];
     }
     __syncthreads();
-    for (int s = threadIdx.x; s < splits; s += blockDim.x)
+    if (j < splits)
     {
         float top = -INFINITY;
         for (int r = 0; r < splits; ++r)
             top = l[r] > 0.0f ? em_max(top, m[r]) : top;
-        weight[s] = l[s] > 0.0f ? em_exp(m[s] - top) : 0.0f;
+        weight[j] = l[j] > 0.0f ? em_exp(m[j] - top) : 0.0f;
     }
     __syncthreads();
     float total = 0.0f;
     for (int s = 0; s < splits; ++s)
         total += weight[s] * l[s];
-    for (int j = threadIdx.x; j < p.dv; j += blockDim.x)
+    float o = 0.0f;
+    EM_UNROLL
+    for (int u = 0; u < kMergeBatch; ++u)
+        o += u < splits ? weight[u] * x[u] : 0.0f;
+    for (int s0 = kMergeBatch; s0 < splits; s0 += kMergeBatch)
     {
-        float o = 0.0f;
-        for (int s0 = 0; s0 < splits; s0 += kMergeBatch)
-        {
-            float x[kMergeBatch];
-            EM_UNROLL
-            for (int u = 0; u < kMergeBatch; ++u)
-                x[u] = s0 + u < splits ? part[(s0 + u) * stride + j] : 0.0f;
-            EM_UNROLL
-            for (int u = 0; u < kMergeBatch; ++u)
-                o += s0 + u < splits ? weight[s0 + u] * x[u] : 0.0f;
-        }
-        store<T>(io.output, attn::rowOffset(1, p.heads, p.dv, b, 0, h) + j, o / total);
+        EM_UNROLL
+        for (int u = 0; u < kMergeBatch; ++u)
+            x[u] = s0 + u < splits && j < p.dv ? part[(s0 + u) * stride + j] : 0.0f;
+        EM_UNROLL
+        for (int u = 0; u < kMergeBatch; ++u)
+            o += s0 + u < splits ? weight[s0 + u] * x[u] : 0.0f;
     }
-    writeSlot<T, S>(p, io, b, h, io.position[b], 0);
+    SlotRows const slot = slotRows(p, b, h, pos);
+    if (j < p.dv)
+    {
+        store<T>(io.output, attn::rowOffset(1, p.heads, p.dv, b, 0, h) + j, o / total);
+        store<S>(io.present_value, slot.value + j, value);
+    }
+    if (j < p.d)
+        store<S>(io.present_key, slot.key + j, key);
 }
 
 int windowSplits(attn::WindowParams const& p)

@@ -777,6 +777,91 @@ def test_gpu_check_takes_one_op_at_a_time(ref, build_dir):
     assert ops == {"BandedAttention"}, ops
 
 
+def _gpu_check():
+    """plugins/scripts/gpu_check.py as a module."""
+    spec = importlib.util.spec_from_file_location("gpu_check", PLUGINS / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _tables(text: str) -> list[list[list[str]]]:
+    """The markdown tables of a report: each a list of rows, each a list of cells."""
+    tables, rows = [], []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+        elif rows:
+            tables.append(rows)
+            rows = []
+    return tables
+
+
+def test_gpu_check_reports_a_baseline_library_beside_the_kernels(ref):
+    """With --baseline, every timing table of gpu_check.py's report gains the earlier library's µs and the
+    speed-up (its µs over ours) beside the forms it times, each row as wide as its header; without it the
+    tables are as before. (The timings themselves need a GPU; these rows stand in for them.)"""
+    gc = _gpu_check()
+    timing = gc.Timing("LinearAttention", "16 heads", "fp32", 5.0, 2_000_000, 1_000_000, 4000.0, 3000.0, 4.0)
+    for base in (ref, None):
+        h = gc.Harness(ref, ref, torch.device("cpu"), [torch.float32], base)
+        pair = lambda a, b: (a, b) if base else None  # noqa: E731
+        text = gc.report(
+            h,
+            [gc.replace(timing, fla=(3.5, 3.0), base_us=6.0 if base else None)],
+            [("b1 16 heads 128x128, T=512", "fp32", 500.0, 100.0, 80.0, pair(550.0, 150.0))],
+            [("b1 4 heads 64x128 depth 2, T=64", "fp32", 1000.0, 200.0, pair(1000.0, None))],
+            [("b1 12 heads d64, window 256, T=1024", "fp32", 1500.0, 1200.0, 180.0, pair(1500.0, 1300.0))],
+            [],
+            "test rows",
+            1.0,
+        )
+        tables = _tables(text)[1:]  # after the numerical checks: decode, prefill, memory, banded
+        assert len(tables) == 4, text
+        for table in tables:
+            assert {len(row) for row in table} == {len(table[0])}, table
+        decode, prefill, memory, banded = (dict(zip(t[0], t[2])) for t in tables)
+        if base:
+            assert (decode["baseline µs"], decode["speed-up"]) == ("6.00", "1.50×"), decode
+            assert prefill["baseline sequential µs"] == "550.0" and prefill["baseline chunked µs"] == "150.0", prefill
+            assert [c for c in tables[1][2] if c.endswith("×")] == ["0.80×", "1.10×", "1.50×"], tables[1]
+            assert memory["baseline chunked µs"] == "-" and banded["baseline tiled µs"] == "1300.0", (memory, banded)
+        else:
+            assert "baseline" not in text, text
+
+
+def test_gpu_check_refuses_a_baseline_it_cannot_time(kernels_build, tmp_path):
+    """--baseline is a library to time on a GPU: a build without one, or a run that times nothing, is refused in
+    one line that says what to do."""
+    script = [sys.executable, str(PLUGINS / "scripts" / "gpu_check.py"), "--build", str(kernels_build)]
+    proc = subprocess.run([*script, "--baseline", str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip() == (
+        f"error: {tmp_path / 'libedgemem_kernels.so'} not found: build it with "
+        f"`cmake -S <the earlier tree's plugins> -B {tmp_path}`"
+    ), proc.stderr
+    proc = subprocess.run(
+        [*script, "--cpu-self-test", "--baseline", str(kernels_build)], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("error: --baseline times kernels on a GPU"), (
+        proc.stderr
+    )
+
+
+def test_gpu_check_sh_refuses_a_baseline_that_is_not_a_plugins_tree(tmp_path):
+    """gpu_check.sh's BASELINE names an earlier plugins/ tree to build and time beside this one: anything else is
+    refused in one line before any build starts."""
+    env = {**os.environ, "BASELINE": str(tmp_path)}
+    script = ["bash", str(PLUGINS / "scripts" / "gpu_check.sh"), str(tmp_path / "build")]
+    proc = subprocess.run(script, capture_output=True, text=True, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip() == (
+        f"error: BASELINE='{tmp_path}': expected an earlier version's plugins/ tree (a folder with its CMakeLists.txt)"
+    ), proc.stderr
+    assert not (tmp_path / "build").exists()
+
+
 def test_kernels_compile_without_spills(kernels_build):
     info = dict(line.split("=", 1) for line in (kernels_build / "edgemem_build.txt").read_text().splitlines())
     assert info["architectures"].split(";") == list(ARCHS)

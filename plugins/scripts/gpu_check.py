@@ -22,7 +22,8 @@ measured device-to-device copy; LinearAttention prefill in both forms beside
 flash-linear-attention's chunk_gated_delta_rule (chunk_kda for per-key decay); NeuralMemory prefill
 in both forms; BandedAttention in both forms beside a dense attention with a [T, T] mask (PyTorch's
 scaled_dot_product_attention); and each kernel's share of a chunked prefill (ours and fla's) and of
-a WindowAttention decode split, from PyTorch's profiler.
+a WindowAttention decode split, from PyTorch's profiler. `--baseline BUILD` times an earlier
+libedgemem_kernels.so beside these in every table (the same inputs, one process, one device).
 
 `--cpu-self-test` runs the same harness with the CPU reference standing in for the kernels
 (float32, no timing): a check of this script on a machine without a GPU. `--emulate` runs it on the
@@ -38,7 +39,7 @@ import re
 import sys
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -79,6 +80,7 @@ class Timing:
     copy_gbs: float
     graph_us: float | None  # the same calls replayed from a CUDA graph: device time, no launch overhead
     fla: tuple[float, float | None] | None = None  # flash-linear-attention's fused_recurrent: (us, graph_us)
+    base_us: float | None = None  # the baseline library's graph µs on the same step
 
     @property
     def device_us(self) -> float:
@@ -95,6 +97,7 @@ class Harness:
     ref: Native
     device: torch.device
     dtypes: list[torch.dtype]
+    base: Native | None = None  # an earlier kernel library, timed beside dev (--baseline)
     rows: list[Row] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -110,6 +113,11 @@ class Harness:
 
     def put(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         return x.to(self.device, dtype if dtype is not None else x.dtype).contiguous()
+
+
+def _natives(h: Harness) -> list[Native]:
+    """The kernel library under test, then the baseline where there is one."""
+    return [h.dev] + ([h.base] if h.base else [])
 
 
 def _err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -559,7 +567,7 @@ def _window_step(h: Harness, b: int, heads: int, d: int, window: int, persistent
         present_key=rk,
         present_value=rv,
     )
-    nbytes = h.dev.window_attention_workspace(q, v, rk, pk, num_heads=heads, window=window)
+    nbytes = max(n.window_attention_workspace(q, v, rk, pk, num_heads=heads, window=window) for n in _natives(h))
     return (q, k, v, rk, rv, pos, pk, pv), kw, nbytes
 
 
@@ -581,8 +589,9 @@ def time_decode(h: Harness, peak: float) -> list[Timing]:
         beta = torch.full((b, 1, hkv), 0.5, device=dev, dtype=dtype)
         o = torch.empty(b, 1, hq * dv, device=dev, dtype=dtype)
         kw = dict(update_rule=rule, scale=dk**-0.5, q_num_heads=hq, kv_num_heads=hkv, output=o, present_state=s)
-        step = lambda: h.dev.linear_attention(q, k, v, s, g, beta, **kw)  # noqa: E731
+        step = lambda n=h.dev: n.linear_attention(q, k, v, s, g, beta, **kw)  # noqa: E731
         us, graph_us = _time_us(step), _graph_us(step)
+        base = _graph_us(partial(step, h.base)) if h.base else None
         state = s.numel() * 4
         io = (q.numel() + k.numel() + v.numel() + o.numel() + 2 * b * hkv) * e
         fla_t = None
@@ -604,7 +613,9 @@ def time_decode(h: Harness, peak: float) -> list[Timing]:
             except Exception as e:
                 h.notes.append(f"flash-linear-attention failed on {case} {_dt(dtype)}: {type(e).__name__}: {e}")
         out.append(
-            Timing("LinearAttention", case, _dt(dtype), us, 2 * state + io, 2 * state, peak, copy, graph_us, fla_t)
+            Timing(
+                "LinearAttention", case, _dt(dtype), us, 2 * state + io, 2 * state, peak, copy, graph_us, fla_t, base
+            )
         )
 
     def wa(case, b, heads, d, window, persistent, dtype):
@@ -619,9 +630,9 @@ def time_decode(h: Harness, peak: float) -> list[Timing]:
         for form, ws in forms:
             step = partial(h.dev.window_attention, *args, **kw, workspace=ws)
             us, graph_us = _time_us(step), _graph_us(step)
-            out.append(
-                Timing("WindowAttention", f"{case}, {form}", _dt(dtype), us, ring + io, ring, peak, copy, graph_us)
-            )
+            base = _graph_us(partial(h.base.window_attention, *args, **kw, workspace=ws)) if h.base else None
+            row = Timing("WindowAttention", f"{case}, {form}", _dt(dtype), us, ring + io, ring, peak, copy, graph_us)
+            out.append(replace(row, base_us=base))
 
     def nm(case, b, heads, d, e_, depth, dtype):
         el = torch.tensor([], dtype=dtype).element_size()
@@ -635,13 +646,13 @@ def time_decode(h: Harness, peak: float) -> list[Timing]:
         kw = dict(
             num_heads=heads, chunk_size=1 << 30, activation="silu", residual_norm=False, output=o, present=(pos, *st)
         )
-        step = lambda: h.dev.neural_memory(*x, *gates, pos, nw, nb, *st, **kw)  # noqa: E731
+        step = lambda n=h.dev: n.neural_memory(*x, *gates, pos, nw, nb, *st, **kw)  # noqa: E731
         us, graph_us = _time_us(step), _graph_us(step)
+        base = _graph_us(partial(step, h.base)) if h.base else None
         state = sum(t.numel() for xs in st for t in xs) * 4
         moved = state // 3 * 5  # read C, W, S; write W, S (no chunk start)
-        out.append(
-            Timing("NeuralMemory", case, _dt(dtype), us, moved + 4 * o.numel() * el, 2 * state, peak, copy, graph_us)
-        )
+        row = Timing("NeuralMemory", case, _dt(dtype), us, moved + 4 * o.numel() * el, 2 * state, peak, copy, graph_us)
+        out.append(replace(row, base_us=base))
 
     for dtype in (torch.float32, fp16):
         la("4 heads 64x64 (design figure)", 1, 4, 4, 64, 64, dtype)
@@ -670,9 +681,13 @@ PREFILL_SHAPES = [(1, 16, 128, t, False) for t in (16, 32, 64, 128)] + [
 PREFILL_QUICK = [(1, 16, 128, 4096, False), (1, 16, 128, 512, False)]
 
 
+# an earlier library's two forms of a table row (--baseline), or None
+Baseline = tuple[float | None, float | None] | None
+
+
 def time_prefill(
     h: Harness, shapes: list[tuple[int, int, int, int, bool]]
-) -> list[tuple[str, str, float | None, float | None, float | None]]:
+) -> list[tuple[str, str, float | None, float | None, float | None, Baseline]]:
     """LinearAttention prefill (T tokens in one call, gated delta rule) at each shape: the sequential and
     the chunked kernels' µs per call (CUDA-graph device time), and flash-linear-attention's chunked form
     (chunk_gated_delta_rule in fp32 and fp16; chunk_kda for per-key decay in fp16) where installed."""
@@ -694,21 +709,20 @@ def time_prefill(
                 output=o,
                 present_state=s1,
             )
-            nbytes = h.dev.linear_attention_workspace(
-                q,
-                v,
-                g,
-                beta,
-                path="chunked",
-                **{k_: kw[k_] for k_ in ("update_rule", "scale", "q_num_heads", "kv_num_heads")},
-            )
+            sizes = {k_: kw[k_] for k_ in ("update_rule", "scale", "q_num_heads", "kv_num_heads")}
+            nbytes = max(n.linear_attention_workspace(q, v, g, beta, path="chunked", **sizes) for n in _natives(h))
             ws = torch.empty(nbytes, dtype=torch.uint8, device=dev)
 
             def timed(fn):
                 return _graph_us(fn, iters=5, replays=4) or _time_us(fn, iters=10, warmup=3)
 
-            seq = timed(lambda: h.dev.linear_attention(q, k, v, s0, g, beta, path="sequential", **kw))
-            chunked = timed(lambda: h.dev.linear_attention(q, k, v, s0, g, beta, path="chunked", workspace=ws, **kw))
+            def forms(n: Native) -> tuple[float | None, float | None]:
+                seq = timed(lambda: n.linear_attention(q, k, v, s0, g, beta, path="sequential", **kw))
+                chunked = timed(lambda: n.linear_attention(q, k, v, s0, g, beta, path="chunked", workspace=ws, **kw))
+                return seq, chunked
+
+            seq, chunked = forms(h.dev)
+            base = forms(h.base) if h.base else None
             theirs = None
             # fla's Triton kernels tune themselves on first use in each dtype (chunk_kda's over many
             # configurations each): its peers are timed in fp32 and fp16, chunk_kda in fp16
@@ -730,11 +744,11 @@ def time_prefill(
                     op = "chunk_kda" if per_key else "chunk_gated_delta_rule"
                     h.notes.append(f"fla {op} failed at T={t}: {type(e).__name__}: {e}")
             keyed = ", per-key decay" if per_key else ""
-            rows.append((f"b{b} {heads} heads {d}x{d}{keyed}, T={t}", _dt(dtype), seq, chunked, theirs))
+            rows.append((f"b{b} {heads} heads {d}x{d}{keyed}, T={t}", _dt(dtype), seq, chunked, theirs, base))
     return rows
 
 
-def time_memory_prefill(h: Harness) -> list[tuple[str, str, float | None, float | None]]:
+def time_memory_prefill(h: Harness) -> list[tuple[str, str, float | None, float | None, Baseline]]:
     """NeuralMemory prefill (T tokens in one call, chunks of 16): the sequential and the chunked kernels'
     µs per call (CUDA-graph device time); None where a form refuses the shape."""
     dev, rows = h.device, []
@@ -762,8 +776,8 @@ def time_memory_prefill(h: Harness) -> list[tuple[str, str, float | None, float 
                 present=(torch.empty_like(pos), *out),
             )
 
-            def timed(chunked):
-                fn = lambda: h.dev.neural_memory(*x, *gates, pos, nw, nb, *st, **kw, chunked=chunked)  # noqa: E731
+            def timed(chunked, n=h.dev):
+                fn = lambda: n.neural_memory(*x, *gates, pos, nw, nb, *st, **kw, chunked=chunked)  # noqa: E731
                 try:
                     fn()
                 except NativeError:
@@ -771,11 +785,12 @@ def time_memory_prefill(h: Harness) -> list[tuple[str, str, float | None, float 
                 return _graph_us(fn, iters=5, replays=4) or _time_us(fn, iters=10, warmup=3)
 
             case = f"b{b} {heads} heads {d}x{e} depth {depth}, T={t}"
-            rows.append((case, _dt(dtype), timed(False), timed(True)))
+            base = (timed(False, h.base), timed(True, h.base)) if h.base else None
+            rows.append((case, _dt(dtype), timed(False), timed(True), base))
     return rows
 
 
-def time_banded(h: Harness) -> list[tuple[str, str, float | None, float | None, float | None]]:
+def time_banded(h: Harness) -> list[tuple[str, str, float | None, float | None, float | None, Baseline]]:
     """BandedAttention over T tokens (Longformer-base: 12 heads of 64, one-sided window 256, a global
     first token): the row-per-warp and the tiled kernels' µs per call, and PyTorch's dense
     scaled_dot_product_attention with the same rule as a [T, T] mask."""
@@ -796,14 +811,19 @@ def time_banded(h: Harness) -> list[tuple[str, str, float | None, float | None, 
                     return None
                 return _graph_us(fn, iters=5, replays=4) or _time_us(fn, iters=10, warmup=3)
 
-            rows_us = timed(lambda: h.dev.banded_attention(q, k, v, mask, pk, pk, **kw, output=out))
-            tiled_us = timed(lambda: h.dev.banded_attention(q, k, v, mask, pk, pk, **kw, output=out, tiled=True))
+            def forms(n: Native) -> tuple[float | None, float | None]:
+                rows_us = timed(lambda: n.banded_attention(q, k, v, mask, pk, pk, **kw, output=out))
+                return rows_us, timed(lambda: n.banded_attention(q, k, v, mask, pk, pk, **kw, output=out, tiled=True))
+
+            rows_us, tiled_us = forms(h.dev)
+            base = forms(h.base) if h.base else None
             pos = torch.arange(t, device=dev)
             dense = ((pos[:, None] - pos).abs() <= window) | mask[0][None, :] | mask[0][:, None]
             qh, kh, vh = (x.view(b, t, heads, d).transpose(1, 2) for x in (q, k, v))
             sdpa = torch.nn.functional.scaled_dot_product_attention
             dense_us = timed(lambda: sdpa(qh, kh, vh, attn_mask=dense))
-            rows.append((f"b{b} {heads} heads d{d}, window {window}, T={t}", _dt(dtype), rows_us, tiled_us, dense_us))
+            case = f"b{b} {heads} heads d{d}, window {window}, T={t}"
+            rows.append((case, _dt(dtype), rows_us, tiled_us, dense_us, base))
     return rows
 
 
@@ -854,14 +874,15 @@ def kernel_breakdown(h: Harness, quick: bool = False) -> list[tuple[str, str, fl
     ):
         q, k, v, g, beta, s0, s1 = _prefill_inputs(dev, b, t, heads, d, dtype, per_key)
         kw = dict(update_rule="gated_delta", scale=d**-0.5, q_num_heads=heads, kv_num_heads=heads)
-        nbytes = h.dev.linear_attention_workspace(q, v, g, beta, path="chunked", **kw)
+        nbytes = max(n.linear_attention_workspace(q, v, g, beta, path="chunked", **kw) for n in _natives(h))
         ws = torch.empty(nbytes, dtype=torch.uint8, device=dev)
         o = torch.empty_like(v)
         case = f"16 heads 128x128{', per-key decay' if per_key else ''}, T={t}, {_dt(dtype)}"
-        run = partial(
-            h.dev.linear_attention, q, k, v, s0, g, beta, path="chunked", workspace=ws, output=o, present_state=s1, **kw
-        )
-        profiled(f"edgemem chunked, {case}", run)
+        for n, name in zip(_natives(h), ("edgemem", "baseline")):
+            run = partial(
+                n.linear_attention, q, k, v, s0, g, beta, path="chunked", workspace=ws, output=o, present_state=s1, **kw
+            )
+            profiled(f"{name} chunked, {case}", run)
         if dtype == torch.float16 and not per_key:
             # the chunked path in one segment (the default 64 MiB budget runs T = 4096 at 16 heads in three)
             big = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
@@ -889,13 +910,18 @@ def kernel_breakdown(h: Harness, quick: bool = False) -> list[tuple[str, str, fl
             profiled(f"fla {name}, {case}", run)
     args, kw, nbytes = _window_step(h, 1, heads, d, 512, 0, torch.float32)
     ws = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    run = partial(h.dev.window_attention, *args, **kw, workspace=ws)
-    profiled("edgemem WindowAttention decode, 16 heads d128, window 512, fp32", run)
+    for n, name in zip(_natives(h), ("edgemem", "baseline")):
+        run = partial(n.window_attention, *args, **kw, workspace=ws)
+        profiled(f"{name} WindowAttention decode, 16 heads d128, window 512, fp32", run)
     return rows
 
 
 def _us(x: float | None) -> str:
     return f"{x:.1f}" if x is not None else "-"
+
+
+def _speedup(slow: float | None, fast: float | None) -> str:
+    return f"{slow / fast:.2f}×" if slow and fast else "-"
 
 
 def _per_token(case: str, us: float | None) -> str:
@@ -914,6 +940,15 @@ def report(
     elapsed: float,
 ) -> str:
     lines = [f"# edgemem kernel check — {device_name}", ""]
+    # --baseline: each timing table gains the earlier library's µs and the speed-up (baseline µs / ours)
+    base_head = " baseline µs | speed-up |" if h.base else ""
+    base_rule = "---|---|" if h.base else ""
+
+    def base_cells(base: Baseline, ours: tuple) -> str:
+        if not h.base:
+            return ""
+        return "".join(f" {_us(b)} | {_speedup(b, o)} |" for b, o in zip(base or (None, None), ours))
+
     failed = [r for r in h.rows if not r.ok]
     lines.append(
         f"{len(h.rows) - len(failed)} of {len(h.rows)} numerical checks passed "
@@ -944,20 +979,22 @@ def report(
             "",
             "µs/step: device time from a CUDA graph of back-to-back steps; launched: one host launch "
             "per step (Python + ctypes overhead included). fla: flash-linear-attention's "
-            "fused_recurrent_gated_delta_rule on the same step (graph / launched).",
+            "fused_recurrent_gated_delta_rule on the same step (graph / launched)."
+            + (" baseline: the --baseline library on the same calls; speed-up = its µs / these µs." if h.base else ""),
             "",
             "| op | case | dtype | µs/step | launched µs | bytes moved | achieved GB/s | % of copy | "
-            "floor µs (2×state / copy) | step / floor | fla µs (graph / launched) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "floor µs (2×state / copy) | step / floor | fla µs (graph / launched) |" + base_head,
+            "|---|---|---|---|---|---|---|---|---|---|---|" + base_rule,
         ]
         us = lambda x: f"{x:.2f}" if x is not None else "-"  # noqa: E731
         for t in timings:
             floor_us = t.floor_bytes / (t.copy_gbs * 1e9) * 1e6
             fla = f"{us(t.fla[1])} / {us(t.fla[0])}" if t.fla else "-"
+            base = f" {us(t.base_us)} | {_speedup(t.base_us, t.graph_us)} |" if h.base else ""
             lines.append(
                 f"| {t.op} | {t.case} | {t.dtype} | {us(t.graph_us)} | {t.us:.2f} | {t.bytes:,} | "
                 f"{t.achieved:.0f} | {100 * t.achieved / t.copy_gbs:.0f}% | {floor_us:.2f} | "
-                f"{t.device_us / floor_us:.1f}× | {fla} |"
+                f"{t.device_us / floor_us:.1f}× | {fla} |" + base
             )
     if prefill:
         lines += [
@@ -969,13 +1006,18 @@ def report(
             "chunk_gated_delta_rule (chunk_kda for per-key decay) on the same inputs; "
             "speed vs fla = fla µs / chunked µs.",
             "",
-            "| case | dtype | sequential µs | chunked µs | chunked µs/token | fla µs | speed vs fla |",
-            "|---|---|---|---|---|---|---|",
+            "| case | dtype | sequential µs | chunked µs | chunked µs/token | fla µs | speed vs fla |"
+            + base_head.replace("baseline", "baseline sequential")
+            + base_head.replace("baseline", "baseline chunked"),
+            "|---|---|---|---|---|---|---|" + 2 * base_rule,
         ]
-        for case, dt, seq, chunked, theirs in prefill:
+        for case, dt, seq, chunked, theirs, base in prefill:
             per = _per_token(case, chunked)
             ratio = f"{theirs / chunked:.2f}×" if chunked and theirs else "-"
-            lines.append(f"| {case} | {dt} | {_us(seq)} | {_us(chunked)} | {per} | {_us(theirs)} | {ratio} |")
+            lines.append(
+                f"| {case} | {dt} | {_us(seq)} | {_us(chunked)} | {per} | {_us(theirs)} | {ratio} |"
+                + base_cells(base, (seq, chunked))
+            )
     if memory:
         lines += [
             "",
@@ -984,13 +1026,17 @@ def report(
             "sequential: the tokens in order; chunked: pieces of up to 16 tokens as tensor-core products; "
             "speed-up = sequential µs / chunked µs.",
             "",
-            "| case | dtype | sequential µs | chunked µs | chunked µs/token | speed-up |",
-            "|---|---|---|---|---|---|",
+            "| case | dtype | sequential µs | chunked µs | chunked µs/token | speed-up |"
+            + base_head.replace("baseline", "baseline sequential")
+            + base_head.replace("baseline", "baseline chunked"),
+            "|---|---|---|---|---|---|" + 2 * base_rule,
         ]
-        for case, dt, seq, chunked in memory:
+        for case, dt, seq, chunked, base in memory:
             per = _per_token(case, chunked)
             ratio = f"{seq / chunked:.2f}×" if chunked and seq else "-"
-            lines.append(f"| {case} | {dt} | {_us(seq)} | {_us(chunked)} | {per} | {ratio} |")
+            lines.append(
+                f"| {case} | {dt} | {_us(seq)} | {_us(chunked)} | {per} | {ratio} |" + base_cells(base, (seq, chunked))
+            )
     if banded:
         lines += [
             "",
@@ -999,14 +1045,16 @@ def report(
             "rows: a warp per query row; tiled: 64 query rows against 16-key tiles on tensor cores; dense: "
             "PyTorch's scaled_dot_product_attention with the rule as a [T, T] mask.",
             "",
-            "| case | dtype | rows µs | tiled µs | dense µs | tiled vs rows | tiled vs dense |",
-            "|---|---|---|---|---|---|---|",
+            "| case | dtype | rows µs | tiled µs | dense µs | tiled vs rows | tiled vs dense |"
+            + base_head.replace("baseline", "baseline rows")
+            + base_head.replace("baseline", "baseline tiled"),
+            "|---|---|---|---|---|---|---|" + 2 * base_rule,
         ]
-        r = lambda a, b: f"{a / b:.2f}×" if a and b else "-"  # noqa: E731
-        for case, dt, rows_us, tiled_us, dense_us in banded:
+        for case, dt, rows_us, tiled_us, dense_us, base in banded:
             lines.append(
                 f"| {case} | {dt} | {_us(rows_us)} | {_us(tiled_us)} | {_us(dense_us)} | "
-                f"{r(rows_us, tiled_us)} | {r(dense_us, tiled_us)} |"
+                f"{_speedup(rows_us, tiled_us)} | {_speedup(dense_us, tiled_us)} |"
+                + base_cells(base, (rows_us, tiled_us))
             )
     if breakdown:
         lines += [
@@ -1048,13 +1096,28 @@ def main() -> int:
     ap.add_argument(
         "--op", action="append", choices=sorted(CHECKS), help="check these ops only (repeatable; default: every op)"
     )
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        help="build dir of an earlier libedgemem_kernels.so, timed beside this one in every table (not checked)",
+    )
     args = ap.parse_args()
 
+    if args.baseline and (args.cpu_self_test or args.emulate or args.no_timing):
+        print(
+            "error: --baseline times kernels on a GPU: not with --cpu-self-test, --emulate or --no-timing",
+            file=sys.stderr,
+        )
+        return 2
+
     kernels = args.build / ("libedgemem_kernels_emu.so" if args.emulate else "libedgemem_kernels.so")
-    for lib in (args.build / "libedgemem_reference.so", *([] if args.cpu_self_test else [kernels])):
+    baseline = [args.baseline / "libedgemem_kernels.so"] if args.baseline else []
+    for lib in (args.build / "libedgemem_reference.so", *([] if args.cpu_self_test else [kernels]), *baseline):
         if not lib.is_file():
             how = "plugins/scripts/emulate.py --build" if lib.name.endswith("_emu.so") else "cmake -S plugins -B"
-            print(f"error: {lib} not found: build it with `{how} {args.build}`", file=sys.stderr)
+            if lib in baseline:
+                how = "cmake -S <the earlier tree's plugins> -B"
+            print(f"error: {lib} not found: build it with `{how} {lib.parent}`", file=sys.stderr)
             return 2
     ref = Native(args.build / "libedgemem_reference.so")
     if args.cpu_self_test:
@@ -1077,6 +1140,7 @@ def main() -> int:
             ref,
             torch.device("cuda"),
             [torch.float32, torch.float16, torch.bfloat16],
+            Native(baseline[0]) if baseline else None,
         )
         device_name = torch.cuda.get_device_name()
     t0 = time.time()

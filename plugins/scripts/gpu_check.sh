@@ -19,6 +19,8 @@
 #      build and runtime calls, then enqueue against the op's kernel and the CPU reference (skipped
 #      with a note without TensorRT headers);
 # and writes BUILD_DIR/gpu_check_report.md. Exit status 0 only if every step passed.
+# BASELINE=DIR (an earlier version's plugins/ tree, e.g. from `git archive REV plugins`) is built
+# into BUILD_DIR/baseline too, and step 2 times its kernels beside these (gpu_check.py --baseline).
 set -uo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -33,6 +35,11 @@ if ! [[ $jobs_max =~ ^[1-9][0-9]*$ ]]; then
 fi
 report=$build/gpu_check_report.md
 status=0
+baseline=${BASELINE:-}
+if [ -n "$baseline" ] && [ ! -f "$baseline/CMakeLists.txt" ]; then
+    echo "error: BASELINE='$baseline': expected an earlier version's plugins/ tree (a folder with its CMakeLists.txt)" >&2
+    exit 2
+fi
 
 note() { printf '\n== %s\n' "$*"; }
 
@@ -60,9 +67,22 @@ if ! cmake -S "$plugins" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARC
     exit 1
 fi
 grep -h -E "Compiling entry|Used|spill" "$build"/ptxas/*.log >"$build/ptxas_summary.txt" || true
+baseline_args=()
+if [ -n "$baseline" ]; then
+    note "build the baseline $baseline (sm_$arch) in $build/baseline"
+    mkdir -p "$build/baseline"
+    if ! cmake -S "$baseline" -B "$build/baseline" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$arch" \
+            -DEDGEMEM_BUILD_TRT=OFF >"$build/baseline/configure.log" 2>&1 \
+       || ! cmake --build "$build/baseline" -j "$(nproc)" >"$build/baseline/build.log" 2>&1; then
+        tail -n 40 "$build/baseline/configure.log" "$build/baseline/build.log" >&2
+        echo "error: the baseline's build failed (logs in $build/baseline)" >&2
+        exit 1
+    fi
+    baseline_args=(--baseline "$build/baseline")
+fi
 
 note "numerics and timing"
-"$python" "$here/gpu_check.py" --build "$build" --report "$report"
+"$python" "$here/gpu_check.py" --build "$build" --report "$report" ${baseline_args[@]+"${baseline_args[@]}"}
 rc=$?
 if [ $rc -ne 0 ]; then status=1; echo "gpu_check.py: FAILED (exit $rc)"; fi
 

@@ -30,7 +30,7 @@ constexpr int kLaThreads = kLaWarps * kWarp;
 constexpr int kLaStage = 32;                   // tokens staged at a time, at most
 constexpr int kLaStageBytes = 48 * 1024 - 256; // and at most 48 KiB of shared memory with the sources
 constexpr int kLaStageFloats = kLaStageBytes / 4;
-constexpr int kLaRound = 4; // staged loads a thread keeps in flight
+constexpr int kLaRound = 4; // staged loads a thread keeps in flight (benchmarks/README.md)
 // Resident blocks per SM the register budget is sized for: 4 caps a thread at 128 registers,
 // which the d_k > 64 tiles fit up to sm_90; Blackwell's code for them spills under that cap
 // (ptxas counts in plugins/README.md), so 3 there (cap 168).

@@ -1013,7 +1013,7 @@ def report(
         ]
         for case, dt, seq, chunked, theirs, base in prefill:
             per = _per_token(case, chunked)
-            ratio = f"{theirs / chunked:.2f}×" if chunked and theirs else "-"
+            ratio = _speedup(theirs, chunked)
             lines.append(
                 f"| {case} | {dt} | {_us(seq)} | {_us(chunked)} | {per} | {_us(theirs)} | {ratio} |"
                 + base_cells(base, (seq, chunked))
@@ -1033,7 +1033,7 @@ def report(
         ]
         for case, dt, seq, chunked, base in memory:
             per = _per_token(case, chunked)
-            ratio = f"{seq / chunked:.2f}×" if chunked and seq else "-"
+            ratio = _speedup(seq, chunked)
             lines.append(
                 f"| {case} | {dt} | {_us(seq)} | {_us(chunked)} | {per} | {ratio} |" + base_cells(base, (seq, chunked))
             )

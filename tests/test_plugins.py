@@ -677,17 +677,20 @@ def test_kernels_pass_the_gpu_check_on_the_cpu_emulator(emulated):
     assert {"chunked", "segments", "steps", "tiled", "chunked in-place"} <= modes, modes
 
 
-def test_chunked_linear_attention_passes_in_the_forms_a_smaller_device_gets(emulated):
+def test_kernels_pass_in_the_forms_a_smaller_device_gets(emulated):
     """The emulator standing for a device with one SM and 99 KB of shared memory a block (what sm_86, 89 and
-    120 parts allow): the chunked LinearAttention then walks the state in blocks of 32 value columns with one
-    copy stage, forms the default device never takes, and passes the quick set against float64 truth."""
+    120 parts allow), forms the default device never takes: the chunked LinearAttention walks the state in
+    blocks of 32 value columns with one copy stage, and WindowAttention's decode splits its keys over fewer
+    blocks (the fewest waves of resident blocks). Both pass their quick sets against float64 truth."""
     script = [sys.executable, str(PLUGINS / "scripts" / "gpu_check.py"), "--build", str(emulated), "--emulate"]
     env = {**os.environ, "EDGEMEM_EMULATE_SMS": "1", "EDGEMEM_EMULATE_SMEM": str(99 * 1024)}
-    proc = subprocess.run([*script, "--quick", "--op", "linear"], capture_output=True, text=True, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    passed, total = map(int, re.search(r"(\d+) of (\d+) numerical checks passed", proc.stdout).groups())
-    assert passed == total and total >= 160, proc.stdout[:500]
-    assert re.search(r"^\| LinearAttention \| long quick \w+ \| fp16 \| chunked \| ", proc.stdout, re.M)
+    for op, least in (("linear", 160), ("window", 60)):
+        proc = subprocess.run([*script, "--quick", "--op", op], capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        passed, total = map(int, re.search(r"(\d+) of (\d+) numerical checks passed", proc.stdout).groups())
+        assert passed == total and total >= least, proc.stdout[:500]
+        if op == "linear":
+            assert re.search(r"^\| LinearAttention \| long quick \w+ \| fp16 \| chunked \| ", proc.stdout, re.M)
     env["EDGEMEM_EMULATE_SMS"] = "one"
     proc = subprocess.run([*script, "--quick", "--op", "linear"], capture_output=True, text=True, env=env)
     assert proc.returncode == 2 and "EDGEMEM_EMULATE_SMS is 'one'; expected a positive integer" in proc.stderr, (

@@ -204,11 +204,16 @@ inline uint32_t __float_as_uint(float x)
     return u;
 }
 
-// cuda_runtime.h's overload for kernel pointers, which it declares for nvcc only.
+// cuda_runtime.h's overloads for kernel pointers, which it declares for nvcc only.
 template <class Kernel>
 cudaError_t cudaFuncSetAttribute(Kernel* kernel, cudaFuncAttribute attr, int value)
 {
     return cudaFuncSetAttribute(reinterpret_cast<void const*>(kernel), attr, value);
+}
+template <class Kernel>
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, Kernel* kernel, int threads, size_t smem)
+{
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, reinterpret_cast<void const*>(kernel), threads, smem);
 }
 
 // WMMA on float32 tiles (TF32 products): each lane's fragment holds the whole tile, row by row, which

@@ -485,4 +485,11 @@ extern "C"
         }
     }
     cudaError_t cudaFuncSetAttribute(void const*, cudaFuncAttribute, int) { return cudaSuccess; }
+    // One block of any kernel resident an SM: a launcher sizing its grid by the device then takes the
+    // form with the fewest blocks a wave.
+    cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, void const*, int, size_t)
+    {
+        *blocks = 1;
+        return cudaSuccess;
+    }
 }

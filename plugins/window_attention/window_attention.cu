@@ -287,13 +287,37 @@ int windowSplits(attn::WindowParams const& p)
     return split ? (n < kMaxSplits ? n : kMaxSplits) : 1;
 }
 
+// The split count a decode launches, of windowSplits' n and the counts down to n / 2 (kMinSplits at
+// least): the one whose blocks fill the fewest waves of the blocks the device holds at once, the largest
+// of those. A wave costs a block's fixed latency, which a few more keys a warp add little to
+// (benchmarks/README.md); the workspace, sized for n, holds any fewer. n where the device cannot be queried.
+template <class Kernel>
+int fitSplits(Kernel kernel, attn::WindowParams const& p, int n)
+{
+    int dev = 0, sms = 0, per_sm = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess
+        || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess
+        || cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWaThreads, 0) != cudaSuccess || sms <= 0
+        || per_sm <= 0)
+        return n;
+    int64_t const rows = int64_t(p.batch) * p.heads, resident = int64_t(sms) * per_sm;
+    auto const waves = [&](int s) { return (rows * s + resident - 1) / resident; };
+    int best = n;
+    for (int s = n - 1; s >= kMinSplits && 2 * s >= n; --s)
+        if (waves(s) < waves(best))
+            best = s;
+    return best;
+}
+
 template <typename T, typename S>
 int launchWindow(attn::WindowParams const& p, Dilation const& dil, WindowAttentionIO const& io, DType pd, float* ws,
     size_t ws_bytes, cudaStream_t stream)
 {
-    int const splits = windowSplits(p);
-    if (splits > 1 && ws != nullptr && ws_bytes >= windowAttentionWorkspace(p))
+    int const n = windowSplits(p);
+    if (n > 1 && ws != nullptr && ws_bytes >= windowAttentionWorkspace(p))
     {
+        int const splits = pd == kFloat32 ? fitSplits(windowSplitKernel<T, S, float>, p, n)
+                                          : fitSplits(windowSplitKernel<T, S, typename Narrow<T>::type>, p, n);
         size_t const ring = size_t(p.batch) * p.heads * p.ring * sizeof(S);
         if (io.present_key != io.past_key
             && cudaMemcpyAsync(io.present_key, io.past_key, ring * p.d, cudaMemcpyDeviceToDevice, stream)

@@ -9,6 +9,8 @@
 // (flash-decoding): each block writes its partial softmax (m, l, sum p v) to the workspace, and a
 // second kernel merges them, writes the output and only then the ring slot. A warp loads a key's
 // row and value row together, and in the split kernel two keys at a time.
+#include <atomic>
+
 #include "core/warp_attention.cuh"
 #include "launch.h"
 
@@ -287,20 +289,39 @@ int windowSplits(attn::WindowParams const& p)
     return split ? (n < kMaxSplits ? n : kMaxSplits) : 1;
 }
 
-// The split count a decode launches, of windowSplits' n and the counts down to n / 2 (kMinSplits at
-// least): the one whose blocks fill the fewest waves of the blocks the device holds at once, the largest
-// of those. A wave costs a block's fixed latency, which a few more keys a warp add little to
-// (benchmarks/README.md); the workspace, sized for n, holds any fewer. n where the device cannot be queried.
-template <class Kernel>
-int fitSplits(Kernel kernel, attn::WindowParams const& p, int n)
+// Blocks of the split kernel the current device holds at once (SMs x resident blocks an SM), 0 where
+// it cannot be queried. Asked once a device: a decode launches it every token.
+template <typename T, typename S, typename P>
+int64_t residentSplitBlocks()
 {
+    constexpr int kDevices = 64;
+    static std::atomic<int64_t> known[kDevices]{};
     int dev = 0, sms = 0, per_sm = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess
-        || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess
-        || cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWaThreads, 0) != cudaSuccess || sms <= 0
-        || per_sm <= 0)
+    if (cudaGetDevice(&dev) != cudaSuccess)
+        return 0;
+    if (dev < kDevices)
+        if (int64_t const n = known[dev].load(std::memory_order_relaxed))
+            return n;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess
+        || cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, windowSplitKernel<T, S, P>, kWaThreads, 0)
+            != cudaSuccess
+        || sms <= 0 || per_sm <= 0)
+        return 0;
+    int64_t const n = int64_t(sms) * per_sm;
+    if (dev < kDevices)
+        known[dev].store(n, std::memory_order_relaxed);
+    return n;
+}
+
+// The split count a decode launches, of windowSplits' n and the counts down to n / 2 (kMinSplits at
+// least): the one whose blocks fill the fewest waves of the `resident` blocks the device holds at once,
+// the largest of those. A wave costs a block's fixed latency, which a few more keys a warp add little to
+// (benchmarks/README.md); the workspace, sized for n, holds any fewer. n where `resident` is unknown (0).
+int fitSplits(attn::WindowParams const& p, int n, int64_t resident)
+{
+    if (resident <= 0)
         return n;
-    int64_t const rows = int64_t(p.batch) * p.heads, resident = int64_t(sms) * per_sm;
+    int64_t const rows = int64_t(p.batch) * p.heads;
     auto const waves = [&](int s) { return (rows * s + resident - 1) / resident; };
     int best = n;
     for (int s = n - 1; s >= kMinSplits && 2 * s >= n; --s)
@@ -316,8 +337,9 @@ int launchWindow(attn::WindowParams const& p, Dilation const& dil, WindowAttenti
     int const n = windowSplits(p);
     if (n > 1 && ws != nullptr && ws_bytes >= windowAttentionWorkspace(p))
     {
-        int const splits = pd == kFloat32 ? fitSplits(windowSplitKernel<T, S, float>, p, n)
-                                          : fitSplits(windowSplitKernel<T, S, typename Narrow<T>::type>, p, n);
+        int const splits = fitSplits(p, n,
+            pd == kFloat32 ? residentSplitBlocks<T, S, float>()
+                           : residentSplitBlocks<T, S, typename Narrow<T>::type>());
         size_t const ring = size_t(p.batch) * p.heads * p.ring * sizeof(S);
         if (io.present_key != io.past_key
             && cudaMemcpyAsync(io.present_key, io.past_key, ring * p.d, cudaMemcpyDeviceToDevice, stream)
